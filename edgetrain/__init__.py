@@ -1,0 +1,1 @@
+"""edgetrain: train neural networks on memory-limited edge devices."""

@@ -1,0 +1,204 @@
+"""Chain and Stage: what each stage of a sequential model costs, in bytes and seconds.
+
+A chain maps activation ``a[0]`` (the input) through stages ``0 .. L-1`` to ``a[L]`` (the output):
+stage ``k`` reads ``a[k]`` and writes ``a[k+1]``. Every planner reads only these numbers, so a user
+can plan for a board that has no torch on it. Pure data: no torch here.
+
+Memory conventions (all in bytes, tensor storages deduplicated, measured the same way by
+:mod:`edgetrain.profile`):
+
+* a *peak* is the most memory allocated during a call above what was allocated just before it, so
+  it includes what the call leaves behind (its output, what autograd saves);
+* autograd's record of a stage run with grad (its *graph*) holds the stage's output, ``saved_bytes``
+  of other tensors, and the stage's input when ``saves_input``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from edgetrain.errors import CorruptFile, InvalidInput
+
+
+@dataclass(frozen=True)
+class Stage:
+    """The costs of one stage (one child of an ``nn.Sequential``).
+
+    Attributes:
+        name: the child's name.
+        output_bytes: size of the stage's output activation ``a[k+1]`` (its gradient has this size).
+        saved_bytes: what autograd keeps for backward when the stage runs with grad, other than the
+            stage's own input and output storages.
+        saves_input: whether autograd also keeps the stage's input alive (a convolution does).
+        forward_peak_bytes: peak of a forward without grad, above what existed before it.
+        forward_grad_peak_bytes: peak of a forward with grad (building the graph), likewise.
+        backward_peak_bytes: peak of the stage's backward above what existed before it (the
+            graph and the output gradient); includes the input gradient it leaves behind.
+        weight_bytes: parameters of the stage.
+        gradient_bytes: gradients of the trainable parameters.
+        forward_seconds: one forward (median of several runs when measured; 1.0 for unit chains).
+        backward_seconds: one backward, likewise.
+        layer_output_bytes: outputs of the stage's convolution, normalisation, activation and linear
+            layers added up: the activations of the paper's memory model (Tables I-III).
+        buffer_bytes: non-parameter state (BatchNorm running statistics).
+    """
+
+    name: str
+    output_bytes: int
+    saved_bytes: int
+    saves_input: bool
+    forward_peak_bytes: int
+    forward_grad_peak_bytes: int
+    backward_peak_bytes: int
+    weight_bytes: int
+    gradient_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+    layer_output_bytes: int = 0
+    buffer_bytes: int = 0
+
+    def renamed(self, name: str) -> Stage:
+        """The same costs under another name."""
+        return replace(self, name=name)
+
+    @property
+    def graph_bytes(self) -> int:
+        """What a forward with grad leaves held besides the input: output plus saved tensors."""
+        return self.output_bytes + self.saved_bytes
+
+
+@dataclass(frozen=True)
+class Chain:
+    """An ordered list of stages with the size of the input they start from.
+
+    Attributes:
+        stages: the stages in execution order.
+        input_bytes: size of ``a[0]``; it is held by the caller, so planners do not count it.
+        input_requires_grad: whether backward must produce a gradient for the input.
+        name: a label for tables and files.
+    """
+
+    stages: tuple[Stage, ...]
+    input_bytes: int
+    input_requires_grad: bool = False
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise InvalidInput("a chain needs at least one stage; give a model with children")
+        for stage in {id(s): s for s in self.stages}.values():
+            for field in fields(Stage):
+                value = getattr(stage, field.name)
+                if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+                    raise InvalidInput(
+                        f"stage {stage.name!r} has negative {field.name} ({value}); "
+                        "costs are sizes and durations, use values >= 0"
+                    )
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __iter__(self) -> Iterator[Stage]:
+        return iter(self.stages)
+
+    @property
+    def length(self) -> int:
+        """Number of stages, ``L``."""
+        return len(self.stages)
+
+    def activation_bytes(self, k: int) -> int:
+        """Size of ``a[k]``: the input for ``k == 0``, else the output of stage ``k - 1``."""
+        return self.input_bytes if k == 0 else self.stages[k - 1].output_bytes
+
+    def gradient_of_activation_bytes(self, k: int) -> int:
+        """Size of the gradient of ``a[k]`` (0 for the input when it needs none)."""
+        if k == 0:
+            return self.input_bytes if self.input_requires_grad else 0
+        return self.stages[k - 1].output_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """All parameters of the chain."""
+        return sum(s.weight_bytes for s in self.stages)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """All parameter gradients of the chain."""
+        return sum(s.gradient_bytes for s in self.stages)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """All non-parameter state of the chain."""
+        return sum(s.buffer_bytes for s in self.stages)
+
+    @property
+    def forward_seconds(self) -> float:
+        """One plain forward pass."""
+        return sum(s.forward_seconds for s in self.stages)
+
+    @property
+    def backward_seconds(self) -> float:
+        """One plain backward pass."""
+        return sum(s.backward_seconds for s in self.stages)
+
+    @property
+    def layer_output_bytes(self) -> int:
+        """The paper's activation count for this batch (see :attr:`Stage.layer_output_bytes`)."""
+        return sum(s.layer_output_bytes for s in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (see :meth:`from_dict`)."""
+        return {
+            "name": self.name,
+            "input_bytes": self.input_bytes,
+            "input_requires_grad": self.input_requires_grad,
+            "stages": [asdict(s) for s in self.stages],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Chain:
+        """Rebuild a chain from :meth:`to_dict` output; raises :class:`CorruptFile` if malformed."""
+        try:
+            stages = tuple(Stage(**s) for s in data["stages"])
+            return cls(
+                stages=stages,
+                input_bytes=int(data["input_bytes"]),
+                input_requires_grad=bool(data.get("input_requires_grad", False)),
+                name=str(data.get("name", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptFile(f"not a chain description ({exc}); re-create it with profile") from exc
+
+    def to_json(self) -> str:
+        """The chain as a JSON document."""
+        return json.dumps(self.to_dict(), indent=1)
+
+
+def uniform_chain(
+    length: int,
+    activation_bytes: int = 1,
+    forward_seconds: float = 1.0,
+    backward_seconds: float = 1.0,
+) -> Chain:
+    """A homogeneous chain: equal stages that keep only their input, as revolve assumes."""
+    stage = Stage(
+        name="step",
+        output_bytes=activation_bytes,
+        saved_bytes=0,
+        saves_input=True,
+        forward_peak_bytes=activation_bytes,
+        forward_grad_peak_bytes=activation_bytes,
+        backward_peak_bytes=activation_bytes,
+        weight_bytes=0,
+        gradient_bytes=0,
+        forward_seconds=forward_seconds,
+        backward_seconds=backward_seconds,
+        layer_output_bytes=activation_bytes,
+    )
+    if length < 1:
+        raise InvalidInput(f"a chain needs at least one step, got {length}; use --steps >= 1")
+    # One shared Stage object: a 100 000-step chain costs no more than a pointer per step.
+    return Chain(stages=(stage,) * length, input_bytes=activation_bytes, name=f"uniform{length}")

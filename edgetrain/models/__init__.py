@@ -1,0 +1,52 @@
+"""Models built from code (nothing is downloaded), by name.
+
+``resnet18`` .. ``resnet152`` (torchvision's architecture, one stage per residual block) and
+``yolov2-16`` (Darknet YOLOv2 layers 0-15). ``LinearResNet-x`` is not a torch model but a chain:
+see :mod:`edgetrain.models.linear_resnet`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from edgetrain.errors import InvalidInput
+from edgetrain.models.resnet import ARCHITECTURES, resnet
+from edgetrain.models.yolov2 import yolov2_16
+
+MODEL_NAMES: tuple[str, ...] = (*(f"resnet{d}" for d in ARCHITECTURES), "yolov2-16")
+
+# The smallest square image each model accepts (every downsampling step keeps at least one pixel).
+MIN_IMAGE = {**{f"resnet{d}": 32 for d in ARCHITECTURES}, "yolov2-16": 16}
+
+
+def build(name: str) -> nn.Sequential:
+    """Build the model called ``name`` (see :data:`MODEL_NAMES`) with fresh weights."""
+    key = name.strip().lower().replace("_", "-")
+    if key.startswith("resnet"):
+        depth = key.removeprefix("resnet").lstrip("-")
+        if depth.isdigit() and int(depth) in ARCHITECTURES:
+            return resnet(int(depth))
+    if key in ("yolov2-16", "yolov2"):
+        return yolov2_16()
+    raise InvalidInput(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+
+
+def canonical_name(name: str) -> str:
+    """The registry spelling of ``name`` (raises InvalidInput for an unknown model)."""
+    key = name.strip().lower().replace("_", "-")
+    if key.startswith("resnet"):
+        key = "resnet" + key.removeprefix("resnet").lstrip("-")
+    if key == "yolov2":
+        key = "yolov2-16"
+    if key not in MODEL_NAMES:
+        raise InvalidInput(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    return key
+
+
+def check_image(name: str, image: int) -> None:
+    """Raise InvalidInput when ``image`` is too small for model ``name``."""
+    smallest = MIN_IMAGE[canonical_name(name)]
+    if image < smallest:
+        raise InvalidInput(
+            f"image {image} is too small for {canonical_name(name)}; use at least {smallest}"
+        )

@@ -1,0 +1,376 @@
+"""Schedule: one plan type for every planner, and the simulator that replays it.
+
+A schedule is a sequence of operations on a :class:`~edgetrain.chain.Chain` of ``L`` stages whose
+activations are ``a[0]`` (the input) .. ``a[L]`` (the output):
+
+==================  =====================================================================
+``Fn k``            forward stage ``k`` without grad; ``a[k+1]`` is kept, our reference to
+                    ``a[k]`` is dropped (forward *without saving*)
+``Fc k``            forward stage ``k`` without grad, keeping ``a[k]`` as a checkpoint
+``Fa k``            forward stage ``k`` with grad, keeping all that autograd needs (its graph)
+``B k``             backward of stage ``k``: needs the graph of ``k`` and the gradient of
+                    ``a[k+1]``; leaves the gradient of ``a[k]`` and frees the graph
+``D k``             discard our reference to the checkpoint ``a[k]``
+==================  =====================================================================
+
+The *forward phase* is everything before the first ``B``; it must have built the graph of the last
+stage, whose output is handed to the caller, who holds it until the step ends and computes the
+loss. The backward phase must run ``B L-1``, ``B L-2`` .. ``B 0`` in that order.
+
+:func:`simulate` replays a schedule on a chain and returns its :class:`Cost`. Memory is counted the
+way autograd holds it: every value refers to tensor storages, a storage is counted once however
+many values refer to it (a graph shares its output with the activation it produced, and its input
+when the stage saves it), and each operation adds its measured transient peak. The input ``a[0]``,
+the weights and the gradients are held before the step and are not counted.
+
+Recompute factor convention: ``recompute_factor = seconds / (forward_seconds + backward_seconds)``
+of the chain, i.e. the time of the schedule over the time of one plain forward and backward. On a
+chain of ``l`` equal stages whose forward and backward each cost one unit this is the paper's count:
+a schedule with ``ρ`` performs ``2ρl`` forward and backward computations.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgetrain.chain import Chain
+from edgetrain.errors import CorruptFile, InvalidSchedule
+
+FORMAT = "edgetrain-schedule"
+VERSION = 1
+
+
+class Op(IntEnum):
+    """Operation kinds (see the module docstring)."""
+
+    FORWARD_NOSAVE = 0
+    FORWARD_CHECKPOINT = 1
+    FORWARD_ALL = 2
+    BACKWARD = 3
+    DISCARD = 4
+
+    @property
+    def code(self) -> str:
+        """Short name used in text and JSON: Fn, Fc, Fa, B, D."""
+        return _CODES[self]
+
+
+_CODES = {
+    Op.FORWARD_NOSAVE: "Fn",
+    Op.FORWARD_CHECKPOINT: "Fc",
+    Op.FORWARD_ALL: "Fa",
+    Op.BACKWARD: "B",
+    Op.DISCARD: "D",
+}
+_BY_CODE = {code: op for op, code in _CODES.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class Schedule:
+    """A plan: ``kinds[i]`` is an :class:`Op`, ``indices[i]`` its stage (or activation for ``D``).
+
+    Stored as two integer arrays so that a 100 000-step revolve plan stays small and fast.
+
+    Attributes:
+        length: the number of stages of the chain it was made for.
+        kinds: operation kinds (int8 array of :class:`Op` values).
+        indices: stage index of each ``Fn``/``Fc``/``Fa``/``B``, activation index of each ``D``.
+        strategy: the planner that made it ("sequential", "revolve", "optimal", ...).
+        params: the planner's parameters (segments, slots, budget ...), JSON-ready.
+    """
+
+    length: int
+    kinds: np.ndarray
+    indices: np.ndarray
+    strategy: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_ops(
+        cls,
+        length: int,
+        ops: Sequence[tuple[Op, int]],
+        strategy: str = "",
+        params: dict[str, Any] | None = None,
+    ) -> Schedule:
+        """Build a schedule from ``(Op, index)`` pairs."""
+        kinds = np.fromiter((int(k) for k, _ in ops), dtype=np.int8, count=len(ops))
+        indices = np.fromiter((i for _, i in ops), dtype=np.int64, count=len(ops))
+        return cls(length, kinds, indices, strategy, dict(params or {}))
+
+    def __len__(self) -> int:
+        return int(self.kinds.shape[0])
+
+    def __iter__(self) -> Iterator[tuple[Op, int]]:
+        for kind, index in zip(self.kinds.tolist(), self.indices.tolist(), strict=True):
+            yield Op(kind), index
+
+    def count(self, *kinds: Op) -> int:
+        """How many operations are of the given kinds."""
+        return int(np.isin(self.kinds, [int(k) for k in kinds]).sum())
+
+    @property
+    def forward_steps(self) -> int:
+        """Forward computations without grad (``Fn`` + ``Fc``): pyrevolve's ``numforw``.
+
+        The forwards with grad are not counted: each is fused with the backward that follows it.
+        """
+        return self.count(Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT)
+
+    @property
+    def forward_phase_end(self) -> int:
+        """Index of the first backward: the operations before it run in the forward pass."""
+        hits = np.flatnonzero(self.kinds == int(Op.BACKWARD))
+        return int(hits[0]) if hits.size else len(self)
+
+    def text(self) -> str:
+        """Space-separated ops, e.g. ``"Fc0 Fn1 Fa2 B2 ..."``."""
+        return " ".join(f"{Op(k).code}{i}" for k, i in zip(self.kinds, self.indices, strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, with a checksum of the operations (see :func:`load_schedule`)."""
+        ops = self.text()
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "length": self.length,
+            "strategy": self.strategy,
+            "params": self.params,
+            "ops": ops,
+            "sha256": hashlib.sha256(ops.encode()).hexdigest(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Schedule:
+        """Inverse of :meth:`to_dict`; raises :class:`CorruptFile` on any damage."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CorruptFile("not an edgetrain schedule; write one with Schedule.save")
+        if data.get("version") != VERSION:
+            raise CorruptFile(
+                f"schedule format version {data.get('version')!r} is not {VERSION}; re-plan it"
+            )
+        ops = data.get("ops")
+        if not isinstance(ops, str) or hashlib.sha256(ops.encode()).hexdigest() != data.get(
+            "sha256"
+        ):
+            raise CorruptFile("schedule checksum does not match its operations; re-plan it")
+        try:
+            pairs = [_parse_op(token) for token in ops.split()]
+            length = int(data["length"])
+            params = dict(data.get("params") or {})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptFile(f"schedule does not parse ({exc}); re-plan it") from exc
+        return cls.from_ops(length, pairs, str(data.get("strategy", "")), params)
+
+    def save(self, path: str | Path) -> None:
+        """Write the schedule as JSON, atomically (temp file, fsync, rename)."""
+        atomic_write_text(Path(path), json.dumps(self.to_dict()) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Schedule:
+        """Read a schedule written by :meth:`save`; raises :class:`CorruptFile` if damaged."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise CorruptFile(f"cannot read schedule {path}: {exc.strerror}; check the path") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CorruptFile(f"schedule {path} is not valid JSON ({exc.msg}); re-plan it") from exc
+        return cls.from_dict(data)
+
+
+def _parse_op(token: str) -> tuple[Op, int]:
+    code = token.rstrip("0123456789")
+    if code not in _BY_CODE or code == token:
+        raise ValueError(f"unknown operation {token!r}")
+    return _BY_CODE[code], int(token[len(code) :])
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a schedule costs on a chain.
+
+    Attributes:
+        peak_bytes: most memory held by the step's activations, graphs and gradients at any moment,
+            transient peaks of operations included, above what was held before the step (weights,
+            gradients, the input).
+        seconds: the schedule's compute time: the sum of its operations' stage times.
+        recompute_factor: ``seconds`` over the time of one plain forward and backward.
+        forward_steps: forwards without grad (``Fn`` + ``Fc``).
+        forward_all_steps: forwards with grad (``Fa``).
+        max_checkpoints: most activations held as checkpoints at once (the input not counted).
+        peak_op: index of the operation at which the peak occurs.
+    """
+
+    peak_bytes: int
+    seconds: float
+    recompute_factor: float
+    forward_steps: int
+    forward_all_steps: int
+    max_checkpoints: int
+    peak_op: int
+
+
+def simulate(chain: Chain, schedule: Schedule) -> Cost:
+    """Replay ``schedule`` on ``chain``: validate it and return its :class:`Cost`.
+
+    Raises :class:`InvalidSchedule` naming the first operation that cannot run (a forward whose
+    input is gone, a stage run twice with grad, a backward out of order, ...).
+    """
+    return _replay(chain, schedule, trace=None)
+
+
+def memory_trace(chain: Chain, schedule: Schedule) -> list[tuple[int, int]]:
+    """Per operation: (bytes held before it, peak bytes during it). For plots and tests."""
+    trace: list[tuple[int, int]] = []
+    _replay(chain, schedule, trace=trace)
+    return trace
+
+
+def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int]] | None) -> Cost:
+    n = chain.length
+    if schedule.length != n:
+        raise InvalidSchedule(
+            f"schedule is for a chain of {schedule.length} stages, this chain has {n}; re-plan it"
+        )
+    stages = chain.stages
+    act = [0] + [s.output_bytes for s in stages]  # a[0] is held by the caller: not counted
+    grad = [chain.gradient_of_activation_bytes(k) for k in range(n + 1)]
+    # Reference counts of the storages: activation k, extra saved tensors of stage k.
+    act_refs = [0] * (n + 1)
+    plain = [False] * (n + 1)  # our own reference to a[k] (a checkpoint or a forward's output)
+    graph = [False] * n  # graph of stage k held
+    plain[0] = True
+    act_refs[0] = 1
+    held = 0
+    next_backward = n - 1  # the backward phase goes n-1 .. 0
+    in_backward = False
+    peak = 0
+    peak_op = -1
+    checkpoints = 0
+    max_checkpoints = 0
+    seconds = 0.0
+    forward_steps = 0
+    forward_all = 0
+
+    def fail(i: int, kind: Op, k: int, why: str) -> InvalidSchedule:
+        return InvalidSchedule(f"operation {i} ({kind.code}{k}) {why}")
+
+    def take(k: int) -> int:
+        act_refs[k] += 1
+        return act[k] if act_refs[k] == 1 else 0
+
+    def drop(k: int) -> int:
+        act_refs[k] -= 1
+        return act[k] if act_refs[k] == 0 else 0
+
+    for i, (code, k) in enumerate(zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True)):
+        kind = Op(code)
+        before = held
+        if kind is Op.DISCARD:
+            if not 0 < k <= n or not plain[k]:
+                raise fail(i, kind, k, "discards an activation that is not a checkpoint")
+            plain[k] = False
+            checkpoints -= 1
+            held -= drop(k)
+            during = before
+        elif kind is Op.BACKWARD:
+            if k != next_backward:
+                raise fail(i, kind, k, f"is out of order: the next backward must be B{next_backward}")
+            if not graph[k]:
+                raise fail(i, kind, k, f"needs the graph of stage {k}, which is not in memory")
+            stage = stages[k]
+            if not in_backward:
+                # The loss: the caller holds the output and hands us its gradient.
+                in_backward = True
+                held += take(n) + grad[n]
+                before = held
+            during = held + stage.backward_peak_bytes
+            graph[k] = False
+            held -= drop(k + 1) + stage.saved_bytes + grad[k + 1]
+            if stage.saves_input:
+                held -= drop(k)
+            held += grad[k]
+            next_backward -= 1
+            seconds += stage.backward_seconds
+        else:
+            if not 0 <= k < n:
+                raise fail(i, kind, k, f"names a stage outside 0..{n - 1}")
+            if act_refs[k] == 0:
+                raise fail(i, kind, k, f"needs a[{k}], which is not in memory")
+            if in_backward and k >= next_backward + 1:
+                raise fail(i, kind, k, "recomputes a stage whose backward is already done")
+            stage = stages[k]
+            seconds += stage.forward_seconds
+            if kind is Op.FORWARD_ALL:
+                if graph[k]:
+                    raise fail(i, kind, k, "runs the stage with grad while its graph is held")
+                during = held + stage.forward_grad_peak_bytes
+                graph[k] = True
+                held += take(k + 1) + stage.saved_bytes
+                if stage.saves_input:
+                    held += take(k)
+                forward_all += 1
+            else:
+                if plain[k + 1] or graph[k]:
+                    raise fail(i, kind, k, f"recomputes a[{k + 1}], which is already in memory")
+                during = held + stage.forward_peak_bytes
+                plain[k + 1] = True
+                checkpoints += 1
+                held += take(k + 1)
+                if kind is Op.FORWARD_NOSAVE and plain[k] and k > 0:
+                    plain[k] = False
+                    checkpoints -= 1
+                    held -= drop(k)
+                forward_steps += 1
+        during = max(during, held)
+        max_checkpoints = max(max_checkpoints, checkpoints)
+        if during > peak:
+            peak, peak_op = during, i
+        if trace is not None:
+            trace.append((before, during))
+    if next_backward != -1:
+        raise InvalidSchedule(
+            f"schedule ends before the backward of stage {next_backward}; every stage needs a B"
+        )
+    plain_time = chain.forward_seconds + chain.backward_seconds
+    return Cost(
+        peak_bytes=peak,
+        seconds=seconds,
+        recompute_factor=seconds / plain_time if plain_time > 0 else float("nan"),
+        forward_steps=forward_steps,
+        forward_all_steps=forward_all,
+        max_checkpoints=max_checkpoints,
+        peak_op=peak_op,
+    )

@@ -1,0 +1,85 @@
+"""Reference planner for tests: Dijkstra over every schedule of a small chain.
+
+It knows nothing of the dynamic program: it walks all states (which activations we hold, which
+graphs, how far the backward has come) reachable by any operation, keeping each operation's peak
+within the budget, and returns the fastest schedule. Exponential in the chain length: for L <= 6.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from edgetrain.chain import Chain
+from edgetrain.schedule import Op, Schedule
+
+
+def fastest_schedule(chain: Chain, budget: int) -> tuple[float, Schedule | None]:
+    """The least time of any valid schedule whose peak stays within ``budget`` bytes."""
+    n = chain.length
+    st = chain.stages
+    act = [0] + [s.output_bytes for s in st]
+    grad = [chain.gradient_of_activation_bytes(k) for k in range(n + 1)]
+
+    def memory(plain: int, graph: int, nb: int, loss: bool) -> int:
+        total = 0
+        for k in range(n + 1):
+            held = (plain >> k) & 1
+            held |= k >= 1 and (graph >> (k - 1)) & 1
+            held |= k < n and st[k].saves_input and (graph >> k) & 1
+            held |= k == n and loss
+            if held:
+                total += act[k]
+        total += sum(st[k].saved_bytes for k in range(n) if (graph >> k) & 1)
+        if loss:
+            total += grad[nb + 1]
+        return total
+
+    def available(plain: int, graph: int, k: int) -> bool:
+        return k == 0 or bool((plain >> k) & 1) or bool((graph >> (k - 1)) & 1)
+
+    start = (1, 0, n - 1, False)  # plain bit 0: the input
+    counter = itertools.count()
+    queue: list[tuple[float, int, tuple[int, int, int, bool], tuple[tuple[Op, int], ...]]] = [
+        (0.0, next(counter), start, ())
+    ]
+    best: dict[tuple[int, int, int, bool], float] = {start: 0.0}
+    while queue:
+        time, _, state, ops = heapq.heappop(queue)
+        if best.get(state, float("inf")) < time:
+            continue
+        plain, graph, nb, loss = state
+        if nb == -1:
+            return time, Schedule.from_ops(n, list(ops), "exhaustive")
+        held = memory(plain, graph, nb, loss)
+        moves: list[tuple[float, int, tuple[int, int, int, bool], tuple[Op, int]]] = []
+        for k in range(n):
+            if not available(plain, graph, k) or (loss and k > nb):
+                continue
+            if not (graph >> k) & 1:
+                new = (plain, graph | (1 << k), nb, loss)
+                moves.append((st[k].forward_seconds, held + st[k].forward_grad_peak_bytes, new,
+                              (Op.FORWARD_ALL, k)))
+            if not (plain >> (k + 1)) & 1 and not (graph >> k) & 1:
+                new_plain = plain | (1 << (k + 1))
+                moves.append((st[k].forward_seconds, held + st[k].forward_peak_bytes,
+                              (new_plain, graph, nb, loss), (Op.FORWARD_CHECKPOINT, k)))
+                if k > 0 and (plain >> k) & 1:
+                    moves.append((st[k].forward_seconds, held + st[k].forward_peak_bytes,
+                                  (new_plain & ~(1 << k), graph, nb, loss), (Op.FORWARD_NOSAVE, k)))
+        for k in range(1, n + 1):
+            if (plain >> k) & 1:
+                moves.append((0.0, held, (plain & ~(1 << k), graph, nb, loss), (Op.DISCARD, k)))
+        if (graph >> nb) & 1:
+            before = memory(plain, graph, nb, True)
+            new = (plain, graph & ~(1 << nb), nb - 1, True)
+            moves.append((st[nb].backward_seconds, before + st[nb].backward_peak_bytes, new,
+                          (Op.BACKWARD, nb)))
+        for cost, peak, new, op in moves:
+            after = memory(*new)
+            if max(peak, after) > budget:
+                continue
+            if time + cost < best.get(new, float("inf")) - 1e-12:
+                best[new] = time + cost
+                heapq.heappush(queue, (time + cost, next(counter), new, (*ops, op)))
+    return float("inf"), None
