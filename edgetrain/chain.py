@@ -44,6 +44,8 @@ class Stage:
         layer_output_bytes: outputs of the stage's convolution, normalisation, activation and linear
             layers added up: the activations of the paper's memory model (Tables I-III).
         buffer_bytes: non-parameter state (BatchNorm running statistics).
+        span: how many consecutive children of the ``nn.Sequential`` the stage runs (a child that
+            returns a view of its input or overwrites it in place is merged with its neighbour).
     """
 
     name: str
@@ -59,6 +61,7 @@ class Stage:
     backward_seconds: float
     layer_output_bytes: int = 0
     buffer_bytes: int = 0
+    span: int = 1
 
     def renamed(self, name: str) -> Stage:
         """The same costs under another name."""

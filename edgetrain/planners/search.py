@@ -1,0 +1,126 @@
+"""Budget search, both ways, for every strategy: one entry point, :func:`plan`.
+
+* a memory budget: the fastest plan whose peak fits;
+* a recompute factor ρ: the plan with the smallest peak whose time is at most ρ × plain autograd's.
+
+``sequential`` and ``revolve`` have one integer knob each (segments, slots): every value is
+simulated and the best kept. ``optimal`` reads both answers off one dynamic-programming table:
+its row for the whole chain gives the least time for every budget at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from edgetrain.chain import Chain
+from edgetrain.errors import InfeasibleBudget, InvalidInput
+from edgetrain.planners.optimal import DEFAULT_SLOTS, OptimalTable, minimum_memory, optimal
+from edgetrain.planners.revolve import revolve
+from edgetrain.planners.sequential import sequential
+from edgetrain.schedule import Cost, Schedule, simulate
+
+STRATEGIES = ("optimal", "revolve", "sequential")
+
+_TOLERANCE = 1e-9
+
+
+def plan(
+    chain: Chain,
+    strategy: str = "optimal",
+    *,
+    memory: float | None = None,
+    recompute: float | None = None,
+    slots: int = DEFAULT_SLOTS,
+) -> Schedule:
+    """The best plan of ``strategy`` for ``chain`` within ``memory`` bytes or ``recompute`` factor.
+
+    With neither, the fastest plan of the strategy. ``memory`` counts the step's activations,
+    graphs and gradients above weights, gradients and input (see :class:`~edgetrain.schedule.Cost`).
+    Raises :class:`InfeasibleBudget` with the smallest feasible value when nothing fits.
+    """
+    if strategy not in STRATEGIES:
+        raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if memory is not None and recompute is not None:
+        raise InvalidInput("give a memory budget or a recompute factor, not both")
+    if recompute is not None and (not math.isfinite(recompute) or recompute < 1):
+        raise InvalidInput(
+            f"recompute factor {recompute} is below 1: no plan is faster than plain autograd; "
+            "give a factor >= 1 (e.g. 1.5)"
+        )
+    if memory is not None and memory <= 0:
+        raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
+    if strategy == "optimal":
+        return _plan_optimal(chain, memory, recompute, slots)
+    family: Callable[[Chain], list[Schedule]] = (
+        _sequential_family if strategy == "sequential" else _revolve_family
+    )
+    return _pick(chain, strategy, family(chain), memory, recompute)
+
+
+def _sequential_family(chain: Chain) -> list[Schedule]:
+    return [sequential(chain, s) for s in range(1, chain.length + 1)]
+
+
+def _revolve_family(chain: Chain) -> list[Schedule]:
+    return [revolve(chain, s) for s in range(1, chain.length + 1)]
+
+
+def _pick(
+    chain: Chain,
+    strategy: str,
+    candidates: list[Schedule],
+    memory: float | None,
+    recompute: float | None,
+) -> Schedule:
+    costs: list[tuple[Cost, Schedule]] = [(simulate(chain, s), s) for s in candidates]
+    if memory is not None:
+        fitting = [(c, s) for c, s in costs if c.peak_bytes <= memory]
+        if not fitting:
+            smallest = min(c.peak_bytes for c, _ in costs)
+            raise InfeasibleBudget(
+                f"{strategy} needs at least {smallest} bytes of activation memory, "
+                f"the budget leaves {int(memory)}; give more memory or use strategy 'optimal'",
+                smallest,
+            )
+        return min(fitting, key=lambda cs: (cs[0].seconds, cs[0].peak_bytes))[1]
+    if recompute is not None:
+        fitting = [(c, s) for c, s in costs if c.recompute_factor <= recompute + _TOLERANCE]
+        if not fitting:
+            smallest_rho = min(c.recompute_factor for c, _ in costs)
+            raise InfeasibleBudget(
+                f"{strategy} cannot keep the recompute factor at {recompute}; the smallest it "
+                f"reaches is {smallest_rho:.3f}",
+                smallest_rho,
+            )
+        return min(fitting, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds))[1]
+    return min(costs, key=lambda cs: (cs[0].seconds, cs[0].peak_bytes))[1]
+
+
+def _plan_optimal(
+    chain: Chain, memory: float | None, recompute: float | None, slots: int
+) -> Schedule:
+    if memory is not None:
+        return optimal(chain, memory, slots)
+    store_all = simulate(chain, sequential(chain, 1))
+    if recompute is None:
+        return optimal(chain, store_all.peak_bytes * (1 + 1e-9) + 1, slots)
+    # One table over [0, store-all peak] (plus room for rounding) answers every budget.
+    slot_bytes = max(store_all.peak_bytes, 1) / slots
+    table = OptimalTable(chain, slot_bytes, slots + 3 * chain.length + 8)
+    limit = recompute * (chain.forward_seconds + chain.backward_seconds) * (1 + _TOLERANCE)
+    ok = np.flatnonzero(table.times() <= limit)
+    if not ok.size:  # unreachable for recompute >= 1: storing everything has factor 1
+        raise InfeasibleBudget(f"no plan keeps the recompute factor at {recompute}", None)
+    return table.schedule(int(ok[0]), {"recompute_target": recompute})
+
+
+def smallest_memory(chain: Chain, strategy: str = "optimal", slots: int = DEFAULT_SLOTS) -> int:
+    """The smallest peak (bytes) any plan of ``strategy`` reaches on ``chain``, whatever its time."""
+    if strategy == "optimal":
+        schedule = optimal(chain, minimum_memory(chain, slots), slots)
+        return simulate(chain, schedule).peak_bytes
+    family = _sequential_family if strategy == "sequential" else _revolve_family
+    return min(simulate(chain, s).peak_bytes for s in family(chain))
