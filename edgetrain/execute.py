@@ -30,12 +30,13 @@ import torch
 from torch import nn
 
 from edgetrain.chain import Chain
-from edgetrain.errors import InvalidInput, InvalidSchedule
+from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.planners import plan
+from edgetrain.planners.optimal import store_all
 from edgetrain.profile import profile
 from edgetrain.schedule import Cost, Op, Schedule, simulate
 from edgetrain.stages import run_backward, run_forward
-from edgetrain.units import parse_bytes
+from edgetrain.units import format_bytes, parse_bytes
 
 
 class Checkpointed(nn.Module):
@@ -88,7 +89,17 @@ class Checkpointed(nn.Module):
                         f"memory budget {memory_budget} does not even hold the weights, gradients "
                         f"and input ({self.fixed_bytes} bytes); give more memory"
                     )
-            schedule = plan(self.chain, strategy, memory=budget, recompute=max_recompute)
+            try:
+                schedule = plan(self.chain, strategy, memory=budget, recompute=max_recompute)
+            except InfeasibleBudget as exc:
+                if budget is None or exc.smallest is None:
+                    raise
+                smallest = int(exc.smallest) + self.fixed_bytes + int(reserve_bytes)
+                raise InfeasibleBudget(
+                    f"{strategy} cannot train this model in {memory_budget}; the smallest "
+                    f"memory that works is {format_bytes(smallest)} ({smallest} bytes)",
+                    smallest,
+                ) from exc
         self.schedule = schedule
         try:
             self.cost: Cost = simulate(self.chain, schedule)
@@ -101,6 +112,11 @@ class Checkpointed(nn.Module):
         """Weights, gradients, buffers and the input: what the step holds before it starts."""
         c = self.chain
         return c.weight_bytes + c.gradient_bytes + c.buffer_bytes + c.input_bytes
+
+    @property
+    def plain_peak_bytes(self) -> int:
+        """Predicted peak of the whole step under plain autograd (storing everything)."""
+        return self.fixed_bytes + simulate(self.chain, store_all(self.chain)).peak_bytes
 
     @property
     def predicted_peak_bytes(self) -> int:

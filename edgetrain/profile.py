@@ -138,18 +138,30 @@ def _profile(
     *,
     timer: _Timer | None,
     flops_per_second: float = NOMINAL_FLOPS,
+    flops: bool = True,
 ) -> Chain:
     _check_model(model)
     assert isinstance(model, nn.Sequential)
     stages: list[Stage] = []
+    # On meta tensors a stage's costs follow from its structure and input shape alone, so
+    # identical stages (the repeated blocks of a ResNet) are profiled once.
+    memo: dict[tuple[str, tuple[int, ...], torch.dtype, bool], tuple[Stage, torch.Tensor]] = {}
     with _preserved(model):
         groups = group_children(model, sample_input)
         x = sample_input.detach()
         for index, (name, module, span) in enumerate(groups):
             needs_grad = index > 0 or sample_input.requires_grad
-            stage, x = _profile_stage(
-                name, module, span, x, needs_grad, timer, flops_per_second, index
-            )
+            key = (repr(module), tuple(x.shape), x.dtype, needs_grad)
+            if timer is None and key in memo:
+                known, out = memo[key]
+                stage, x = known.renamed(name), torch.empty_like(out)
+            else:
+                stage, x = _profile_stage(
+                    name, module, span, x, needs_grad, timer, flops_per_second if flops else 0.0,
+                    index,
+                )
+                if timer is None:
+                    memo[key] = (stage, x)
             stages.append(stage)
     return Chain(
         stages=tuple(stages),
@@ -200,7 +212,7 @@ def _profile_stage(
     forward_seconds = backward_seconds = 0.0
     if timer is not None:
         forward_seconds, backward_seconds = _time_stage(module, x, needs_grad, timer, index, name)
-    else:
+    elif flops_per_second > 0:
         forward_flops, backward_flops = _count_flops(module, x, needs_grad, index, name)
         elements = out.numel()
         forward_seconds = (forward_flops + elements) / flops_per_second
@@ -280,3 +292,22 @@ class _LayerOutputs:
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def model_chain(name: str, batch: int, image: int, *, timing: bool = True) -> Chain:
+    """The analytic chain of a registered model (see :mod:`edgetrain.models`) for a batch of
+    ``batch`` square RGB images of side ``image``, built on the meta device (no memory, no data).
+
+    ``timing=False`` skips the FLOP count (stage times are then 0): enough for memory tables.
+    """
+    from edgetrain.models import build, canonical_name, check_image
+
+    if batch < 1:
+        raise InvalidInput(f"batch must be at least 1, got {batch}")
+    key = canonical_name(name)
+    check_image(key, image)
+    with torch.device("meta"):
+        model = build(key)
+    sample = torch.empty(batch, 3, image, image, device="meta")
+    chain = _profile(model, sample, timer=None, flops_per_second=NOMINAL_FLOPS, flops=timing)
+    return Chain(chain.stages, chain.input_bytes, chain.input_requires_grad, name=key)

@@ -92,11 +92,19 @@ def group_children(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[str
     group_input = -1
     open_group = False  # the current stage so far returns a view of its own input
     x = sample.detach()
+    seen: dict[tuple[str, tuple[int, ...], torch.dtype], tuple[bool, bool, torch.Tensor]] = {}
     for index, (name, child) in enumerate(children):
-        version = x._version
-        out = run_forward(child, x, stage=index, name=name)
-        in_place = x._version != version
-        aliased = storage_key(out) == storage_key(x)
+        key = (repr(child), tuple(x.shape), x.dtype)
+        if x.device.type == "meta" and key in seen:
+            # Shapes alone decide the outcome on meta tensors: reuse an identical child's.
+            in_place, aliased, like = seen[key]
+            out = x if aliased else torch.empty_like(like)
+        else:
+            version = x._version
+            out = run_forward(child, x, stage=index, name=name)
+            in_place = x._version != version
+            aliased = storage_key(out) == storage_key(x)
+            seen[key] = (in_place, aliased, out)
         if groups and (in_place or aliased or open_group):
             groups[-1].append((name, child))
         elif in_place:

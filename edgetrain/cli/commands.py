@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
+import importlib.util
 
 COMMAND_MODULES = ("memory", "plan", "train", "figure", "revolve", "demo", "tiles")
 
 for _name in COMMAND_MODULES:
-    # A module that is not written yet is simply absent from the command list.
-    with contextlib.suppress(ModuleNotFoundError):
+    # Commands whose module is not part of this build are simply not offered; an import error
+    # inside a module that exists is a bug and propagates.
+    if importlib.util.find_spec(f"edgetrain.cli.{_name}") is not None:
         importlib.import_module(f"edgetrain.cli.{_name}")

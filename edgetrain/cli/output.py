@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
-err_console = Console(stderr=True)
+if not console.is_terminal:  # piped or captured: do not squeeze tables into 80 columns
+    console = Console(width=160)
 
 
 def emit_json(data: Any) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 
 from edgetrain.chain import Chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.schedule import Op, Schedule
+from edgetrain.schedule import Op, Schedule, simulate
 
 DEFAULT_SLOTS = 500
 
@@ -190,6 +190,13 @@ class OptimalTable:
         return Schedule.from_ops(n, ops, "optimal", info)
 
 
+def store_all(chain: Chain) -> Schedule:
+    """Plain autograd as a plan: every stage forward with its graph, then every backward."""
+    n = chain.length
+    ops = [(Op.FORWARD_ALL, k) for k in range(n)] + [(Op.BACKWARD, k) for k in reversed(range(n))]
+    return Schedule.from_ops(n, ops, "optimal", {"budget_bytes": None})
+
+
 def _shift(values: np.ndarray, offset: int) -> np.ndarray:
     """``out[m] = values[m - offset]`` (inf where ``m < offset``): the budget left after ``offset``."""
     offset = int(offset)
@@ -221,6 +228,9 @@ def optimal(chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS) -> Sc
     """
     if memory_bytes <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
+    everything = store_all(chain)
+    if simulate(chain, everything).peak_bytes <= memory_bytes:
+        return everything  # nothing is faster than storing everything; no rounding can lose it
     table = OptimalTable(chain, memory_bytes / slots, slots)
     if not np.isfinite(table.time(slots)):
         smallest = minimum_memory(chain, slots)

@@ -96,6 +96,7 @@ def revolve_steps(steps: int, slots: int) -> Schedule:
         kinds.append(bw)
         indices.append(k)
 
+    snapshots = 0
     # Explicit stack of ranges to reverse: (start, steps, slots, reps bound).
     stack = [(0, steps, slots, repetitions(steps, slots))]
     while stack:
@@ -111,6 +112,7 @@ def revolve_steps(steps: int, slots: int) -> Schedule:
             reps = _tighten(length, free, reps)
             m = split(length, free, reps)
             advance(start, m)
+            snapshots += 1
             # Reverse the right part first (it is popped first), then the left one.
             stack.append((start, m, free, reps))
             stack.append((start + m, length - m, free - 1, reps))
@@ -119,7 +121,7 @@ def revolve_steps(steps: int, slots: int) -> Schedule:
         kinds=np.asarray(kinds, dtype=np.int8),
         indices=np.asarray(indices, dtype=np.int64),
         strategy="revolve",
-        params={"slots": slots},
+        params={"slots": slots, "snapshots": snapshots},
     )
     return schedule
 

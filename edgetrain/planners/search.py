@@ -17,7 +17,13 @@ import numpy as np
 
 from edgetrain.chain import Chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.planners.optimal import DEFAULT_SLOTS, OptimalTable, minimum_memory, optimal
+from edgetrain.planners.optimal import (
+    DEFAULT_SLOTS,
+    OptimalTable,
+    minimum_memory,
+    optimal,
+    store_all,
+)
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
 from edgetrain.schedule import Cost, Schedule, simulate
@@ -104,11 +110,10 @@ def _plan_optimal(
 ) -> Schedule:
     if memory is not None:
         return optimal(chain, memory, slots)
-    store_all = simulate(chain, sequential(chain, 1))
     if recompute is None:
-        return optimal(chain, store_all.peak_bytes * (1 + 1e-9) + 1, slots)
+        return store_all(chain)
     # One table over [0, store-all peak] (plus room for rounding) answers every budget.
-    slot_bytes = max(store_all.peak_bytes, 1) / slots
+    slot_bytes = max(simulate(chain, store_all(chain)).peak_bytes, 1) / slots
     table = OptimalTable(chain, slot_bytes, slots + 3 * chain.length + 8)
     limit = recompute * (chain.forward_seconds + chain.backward_seconds) * (1 + _TOLERANCE)
     ok = np.flatnonzero(table.times() <= limit)
@@ -124,3 +129,57 @@ def smallest_memory(chain: Chain, strategy: str = "optimal", slots: int = DEFAUL
         return simulate(chain, schedule).peak_bytes
     family = _sequential_family if strategy == "sequential" else _revolve_family
     return min(simulate(chain, s).peak_bytes for s in family(chain))
+
+
+def tradeoff(
+    chain: Chain, strategy: str = "optimal", slots: int = DEFAULT_SLOTS
+) -> list[tuple[float, int]]:
+    """The memory/recompute trade-off curve: Pareto points ``(recompute_factor, peak_bytes)``.
+
+    ``optimal``: one table over budgets up to the store-everything peak, each point a budget
+    (peak bytes are the budget's upper bound, within one slot). ``revolve``/``sequential``: every
+    knob value, simulated. Sorted by recompute factor, each point using less memory than the last.
+    """
+    if strategy not in STRATEGIES:
+        raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    plain = chain.forward_seconds + chain.backward_seconds
+    points: list[tuple[float, int]]
+    if strategy == "optimal":
+        everything = simulate(chain, store_all(chain)).peak_bytes
+        slot_bytes = max(everything, 1) / slots
+        unit = _common_unit(chain)
+        if unit and everything / unit <= 4 * slots:
+            slot_bytes = unit  # every size is a whole number of units: no rounding at all
+        count = math.ceil(everything / slot_bytes)
+        times = OptimalTable(chain, slot_bytes, count + 3 * chain.length + 8).times()
+        points = [
+            (float(t) / plain, math.ceil(m * slot_bytes))
+            for m, t in enumerate(times)
+            if math.isfinite(t)
+        ]
+    else:
+        family = _sequential_family if strategy == "sequential" else _revolve_family
+        points = [
+            (c.recompute_factor, c.peak_bytes) for c in (simulate(chain, s) for s in family(chain))
+        ]
+    pareto: list[tuple[float, int]] = []
+    for rho, peak in sorted(points):
+        if not pareto or peak < pareto[-1][1]:
+            pareto.append((rho, peak))
+    return pareto
+
+
+def _common_unit(chain: Chain) -> int:
+    """The greatest common divisor of all the chain's sizes (0 if they are all 0)."""
+    unit = 0
+    for k, stage in enumerate(chain.stages):
+        for size in (
+            stage.output_bytes,
+            stage.saved_bytes,
+            stage.forward_peak_bytes,
+            stage.forward_grad_peak_bytes,
+            stage.backward_peak_bytes,
+            chain.gradient_of_activation_bytes(k),
+        ):
+            unit = math.gcd(unit, size)
+    return unit
