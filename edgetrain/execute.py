@@ -105,6 +105,14 @@ class Checkpointed(nn.Module):
             self.cost: Cost = simulate(self.chain, schedule)
         except InvalidSchedule as exc:
             raise InvalidSchedule(f"the plan does not fit this model: {exc}") from exc
+        if memory_budget is not None:
+            limit = parse_bytes(memory_budget) - int(reserve_bytes)
+            if self.predicted_peak_bytes > limit:
+                raise InfeasibleBudget(
+                    f"the given plan needs {format_bytes(self.predicted_peak_bytes)}, more than "
+                    f"the budget {memory_budget}; re-plan for this budget",
+                    self.predicted_peak_bytes,
+                )
         self._stages = _stage_modules(model, self.chain)
 
     @property

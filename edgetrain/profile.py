@@ -305,7 +305,7 @@ def model_chain(name: str, batch: int, image: int, *, timing: bool = True) -> Ch
     if batch < 1:
         raise InvalidInput(f"batch must be at least 1, got {batch}")
     key = canonical_name(name)
-    check_image(key, image)
+    check_image(key, image, batch)
     with torch.device("meta"):
         model = build(key)
     sample = torch.empty(batch, 3, image, image, device="meta")

@@ -251,14 +251,14 @@ def simulate(chain: Chain, schedule: Schedule) -> Cost:
     return _replay(chain, schedule, trace=None)
 
 
-def memory_trace(chain: Chain, schedule: Schedule) -> list[tuple[int, int]]:
-    """Per operation: (bytes held before it, peak bytes during it). For plots and tests."""
-    trace: list[tuple[int, int]] = []
+def memory_trace(chain: Chain, schedule: Schedule) -> list[tuple[int, int, int]]:
+    """Per operation: bytes held before it, peak bytes during it, bytes held after it."""
+    trace: list[tuple[int, int, int]] = []
     _replay(chain, schedule, trace=trace)
     return trace
 
 
-def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int]] | None) -> Cost:
+def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] | None) -> Cost:
     n = chain.length
     if schedule.length != n:
         raise InvalidSchedule(
@@ -359,7 +359,7 @@ def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int]] | Non
         if during > peak:
             peak, peak_op = during, i
         if trace is not None:
-            trace.append((before, during))
+            trace.append((before, during, held))
     if next_backward != -1:
         raise InvalidSchedule(
             f"schedule ends before the backward of stage {next_backward}; every stage needs a B"

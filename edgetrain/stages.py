@@ -40,25 +40,16 @@ def run_forward(
     a detached leaf (requiring grad if ``needs_input_grad``) with a graph; returns
     ``(leaf, output)``, ready for :func:`run_backward`.
     """
-    try:
-        if not grad:
-            with torch.no_grad():
-                out = module(x)
-            _check_output(out, stage, name)
-            return out
-        leaf = x.detach().requires_grad_(needs_input_grad)
-        with torch.enable_grad():
-            out = module(leaf)
+    if not grad:
+        with torch.no_grad():
+            out = module(x)
         _check_output(out, stage, name)
-        return leaf, out
-    except RuntimeError as exc:
-        if "size" in str(exc) or "shape" in str(exc) or "channels" in str(exc):
-            first = str(exc).strip().splitlines()[0]
-            raise InvalidInput(
-                f"stage {stage} ({name}) cannot take its input of shape {tuple(x.shape)}: "
-                f"{first}; check that the layers' sizes chain"
-            ) from exc
-        raise
+        return out
+    leaf = x.detach().requires_grad_(needs_input_grad)
+    with torch.enable_grad():
+        out = module(leaf)
+    _check_output(out, stage, name)
+    return leaf, out
 
 
 def run_backward(
@@ -101,7 +92,16 @@ def group_children(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[str
             out = x if aliased else torch.empty_like(like)
         else:
             version = x._version
-            out = run_forward(child, x, stage=index, name=name)
+            try:
+                out = run_forward(child, x, stage=index, name=name)
+            except (RuntimeError, ValueError) as exc:
+                # The first run of the user's model on the user's sample: a failure here is a
+                # mismatch between them (sizes that do not chain, dtypes, devices).
+                first = str(exc).strip().splitlines()[0]
+                raise InvalidInput(
+                    f"layer {index} ({name}) fails on an input of shape {tuple(x.shape)} "
+                    f"({x.dtype}): {first}; check that the layers' sizes and dtypes chain"
+                ) from exc
             in_place = x._version != version
             aliased = storage_key(out) == storage_key(x)
             seen[key] = (in_place, aliased, out)

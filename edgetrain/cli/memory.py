@@ -48,7 +48,8 @@ def memory(models: str, batch: str, image: str, device_memory: str, optimizer: s
     images = int_list(image, "image")
     for name in names:
         for side in images:
-            check_image(name, side)
+            for b in batches:
+                check_image(name, side, b)
     device = size(device_memory)
     limit = size(measure_limit)
     assert device is not None and limit is not None

@@ -16,6 +16,7 @@ from edgetrain.execute import Checkpointed
 from edgetrain.memory import OPTIMIZER_STATES
 from edgetrain.models import build, canonical_name, check_image
 from edgetrain.planners import STRATEGIES
+from edgetrain.schedule import Schedule
 from edgetrain.training import train
 from edgetrain.units import format_bytes
 
@@ -32,13 +33,16 @@ from edgetrain.units import format_bytes
               show_default=True)
 @click.option("--lr", default=0.01, show_default=True, type=float)
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--plan", "plan_path", default=None,
+              help="Run this saved plan (from `edgetrain plan --save`) instead of planning.")
 @click.option("--json", "as_json", is_flag=True)
 def train_command(model_name: str, memory: str | None, recompute: float | None, steps: int,
                   batch: int, image: int, strategy: str, optimizer: str, lr: float, seed: int,
-                  as_json: bool) -> None:
+                  plan_path: str | None, as_json: bool) -> None:
     """Train on random images: profile, plan within the budget, run, and measure the peak."""
+    schedule = Schedule.load(plan_path) if plan_path else None
     report = run_training(model_name, size(memory), recompute, steps, batch, image, strategy,
-                          optimizer, lr, seed, progress=not as_json)
+                          optimizer, lr, seed, progress=not as_json, schedule=schedule)
     if as_json:
         emit_json(report)
         return
@@ -59,24 +63,24 @@ def train_command(model_name: str, memory: str | None, recompute: float | None, 
 
 def run_training(model_name: str, memory: int | None, recompute: float | None, steps: int,
                  batch: int, image: int, strategy: str, optimizer: str, lr: float, seed: int,
-                 *, progress: bool) -> dict[str, object]:
+                 *, progress: bool, schedule: Schedule | None = None) -> dict[str, object]:
     """Build, profile, plan and train; the report as a dict (also used by ``edgetrain demo``)."""
     if steps < 1:
         raise InvalidInput(f"--steps must be at least 1, got {steps}")
     if batch < 1:
         raise InvalidInput(f"--batch must be at least 1, got {batch}")
     name = canonical_name(model_name)
-    check_image(name, image)
+    check_image(name, image, batch)
     torch.manual_seed(seed)
     model = build(name)
     sample = torch.randn(batch, 3, image, image)
     state = OPTIMIZER_STATES[optimizer] * sum(p.numel() * p.element_size()
                                                for p in model.parameters())
-    net = Checkpointed(model, sample, memory_budget=memory, max_recompute=recompute,
-                       strategy=strategy, reserve_bytes=state)
-    classes = 1000 if name.startswith("resnet") else 256
     if name == "yolov2-16":
         raise InvalidInput("yolov2-16 has no classifier head; train a resnet, or use tiles")
+    net = Checkpointed(model, sample, memory_budget=memory, max_recompute=recompute,
+                       strategy=strategy, reserve_bytes=state, schedule=schedule)
+    classes = 1000
     if progress:
         with Progress(TextColumn("training"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn(),

@@ -15,8 +15,11 @@ from edgetrain.models.yolov2 import yolov2_16
 
 MODEL_NAMES: tuple[str, ...] = (*(f"resnet{d}" for d in ARCHITECTURES), "yolov2-16")
 
-# The smallest square image each model accepts (every downsampling step keeps at least one pixel).
+# The smallest square image each model accepts: every downsampling step keeps at least one pixel
+# (ResNet: /32, YOLOv2-16: /16); with a batch of one, BatchNorm in training needs more than one
+# value per channel, so the last feature map must be at least 2x2.
 MIN_IMAGE = {**{f"resnet{d}": 32 for d in ARCHITECTURES}, "yolov2-16": 16}
+MIN_IMAGE_BATCH_1 = {**{f"resnet{d}": 33 for d in ARCHITECTURES}, "yolov2-16": 32}
 
 
 def build(name: str) -> nn.Sequential:
@@ -43,10 +46,13 @@ def canonical_name(name: str) -> str:
     return key
 
 
-def check_image(name: str, image: int) -> None:
-    """Raise InvalidInput when ``image`` is too small for model ``name``."""
-    smallest = MIN_IMAGE[canonical_name(name)]
+def check_image(name: str, image: int, batch: int = 2) -> None:
+    """Raise InvalidInput when ``image`` is too small for model ``name`` at this batch size."""
+    key = canonical_name(name)
+    smallest = MIN_IMAGE_BATCH_1[key] if batch == 1 else MIN_IMAGE[key]
     if image < smallest:
         raise InvalidInput(
-            f"image {image} is too small for {canonical_name(name)}; use at least {smallest}"
+            f"image {image} is too small for {key}"
+            + (" with a batch of 1" if batch == 1 else "")
+            + f"; use at least {smallest}"
         )

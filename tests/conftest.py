@@ -1,0 +1,83 @@
+"""Shared helpers: random chains for property tests, small models for executor tests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import strategies as st
+from torch import nn
+
+from edgetrain.chain import Chain, Stage
+
+
+def random_chain(rng: random.Random, length: int, *, scale: int = 10) -> Chain:
+    """A heterogeneous chain with integer sizes and times, every field varied."""
+    stages = []
+    for i in range(length):
+        out = rng.randint(1, scale)
+        saved = rng.randint(0, scale)
+        stages.append(
+            Stage(
+                name=f"s{i}",
+                output_bytes=out,
+                saved_bytes=saved,
+                saves_input=rng.random() < 0.7,
+                forward_peak_bytes=out + rng.randint(0, scale // 2),
+                forward_grad_peak_bytes=out + saved + rng.randint(0, scale // 2),
+                backward_peak_bytes=rng.randint(1, scale + 2),
+                weight_bytes=rng.randint(0, scale),
+                gradient_bytes=0,
+                forward_seconds=rng.uniform(0.5, 2.0),
+                backward_seconds=rng.uniform(0.5, 3.0),
+            )
+        )
+    return Chain(tuple(stages), input_bytes=rng.randint(1, scale),
+                 input_requires_grad=rng.random() < 0.5)
+
+
+@st.composite
+def chains(draw: st.DrawFn, min_length: int = 1, max_length: int = 8) -> Chain:
+    """Hypothesis strategy for random chains."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    length = draw(st.integers(min_length, max_length))
+    return random_chain(random.Random(seed), length)
+
+
+class Scale(nn.Module):
+    """A stage with a parameter and no buffers: y = x * w (keeps its input for backward)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(channels, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def small_cnn(dtype: torch.dtype = torch.float64) -> nn.Sequential:
+    """Conv/BN/in-place ReLU/dropout/max-pool/flatten/linear: every kind of stage the executor
+    must handle (in-place and view children get merged into stages)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Dropout(0.25),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.Dropout(0.5),
+        nn.ReLU(),
+        Scale(16),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 10),
+    ).to(dtype)
+
+
+@pytest.fixture
+def cnn() -> nn.Sequential:
+    return small_cnn()

@@ -1,0 +1,188 @@
+"""Checkpointed: gradients equal plain autograd's, RNG and BatchNorm state are exact, and the
+measured peak is the plan's prediction."""
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidInput, InvalidSchedule
+from edgetrain.execute import Checkpointed
+from edgetrain.measure import StorageCounter
+from edgetrain.models import build
+from edgetrain.planners.optimal import minimum_memory
+from edgetrain.profile import analytic_chain
+from edgetrain.schedule import Schedule, simulate
+from tests.conftest import small_cnn
+
+PLANS = [
+    ("optimal", {"max_recompute": 1.0}),
+    ("optimal", {"max_recompute": 1.3}),
+    ("optimal", {"max_recompute": 3.0}),
+    ("revolve", {"max_recompute": 4.0}),
+    ("revolve", {"max_recompute": 1.8}),
+    ("sequential", {"max_recompute": 1.5}),
+    ("sequential", {}),
+]
+
+
+def reference_step(model, x, seed):
+    torch.manual_seed(seed)
+    out = model(x)
+    (out.square().sum() + out.sum()).backward()
+    return out, torch.get_rng_state()
+
+
+def assert_same_training_state(a: nn.Module, b: nn.Module, rtol: float) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=rtol, atol=0, msg=name)
+    for (name, buf), other in zip(a.named_buffers(), b.buffers(), strict=True):
+        assert torch.equal(buf, other), name  # running stats and num_batches_tracked
+
+
+@pytest.mark.parametrize(("strategy", "budget"), PLANS)
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_gradients_rng_and_batchnorm_equal_plain_autograd(strategy, budget, dtype, rtol):
+    model = small_cnn(dtype)
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8, dtype=dtype, requires_grad=True)
+    x_plain = x.detach().clone().requires_grad_()
+    net = Checkpointed(model, x, strategy=strategy, **budget)
+    expected, rng_after = reference_step(plain, x_plain, seed=123)
+    torch.manual_seed(123)
+    out = net(x)
+    (out.square().sum() + out.sum()).backward()
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=0)
+    torch.testing.assert_close(x.grad, x_plain.grad, rtol=rtol, atol=0)
+    assert_same_training_state(plain, model, rtol)
+    assert torch.equal(torch.get_rng_state(), rng_after)  # the caller's RNG stream goes on as usual
+
+
+def test_several_steps_with_an_optimizer_stay_identical():
+    model = small_cnn(torch.float64)
+    plain = copy.deepcopy(model)
+    net = Checkpointed(model, torch.randn(4, 3, 8, 8, dtype=torch.float64), max_recompute=1.4)
+    opt_a = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+        for module, opt in ((plain, opt_a), (net, opt_b)):
+            torch.manual_seed(step)
+            opt.zero_grad()
+            module(x).logsumexp(1).sum().backward()
+            opt.step()
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-10, atol=0)
+    assert_same_training_state(plain, model, 1e-10)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(2, 7), st.floats(1.0, 3.0), st.sampled_from(["optimal", "revolve",
+                                                                  "sequential"]), st.integers(0, 99))
+def test_random_mlps_train_exactly_under_any_plan(depth, rho, strategy, seed):
+    torch.manual_seed(seed)
+    widths = [int(w) for w in torch.randint(2, 9, (depth + 1,))]
+    layers: list[nn.Module] = []
+    for i in range(depth):
+        layers += [nn.Linear(widths[i], widths[i + 1]), nn.Tanh() if i % 2 else nn.Dropout(0.3)]
+    model = nn.Sequential(*layers).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(5, widths[0], dtype=torch.float64)
+    try:
+        net = Checkpointed(model, x, strategy=strategy, max_recompute=rho)
+    except InfeasibleBudget:
+        assert strategy == "revolve"
+        return
+    reference_step(plain, x, seed)
+    torch.manual_seed(seed)
+    out = net(x)
+    (out.square().sum() + out.sum()).backward()
+    assert_same_training_state(plain, model, 1e-10)
+
+
+@pytest.mark.parametrize("rho", [1.0, 1.25, 2.0])
+def test_measured_peak_is_the_predicted_peak(rho):
+    model = build("resnet18")
+    x = torch.randn(2, 3, 64, 64)
+    net = Checkpointed(model, x, max_recompute=rho)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    counter = StorageCounter()
+    with counter:
+        out = net(x)
+        out.sum().backward()
+        del out
+    assert counter.peak_bytes == pytest.approx(net.cost.peak_bytes, rel=0.01)
+
+
+def test_a_budget_plans_the_fastest_fitting_schedule_and_too_small_says_what_fits():
+    model = build("resnet18")
+    x = torch.randn(2, 3, 64, 64)
+    plain = Checkpointed(model, x)
+    between = int(minimum_memory(plain.chain) + plain.cost.peak_bytes) // 2
+    tight = Checkpointed(model, x, memory_budget=plain.fixed_bytes + between, chain=plain.chain)
+    assert tight.predicted_peak_bytes <= plain.fixed_bytes + between
+    assert tight.cost.recompute_factor > 1
+    with pytest.raises(InfeasibleBudget, match="smallest memory that works is") as info:
+        Checkpointed(model, x, memory_budget=plain.fixed_bytes + 1000, chain=plain.chain)
+    assert info.value.smallest is not None and info.value.smallest > plain.fixed_bytes
+    with pytest.raises(InvalidInput, match="does not even hold"):
+        Checkpointed(model, x, memory_budget="1MB", chain=plain.chain)
+
+
+def test_schedule_saves_and_loads_and_a_foreign_plan_is_refused(tmp_path):
+    model = small_cnn()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    net = Checkpointed(model, x, max_recompute=1.5)
+    path = tmp_path / "plan.json"
+    net.schedule.save(path)
+    again = Checkpointed(model, x, schedule=Schedule.load(path), chain=net.chain)
+    assert again.schedule.text() == net.schedule.text()
+    other = Checkpointed(build("resnet18"), torch.randn(2, 3, 32, 32), max_recompute=2.0)
+    with pytest.raises(InvalidSchedule, match="does not fit this model"):
+        Checkpointed(model, x, schedule=other.schedule, chain=net.chain)
+    path.write_text(path.read_text()[:-20])
+    with pytest.raises(CorruptFile):
+        Schedule.load(path)
+
+
+def test_no_grad_and_eval_just_run_the_model():
+    model = small_cnn()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    net = Checkpointed(model, x, max_recompute=2.0)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), model(x))
+
+
+def test_backward_twice_is_refused():
+    model = small_cnn()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    net = Checkpointed(model, x, max_recompute=2.0)
+    out = net(x).sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        out.backward()
+
+
+def test_analytic_chain_plans_run_exactly_too():
+    model = small_cnn()
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    chain = analytic_chain(model, x)
+    net = Checkpointed(model, x, chain=chain, max_recompute=1.5)
+    assert simulate(chain, net.schedule).recompute_factor <= 1.5 + 1e-9
+    plain = copy.deepcopy(model)
+    reference_step(plain, x, 0)
+    torch.manual_seed(0)
+    out = net(x)
+    (out.square().sum() + out.sum()).backward()
+    assert_same_training_state(plain, model, 1e-10)
+
+
+def test_not_a_sequential_is_refused():
+    with pytest.raises(InvalidInput, match="nn.Sequential"):
+        Checkpointed(nn.Linear(3, 3), torch.randn(2, 3))

@@ -1,0 +1,209 @@
+"""Planners: sequential is PyTorch's, revolve meets the binomial optimum, optimal meets brute force."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgetrain.chain import uniform_chain
+from edgetrain.errors import InfeasibleBudget, InvalidInput
+from edgetrain.planners import plan
+from edgetrain.planners.optimal import OptimalTable, minimum_memory, optimal, store_all
+from edgetrain.planners.revolve import optimal_forward_steps, revolve, revolve_steps
+from edgetrain.planners.search import smallest_memory, tradeoff
+from edgetrain.planners.sequential import segment_bounds, sequential
+from edgetrain.schedule import Op, simulate
+from tests.conftest import chains, random_chain
+from tests.exhaustive import fastest_schedule
+
+
+def binomial_optimum(steps: int, slots: int) -> int:
+    """p(l, s) = r·l − C(s + r, s + 1), r = min{r : C(s + r, s) >= l}, written independently."""
+    r = 0
+    while math.comb(slots + r, slots) < steps:
+        r += 1
+    return r * steps - math.comb(slots + r, slots + 1)
+
+
+# -- sequential ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("length", "segments"), [(10, 1), (10, 3), (10, 10), (7, 2), (34, 6)])
+def test_sequential_cuts_segments_like_checkpoint_sequential(length, segments):
+    # torch: segment_size = L // s; the first s-1 segments are checkpointed, the last runs normally.
+    size = length // segments
+    bounds = segment_bounds(length, segments)
+    assert bounds == [(i * size, i * size + size - 1) for i in range(segments - 1)]
+    schedule = sequential(uniform_chain(length), segments)
+    first_forward = schedule.kinds[: schedule.forward_phase_end]
+    assert int((first_forward == Op.FORWARD_CHECKPOINT).sum()) == segments - 1
+    tail = length - size * (segments - 1)
+    assert int((first_forward == Op.FORWARD_ALL).sum()) == tail
+
+
+@pytest.mark.parametrize("length", [9, 16, 50, 100])
+def test_sequential_memory_is_the_papers_formula_and_never_below_2_sqrt_l(length):
+    # §V: s - 1 checkpoints plus the last segment's l - floor(l/s)(s-1) activations.
+    best = math.inf
+    for segments in range(2, length + 1):
+        cost = simulate(uniform_chain(length), sequential(uniform_chain(length), segments))
+        formula = segments - 1 + (length - (length // segments) * (segments - 1))
+        # Held at the peak (the last segment's first backward): the formula's activations, the
+        # gradient of the output and the input gradient being made, one unit each.
+        assert cost.peak_bytes == formula + 2
+        best = min(best, formula)
+    assert best >= 2 * math.sqrt(length) - 1
+
+
+def test_sequential_rejects_impossible_segment_counts():
+    with pytest.raises(InvalidInput, match="between 1 and"):
+        sequential(uniform_chain(4), 5)
+
+
+# -- revolve -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("steps", [1, 2, 3, 7, 10, 20, 57, 100, 256])
+def test_revolve_forward_steps_equal_the_binomial_optimum(steps, slots):
+    schedule = revolve_steps(steps, slots)
+    assert schedule.forward_steps == binomial_optimum(steps, min(slots, steps))
+    assert schedule.forward_steps == optimal_forward_steps(steps, min(slots, steps))
+    cost = simulate(uniform_chain(steps), schedule)  # valid, and within its slots
+    assert cost.max_checkpoints <= max(slots, 1)
+
+
+@pytest.mark.parametrize(("steps", "slots", "numforw"), [(10, 2, 20), (10, 3, 15), (20, 4, 39),
+                                                          (100, 5, 316), (7, 7, 6), (1000, 10, 3636)])
+def test_revolve_matches_pyrevolve_counts(steps, slots, numforw):
+    # Values printed by pyrevolve's CRevolve (sum of ADVANCE lengths) for these arguments.
+    assert revolve_steps(steps, slots).forward_steps == numforw
+
+
+def test_revolve_plans_a_hundred_thousand_steps():
+    schedule = revolve_steps(100_000, 10)
+    assert schedule.forward_steps == binomial_optimum(100_000, 10) == 832_040
+    assert schedule.count(Op.BACKWARD) == 100_000
+
+
+def test_revolve_refuses_a_schedule_too_long_to_build():
+    with pytest.raises(InvalidInput, match="give more slots"):
+        revolve_steps(100_000, 1)
+
+
+# -- optimal -------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(max_length=5), st.integers(0, 120))
+def test_optimal_equals_brute_force_on_small_random_chains(chain, budget):
+    table = OptimalTable(chain, 1.0, 150)  # one-byte slots: no rounding
+    best, reference = fastest_schedule(chain, budget)
+    assert table.time(budget) == pytest.approx(best, abs=1e-9) or (
+        math.isinf(best) and math.isinf(table.time(budget))
+    )
+    if math.isfinite(best):
+        schedule = table.schedule(budget)
+        cost = simulate(chain, schedule)
+        assert cost.seconds == pytest.approx(best)
+        assert cost.peak_bytes <= budget
+        assert reference is not None and simulate(chain, reference).peak_bytes <= budget
+
+
+def test_optimal_equals_brute_force_on_six_stage_chains():
+    rng = random.Random(7)
+    for _ in range(4):
+        chain = random_chain(rng, 6)
+        table = OptimalTable(chain, 1.0, 140)
+        for budget in range(10, 140, 13):
+            best, _ = fastest_schedule(chain, budget)
+            assert table.time(budget) == pytest.approx(best) or math.isinf(best)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(min_length=2, max_length=30), st.floats(0.05, 1.0))
+def test_optimal_plan_fits_its_budget_after_rounding(chain, fraction):
+    plain = simulate(chain, store_all(chain)).peak_bytes
+    budget = max(1.0, fraction * plain)
+    try:
+        schedule = optimal(chain, budget, slots=50)
+    except InfeasibleBudget as exc:
+        assert exc.smallest is not None and exc.smallest > budget * 0.999
+        schedule = optimal(chain, exc.smallest, slots=50)  # the reported smallest works
+        budget = exc.smallest
+    assert simulate(chain, schedule).peak_bytes <= budget
+
+
+def test_optimal_is_never_worse_than_sequential_or_revolve():
+    chain = random_chain(random.Random(11), 20, scale=50)
+    for schedule in [*(sequential(chain, s) for s in range(1, 21)),
+                     *(revolve(chain, s) for s in range(1, 21))]:
+        cost = simulate(chain, schedule)
+        best = simulate(chain, plan(chain, "optimal", memory=cost.peak_bytes))
+        assert best.seconds <= cost.seconds * (1 + 1e-9)
+
+
+# -- budget search -------------------------------------------------------------------------------
+
+
+def test_search_both_ways_is_consistent():
+    chain = random_chain(random.Random(5), 16, scale=40)
+    for rho in (1.0, 1.2, 1.5, 2.0):
+        schedule = plan(chain, "optimal", recompute=rho)
+        cost = simulate(chain, schedule)
+        assert cost.recompute_factor <= rho + 1e-9
+        again = simulate(chain, plan(chain, "optimal", memory=cost.peak_bytes))
+        assert again.recompute_factor <= cost.recompute_factor + 1e-9
+
+
+def test_recompute_factor_one_stores_everything():
+    chain = random_chain(random.Random(2), 10)
+    assert simulate(chain, plan(chain, "optimal", recompute=1.0)).recompute_factor == 1.0
+
+
+def test_infeasible_budget_reports_the_smallest_that_works():
+    chain = random_chain(random.Random(9), 12, scale=30)
+    smallest = minimum_memory(chain)
+    with pytest.raises(InfeasibleBudget, match="smallest that works") as info:
+        plan(chain, "optimal", memory=smallest * 0.5)
+    assert info.value.smallest == pytest.approx(smallest)
+    simulate(chain, plan(chain, "optimal", memory=smallest))  # and it does work
+    with pytest.raises(InfeasibleBudget, match="needs at least") as info:
+        plan(chain, "sequential", memory=1)
+    assert info.value.smallest == smallest_memory(chain, "sequential")
+
+
+@pytest.mark.parametrize("rho", [0.5, 0.999, float("nan")])
+def test_recompute_factor_below_one_is_refused(rho):
+    with pytest.raises(InvalidInput, match=">= 1"):
+        plan(uniform_chain(4), "optimal", recompute=rho)
+
+
+def test_revolve_cannot_reach_small_factors_and_says_its_smallest():
+    with pytest.raises(InfeasibleBudget, match="smallest it reaches"):
+        plan(uniform_chain(30), "revolve", recompute=1.2)
+
+
+def test_tradeoff_curve_is_a_pareto_front():
+    chain = uniform_chain(40, activation_bytes=100)
+    for strategy in ("optimal", "revolve", "sequential"):
+        points = tradeoff(chain, strategy)
+        rhos = [r for r, _ in points]
+        peaks = [p for _, p in points]
+        assert rhos == sorted(rhos) and peaks == sorted(peaks, reverse=True)
+    optimal_points = dict(tradeoff(chain, "optimal"))
+    assert min(optimal_points) == 1.0
+    # At every factor revolve reaches, the optimal plan needs no more memory.
+    for rho, peak in tradeoff(chain, "revolve"):
+        best = min(p for r, p in optimal_points.items() if r <= rho + 1e-9)
+        assert best <= peak
+
+
+def test_table_times_decrease_with_memory():
+    chain = random_chain(random.Random(4), 10, scale=20)
+    times = OptimalTable(chain, 1.0, 300).times()
+    finite = times[np.isfinite(times)]
+    assert finite.size > 0 and np.all(np.diff(finite) <= 1e-12)

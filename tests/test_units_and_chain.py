@@ -1,0 +1,52 @@
+import pytest
+
+from edgetrain.chain import Chain, Stage, uniform_chain
+from edgetrain.errors import CorruptFile, InvalidInput
+from edgetrain.units import format_bytes, parse_bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("2GB", 2 * 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", int(1.5 * 2**30)), ("4096", 4096),
+     (1e9, 10**9), ("3k", 3000)],
+)
+def test_parse_bytes_reads_decimal_and_binary_units(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2XB", "", "GB", "-5MB", "0", "1.2.3MB"])
+def test_parse_bytes_rejects_nonsense_with_the_accepted_forms(text):
+    with pytest.raises(InvalidInput, match="e.g."):
+        parse_bytes(text)
+
+
+def test_format_bytes_uses_binary_prefixes():
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(2**31) == "2.00 GiB"
+    assert format_bytes(12) == "12 B"
+
+
+def test_chain_round_trips_through_json_and_rejects_garbage():
+    chain = uniform_chain(4, activation_bytes=8)
+    again = Chain.from_dict(chain.to_dict())
+    assert again == chain
+    with pytest.raises(CorruptFile):
+        Chain.from_dict({"stages": [{"name": "x"}]})
+
+
+def test_chain_rejects_negative_costs_and_empty_chains():
+    stage = uniform_chain(1).stages[0]
+    bad = Stage(**{**stage.__dict__, "output_bytes": -1})
+    with pytest.raises(InvalidInput, match="negative output_bytes"):
+        Chain((bad,), input_bytes=1)
+    with pytest.raises(InvalidInput):
+        Chain((), input_bytes=1)
+
+
+def test_chain_totals_add_up_its_stages():
+    chain = uniform_chain(5, activation_bytes=3, forward_seconds=2.0, backward_seconds=1.0)
+    assert chain.forward_seconds == 10.0
+    assert chain.backward_seconds == 5.0
+    assert chain.activation_bytes(0) == 3
+    assert chain.gradient_of_activation_bytes(0) == 0
+    assert chain.gradient_of_activation_bytes(5) == 3
