@@ -173,7 +173,9 @@ class Chain:
                 name=str(data.get("name", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise CorruptFile(f"not a chain description ({exc}); re-create it with profile") from exc
+            raise CorruptFile(
+                f"not a chain description ({exc}); re-create it with profile"
+            ) from exc
 
     def to_json(self) -> str:
         """The chain as a JSON document."""

@@ -96,7 +96,8 @@ class Checkpointed(nn.Module):
                     raise
                 smallest = int(exc.smallest) + self.fixed_bytes + int(reserve_bytes)
                 raise InfeasibleBudget(
-                    f"{strategy} cannot train this model in {memory_budget}; the smallest "
+                    f"{strategy} cannot train this model in "
+                    f"{format_bytes(parse_bytes(memory_budget))}; the smallest "
                     f"memory that works is {format_bytes(smallest)} ({smallest} bytes)",
                     smallest,
                 ) from exc
@@ -110,7 +111,7 @@ class Checkpointed(nn.Module):
             if self.predicted_peak_bytes > limit:
                 raise InfeasibleBudget(
                     f"the given plan needs {format_bytes(self.predicted_peak_bytes)}, more than "
-                    f"the budget {memory_budget}; re-plan for this budget",
+                    f"the budget {format_bytes(limit)}; re-plan for this budget",
                     self.predicted_peak_bytes,
                 )
         self._stages = _stage_modules(model, self.chain)

@@ -83,12 +83,14 @@ def claim(all_curves: list[Curve]) -> tuple[list[ClaimRow], dict[str, bool]]:
     for depth in DEPTHS:
         rev = _find(all_curves, depth, "revolve")
         opt = _find(all_curves, depth, "optimal")
-        rows.append(ClaimRow(
-            depth,
-            rev.memory_at(CLAIM_RHO),
-            opt.memory_at(CLAIM_RHO),
-            opt.memory_at(CLAIM_RHO, fixed_bytes=opt.weight_bytes),
-        ))
+        rows.append(
+            ClaimRow(
+                depth,
+                rev.memory_at(CLAIM_RHO),
+                opt.memory_at(CLAIM_RHO),
+                opt.memory_at(CLAIM_RHO, fixed_bytes=opt.weight_bytes),
+            )
+        )
 
     def holds(values: list[int | None]) -> bool:
         return all(v is not None and v <= DEVICE_BYTES for v in values)

@@ -56,9 +56,7 @@ class StorageCounter(TorchDispatchMode):
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {
-            storage_key(t)
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
+            storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
         }
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, torch.Tensor):

@@ -40,8 +40,9 @@ def measure_training_step(name: str, batch: int, image: int, optimizer: str = "a
     held: list[torch.Tensor] = [*params, *model.buffers(), x]
     held += [p.grad for p in params if p.grad is not None]
     if opt is not None:
-        held += [v for state in opt.state.values() for v in state.values()
-                 if isinstance(v, torch.Tensor)]
+        held += [
+            v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+        ]
     before = _storage_bytes(held)
     counter = StorageCounter()
     with counter:

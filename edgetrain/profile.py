@@ -157,7 +157,13 @@ def _profile(
                 stage, x = known.renamed(name), torch.empty_like(out)
             else:
                 stage, x = _profile_stage(
-                    name, module, span, x, needs_grad, timer, flops_per_second if flops else 0.0,
+                    name,
+                    module,
+                    span,
+                    x,
+                    needs_grad,
+                    timer,
+                    flops_per_second if flops else 0.0,
                     index,
                 )
                 if timer is None:
@@ -198,8 +204,9 @@ def _profile_stage(
 
         base = counter.reset_peak()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            leaf, y = run_forward(module, x, grad=True, needs_input_grad=needs_grad, stage=index,
-                                  name=name)
+            leaf, y = run_forward(
+                module, x, grad=True, needs_input_grad=needs_grad, stage=index, name=name
+            )
         forward_grad_peak = counter.peak_bytes - base
         kept = counter.live_bytes - base
         grad_out = torch.ones_like(y) if y.device.type == "meta" else torch.randn_like(y)
@@ -244,8 +251,9 @@ def _time_stage(
     backward: list[float] = []
     for _ in range(timer.repeats):
         start = time.perf_counter()
-        leaf, y = run_forward(module, x, grad=True, needs_input_grad=needs_grad, stage=index,
-                              name=name)
+        leaf, y = run_forward(
+            module, x, grad=True, needs_input_grad=needs_grad, stage=index, name=name
+        )
         middle = time.perf_counter()
         run_backward(leaf, y, torch.ones_like(y))
         end = time.perf_counter()
@@ -260,8 +268,9 @@ def _count_flops(
 ) -> tuple[int, int]:
     counter = FlopCounterMode(display=False)
     with counter:
-        leaf, y = run_forward(module, x, grad=True, needs_input_grad=needs_grad, stage=index,
-                              name=name)
+        leaf, y = run_forward(
+            module, x, grad=True, needs_input_grad=needs_grad, stage=index, name=name
+        )
     forward = counter.get_total_flops()
     counter = FlopCounterMode(display=False)
     with counter:

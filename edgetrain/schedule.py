@@ -182,7 +182,9 @@ class Schedule:
         try:
             text = Path(path).read_text()
         except OSError as exc:
-            raise CorruptFile(f"cannot read schedule {path}: {exc.strerror}; check the path") from exc
+            raise CorruptFile(
+                f"cannot read schedule {path}: {exc.strerror}; check the path"
+            ) from exc
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -295,7 +297,9 @@ def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] 
         act_refs[k] -= 1
         return act[k] if act_refs[k] == 0 else 0
 
-    for i, (code, k) in enumerate(zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True)):
+    for i, (code, k) in enumerate(
+        zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True)
+    ):
         kind = Op(code)
         before = held
         if kind is Op.DISCARD:
@@ -307,7 +311,9 @@ def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] 
             during = before
         elif kind is Op.BACKWARD:
             if k != next_backward:
-                raise fail(i, kind, k, f"is out of order: the next backward must be B{next_backward}")
+                raise fail(
+                    i, kind, k, f"is out of order: the next backward must be B{next_backward}"
+                )
             if not graph[k]:
                 raise fail(i, kind, k, f"needs the graph of stage {k}, which is not in memory")
             stage = stages[k]

@@ -1,11 +1,11 @@
 """How a stage runs: the primitives shared by the profiler and the executor.
 
 Profiling and execution must run a stage the same way, or the measured costs would not predict
-the run: both go through :func:`run_forward` and :func:`run_backward`. :func:`group_children` decides
-what a stage is: normally one child of the ``nn.Sequential``; a child that returns a view of its
-input (``Flatten``) or overwrites it in place (``ReLU(inplace=True)``) is merged into the stage
-before it, because a stage's input must stay intact for recomputation and its output must be a
-tensor of its own.
+the run: both go through :func:`run_forward` and :func:`run_backward`.
+:func:`group_children` decides what a stage is: normally one child of the ``nn.Sequential``; a
+child that returns a view of its input (``Flatten``) or overwrites it in place
+(``ReLU(inplace=True)``) is merged into the stage before it, because a stage's input must stay
+intact for recomputation and its output must be a tensor of its own.
 """
 
 from __future__ import annotations

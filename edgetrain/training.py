@@ -88,7 +88,9 @@ def train(
         if step == measure_at:
             held = [*params, *net.buffers(), images, labels]
             held += [p.grad for p in params if p.grad is not None]
-            held += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            held += [
+                v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+            ]
             before = held_bytes(held)
             counter = StorageCounter()
             with counter:

@@ -33,8 +33,9 @@ def random_chain(rng: random.Random, length: int, *, scale: int = 10) -> Chain:
                 backward_seconds=rng.uniform(0.5, 3.0),
             )
         )
-    return Chain(tuple(stages), input_bytes=rng.randint(1, scale),
-                 input_requires_grad=rng.random() < 0.5)
+    return Chain(
+        tuple(stages), input_bytes=rng.randint(1, scale), input_requires_grad=rng.random() < 0.5
+    )
 
 
 @st.composite

@@ -58,23 +58,47 @@ def fastest_schedule(chain: Chain, budget: int) -> tuple[float, Schedule | None]
                 continue
             if not (graph >> k) & 1:
                 new = (plain, graph | (1 << k), nb, loss)
-                moves.append((st[k].forward_seconds, held + st[k].forward_grad_peak_bytes, new,
-                              (Op.FORWARD_ALL, k)))
+                moves.append(
+                    (
+                        st[k].forward_seconds,
+                        held + st[k].forward_grad_peak_bytes,
+                        new,
+                        (Op.FORWARD_ALL, k),
+                    )
+                )
             if not (plain >> (k + 1)) & 1 and not (graph >> k) & 1:
                 new_plain = plain | (1 << (k + 1))
-                moves.append((st[k].forward_seconds, held + st[k].forward_peak_bytes,
-                              (new_plain, graph, nb, loss), (Op.FORWARD_CHECKPOINT, k)))
+                moves.append(
+                    (
+                        st[k].forward_seconds,
+                        held + st[k].forward_peak_bytes,
+                        (new_plain, graph, nb, loss),
+                        (Op.FORWARD_CHECKPOINT, k),
+                    )
+                )
                 if k > 0 and (plain >> k) & 1:
-                    moves.append((st[k].forward_seconds, held + st[k].forward_peak_bytes,
-                                  (new_plain & ~(1 << k), graph, nb, loss), (Op.FORWARD_NOSAVE, k)))
+                    moves.append(
+                        (
+                            st[k].forward_seconds,
+                            held + st[k].forward_peak_bytes,
+                            (new_plain & ~(1 << k), graph, nb, loss),
+                            (Op.FORWARD_NOSAVE, k),
+                        )
+                    )
         for k in range(1, n + 1):
             if (plain >> k) & 1:
                 moves.append((0.0, held, (plain & ~(1 << k), graph, nb, loss), (Op.DISCARD, k)))
         if (graph >> nb) & 1:
             before = memory(plain, graph, nb, True)
             new = (plain, graph & ~(1 << nb), nb - 1, True)
-            moves.append((st[nb].backward_seconds, before + st[nb].backward_peak_bytes, new,
-                          (Op.BACKWARD, nb)))
+            moves.append(
+                (
+                    st[nb].backward_seconds,
+                    before + st[nb].backward_peak_bytes,
+                    new,
+                    (Op.BACKWARD, nb),
+                )
+            )
         for cost, peak, new, op in moves:
             after = memory(*new)
             if max(peak, after) > budget:

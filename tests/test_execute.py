@@ -81,8 +81,12 @@ def test_several_steps_with_an_optimizer_stay_identical():
 
 
 @settings(max_examples=12, deadline=None)
-@given(st.integers(2, 7), st.floats(1.0, 3.0), st.sampled_from(["optimal", "revolve",
-                                                                  "sequential"]), st.integers(0, 99))
+@given(
+    st.integers(2, 7),
+    st.floats(1.0, 3.0),
+    st.sampled_from(["optimal", "revolve", "sequential"]),
+    st.integers(0, 99),
+)
 def test_random_mlps_train_exactly_under_any_plan(depth, rho, strategy, seed):
     torch.manual_seed(seed)
     widths = [int(w) for w in torch.randint(2, 9, (depth + 1,))]
@@ -184,5 +188,5 @@ def test_analytic_chain_plans_run_exactly_too():
 
 
 def test_not_a_sequential_is_refused():
-    with pytest.raises(InvalidInput, match="nn.Sequential"):
+    with pytest.raises(InvalidInput, match=r"nn\.Sequential"):
         Checkpointed(nn.Linear(3, 3), torch.randn(2, 3))

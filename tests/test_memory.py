@@ -5,6 +5,7 @@ import functools
 
 import pytest
 
+from edgetrain.measure_step import measure_training_step
 from edgetrain.memory import (
     TABLE_I,
     TABLE_II,
@@ -15,7 +16,6 @@ from edgetrain.memory import (
     paper_value_mb,
     to_mb,
 )
-from edgetrain.measure_step import measure_training_step
 from edgetrain.profile import model_chain
 
 

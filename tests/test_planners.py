@@ -1,4 +1,4 @@
-"""Planners: sequential is PyTorch's, revolve meets the binomial optimum, optimal meets brute force."""
+"""Planners: sequential is PyTorch's, revolve meets the binomial optimum, optimal = brute force."""
 
 import math
 import random
@@ -76,8 +76,10 @@ def test_revolve_forward_steps_equal_the_binomial_optimum(steps, slots):
     assert cost.max_checkpoints <= max(slots, 1)
 
 
-@pytest.mark.parametrize(("steps", "slots", "numforw"), [(10, 2, 20), (10, 3, 15), (20, 4, 39),
-                                                          (100, 5, 316), (7, 7, 6), (1000, 10, 3636)])
+@pytest.mark.parametrize(
+    ("steps", "slots", "numforw"),
+    [(10, 2, 20), (10, 3, 15), (20, 4, 39), (100, 5, 316), (7, 7, 6), (1000, 10, 3636)],
+)
 def test_revolve_matches_pyrevolve_counts(steps, slots, numforw):
     # Values printed by pyrevolve's CRevolve (sum of ADVANCE lengths) for these arguments.
     assert revolve_steps(steps, slots).forward_steps == numforw
@@ -139,8 +141,10 @@ def test_optimal_plan_fits_its_budget_after_rounding(chain, fraction):
 
 def test_optimal_is_never_worse_than_sequential_or_revolve():
     chain = random_chain(random.Random(11), 20, scale=50)
-    for schedule in [*(sequential(chain, s) for s in range(1, 21)),
-                     *(revolve(chain, s) for s in range(1, 21))]:
+    for schedule in [
+        *(sequential(chain, s) for s in range(1, 21)),
+        *(revolve(chain, s) for s in range(1, 21)),
+    ]:
         cost = simulate(chain, schedule)
         best = simulate(chain, plan(chain, "optimal", memory=cost.peak_bytes))
         assert best.seconds <= cost.seconds * (1 + 1e-9)

@@ -11,8 +11,11 @@ from edgetrain.models import build
 from edgetrain.profile import analytic_chain, model_chain, profile
 from tests.conftest import small_cnn
 
-BYTE_FIELDS = [f.name for f in dataclasses.fields(
-    __import__("edgetrain.chain", fromlist=["Stage"]).Stage) if f.name.endswith("_bytes")]
+BYTE_FIELDS = [
+    f.name
+    for f in dataclasses.fields(__import__("edgetrain.chain", fromlist=["Stage"]).Stage)
+    if f.name.endswith("_bytes")
+]
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])

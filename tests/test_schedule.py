@@ -14,8 +14,7 @@ from edgetrain.planners.sequential import sequential
 from edgetrain.schedule import Op, Schedule, memory_trace, simulate
 from tests.conftest import chains, random_chain
 
-F, C, A, B, D = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.BACKWARD,
-                 Op.DISCARD)
+F, C, A, B, D = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.BACKWARD, Op.DISCARD)
 
 
 def ops(n, *pairs):
@@ -33,9 +32,24 @@ def test_store_all_on_a_uniform_chain_holds_every_activation_then_gradients():
 
 def test_recomputation_costs_time_and_saves_memory():
     chain = uniform_chain(4, activation_bytes=10)
-    checkpointed = ops(4, (C, 0), (F, 1), (F, 2), (A, 3), (D, 3), (B, 3),
-                       (C, 0), (F, 1), (A, 2), (D, 2), (B, 2),
-                       (A, 0), (A, 1), (B, 1), (B, 0))
+    checkpointed = ops(
+        4,
+        (C, 0),
+        (F, 1),
+        (F, 2),
+        (A, 3),
+        (D, 3),
+        (B, 3),
+        (C, 0),
+        (F, 1),
+        (A, 2),
+        (D, 2),
+        (B, 2),
+        (A, 0),
+        (A, 1),
+        (B, 1),
+        (B, 0),
+    )
     plain = simulate(chain, store_all(chain))
     cost = simulate(chain, checkpointed)
     assert cost.seconds == plain.seconds + 5  # Fc0 Fn1 Fn2, then Fc0 Fn1 again: 1 s each

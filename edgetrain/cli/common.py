@@ -1,4 +1,4 @@
-"""Shared steps of the planning commands: the chain of a model, and the budget left for activations."""
+"""Shared steps of the planning commands: fixed memory, and the budget left for activations."""
 
 from __future__ import annotations
 

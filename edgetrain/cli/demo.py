@@ -20,32 +20,42 @@ from edgetrain.units import format_bytes
 
 @click.command(name="demo")
 @click.option("--steps", default=4, show_default=True, type=int, help="Training steps.")
-@click.option("--memory", default="300MB", show_default=True,
-              help="Device memory for the ResNet-18 run (plain autograd needs about 500 MB).")
+@click.option(
+    "--memory",
+    default="300MB",
+    show_default=True,
+    help="Device memory for the ResNet-18 run (plain autograd needs about 500 MB).",
+)
 @click.option("--batch", default=16, show_default=True, type=int)
 def demo(steps: int, memory: str, batch: int) -> None:
     """Reproduce the paper's memory tables, then train ResNet-18 within a small budget."""
     results: dict[tuple[str, int, int, int], tuple[float, float]] = {}
-    for name, depth, cell_batch, image, paper in track(paper_cells(), description="tables",
-                                                       console=console, transient=True):
+    for name, depth, cell_batch, image, paper in track(
+        paper_cells(), description="tables", console=console, transient=True
+    ):
         chain = model_chain(f"resnet{depth}", cell_batch, image, timing=False)
         ours = to_mb(paper_estimate(chain).total_bytes)
         results[(name, depth, cell_batch, image)] = (ours, paper)
-    for name, key, label, unit in (("I", "batch", "224x224, by batch", 1.0),
-                                   ("II", "image", "batch 1, by image side", 1.0),
-                                   ("III", "image", "batch 8, by image side (GB)", 1024.0)):
+    for name, key, label, unit in (
+        ("I", "batch", "224x224, by batch", 1.0),
+        ("II", "image", "batch 1, by image side", 1.0),
+        ("III", "image", "batch 8, by image side (GB)", 1024.0),
+    ):
         cells = {k: v for k, v in results.items() if k[0] == name}
         columns = sorted({k[2] if key == "batch" else k[3] for k in cells})
         rows = []
         for depth in PAPER_DEPTHS:
             row: list[str] = [f"ResNet-{depth}"]
             for c in columns:
-                k = next(k for k in cells if k[1] == depth and (k[2] if key == "batch" else k[3]) == c)
+                k = next(
+                    k for k in cells if k[1] == depth and (k[2] if key == "batch" else k[3]) == c
+                )
                 ours, paper = cells[k]
                 row.append(f"{ours / unit:.2f} ({100 * (ours / paper - 1):+.1f}%)")
             rows.append(row)
-        console.print(table(f"Table {name}: {label}; ours (error vs paper)",
-                            [key, *map(str, columns)], rows))
+        console.print(
+            table(f"Table {name}: {label}; ours (error vs paper)", [key, *map(str, columns)], rows)
+        )
     worst = max(results.items(), key=lambda kv: abs(kv[1][0] / kv[1][1] - 1))
     (name, depth, cell_batch, image), (ours, paper) = worst
     console.print(
@@ -55,19 +65,26 @@ def demo(steps: int, memory: str, batch: int) -> None:
     from edgetrain.cli.options import size
 
     budget = size(memory)
-    report = run_training("resnet18", budget, None, steps, batch, 224, "optimal", "momentum", 0.01,
-                          0, progress=True)
-    console.print(table(
-        f"ResNet-18, batch {batch}, 224x224, {steps} steps of SGD+momentum in {memory}",
-        ["", "value"],
-        [["plain autograd would need", format_bytes(float(report["plain_peak_bytes"]))],
-         ["predicted peak (plan)", format_bytes(float(report["predicted_peak_bytes"]))],
-         ["measured peak", format_bytes(float(report["measured_peak_bytes"]))],
-         ["recompute factor (plan)", f"{float(report['recompute_factor']):.3f}"],
-         ["median step time", f"{float(report['step_seconds']):.2f} s"],
-         ["loss first -> last",
-          f"{float(report['first_loss']):.3f} -> {float(report['last_loss']):.3f}"]],
-    ))
+    report = run_training(
+        "resnet18", budget, None, steps, batch, 224, "optimal", "momentum", 0.01, 0, progress=True
+    )
+    console.print(
+        table(
+            f"ResNet-18, batch {batch}, 224x224, {steps} steps of SGD+momentum in {memory}",
+            ["", "value"],
+            [
+                ["plain autograd would need", format_bytes(float(report["plain_peak_bytes"]))],
+                ["predicted peak (plan)", format_bytes(float(report["predicted_peak_bytes"]))],
+                ["measured peak", format_bytes(float(report["measured_peak_bytes"]))],
+                ["recompute factor (plan)", f"{float(report['recompute_factor']):.3f}"],
+                ["median step time", f"{float(report['step_seconds']):.2f} s"],
+                [
+                    "loss first -> last",
+                    f"{float(report['first_loss']):.3f} -> {float(report['last_loss']):.3f}",
+                ],
+            ],
+        )
+    )
 
 
 register(demo)

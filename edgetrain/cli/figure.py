@@ -25,25 +25,31 @@ def figure1(out: str, max_rho: float, as_json: bool) -> None:
     rows, verdict = claim(all_curves)
     _plot(all_curves, out, max_rho)
     if as_json:
-        emit_json({
-            "out": out,
-            "device_bytes": DEVICE_BYTES,
-            "claim_rho": CLAIM_RHO,
-            "claim_holds": verdict,
-            "claim_rows": [asdict(r) for r in rows],
-            "curves": [asdict(c) for c in all_curves],
-        })
+        emit_json(
+            {
+                "out": out,
+                "device_bytes": DEVICE_BYTES,
+                "claim_rho": CLAIM_RHO,
+                "claim_holds": verdict,
+                "claim_rows": [asdict(r) for r in rows],
+                "curves": [asdict(c) for c in all_curves],
+            }
+        )
         return
 
     def gib(v: int | None) -> str:
         return "-" if v is None else format_bytes(v)
 
-    console.print(table(
-        f"Least memory at recompute factor <= {CLAIM_RHO}, 500x500, batch 8 (device: 2 GiB)",
-        ["model", "revolve, 4 x weights", "optimal, 4 x weights", "optimal, weights once"],
-        [[f"LinearResNet-{r.depth}", gib(r.revolve_4w), gib(r.optimal_4w), gib(r.optimal_1w)]
-         for r in rows],
-    ))
+    console.print(
+        table(
+            f"Least memory at recompute factor <= {CLAIM_RHO}, 500x500, batch 8 (device: 2 GiB)",
+            ["model", "revolve, 4 x weights", "optimal, 4 x weights", "optimal, weights once"],
+            [
+                [f"LinearResNet-{r.depth}", gib(r.revolve_4w), gib(r.optimal_4w), gib(r.optimal_1w)]
+                for r in rows
+            ],
+        )
+    )
     for name, ok in verdict.items():
         console.print(f"claim under {name}: {'holds' if ok else 'does not hold'}")
     console.print(f"figure written to {out}")

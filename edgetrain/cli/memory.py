@@ -22,21 +22,49 @@ from edgetrain.units import format_bytes
 
 
 @click.command()
-@click.option("--models", default="resnet18,resnet34,resnet50,resnet101,resnet152",
-              show_default=True, help="Comma-separated model names.")
+@click.option(
+    "--models",
+    default="resnet18,resnet34,resnet50,resnet101,resnet152",
+    show_default=True,
+    help="Comma-separated model names.",
+)
 @click.option("--batch", default="1,3,5,10,30,50", show_default=True, help="Batch sizes.")
 @click.option("--image", default="224", show_default=True, help="Square image sides (pixels).")
-@click.option("--device-memory", default="2GiB", show_default=True,
-              help="Device memory; cells above it are marked (the paper's 2 GB Waggle node).")
-@click.option("--optimizer", type=click.Choice(sorted(OPTIMIZER_STATES)), default="adam",
-              show_default=True, help="Optimizer state in the autograd accounting.")
-@click.option("--measure", is_flag=True,
-              help="Also run a real forward+backward for cells that fit this machine.")
-@click.option("--measure-limit", default="3GiB", show_default=True,
-              help="Measure only cells whose autograd prediction is below this.")
+@click.option(
+    "--device-memory",
+    default="2GiB",
+    show_default=True,
+    help="Device memory; cells above it are marked (the paper's 2 GB Waggle node).",
+)
+@click.option(
+    "--optimizer",
+    type=click.Choice(sorted(OPTIMIZER_STATES)),
+    default="adam",
+    show_default=True,
+    help="Optimizer state in the autograd accounting.",
+)
+@click.option(
+    "--measure",
+    is_flag=True,
+    help="Also run a real forward+backward for cells that fit this machine.",
+)
+@click.option(
+    "--measure-limit",
+    default="3GiB",
+    show_default=True,
+    help="Measure only cells whose autograd prediction is below this.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def memory(models: str, batch: str, image: str, device_memory: str, optimizer: str,
-           measure: bool, measure_limit: str, as_json: bool) -> None:
+def memory(
+    models: str,
+    batch: str,
+    image: str,
+    device_memory: str,
+    optimizer: str,
+    measure: bool,
+    measure_limit: str,
+    as_json: bool,
+) -> None:
     """Memory to train each model (the paper's Tables I-III, and what autograd really holds).
 
     total_mb is the paper's accounting: 4 x weights (weights, gradients, two Adam buffers) plus
@@ -61,15 +89,26 @@ def memory(models: str, batch: str, image: str, device_memory: str, optimizer: s
     if as_json:
         emit_json({"unit": "MB", "device_memory_mb": round(to_mb(device), 2), "rows": rows})
         return
-    columns = ["model", "batch", "image", "fixed MB", "activations MB", "total MB",
-               "paper MB", "error", "autograd MB"]
+    columns = [
+        "model",
+        "batch",
+        "image",
+        "fixed MB",
+        "activations MB",
+        "total MB",
+        "paper MB",
+        "error",
+        "autograd MB",
+    ]
     if measure:
         columns.append("measured MB")
     shown = []
     for r in rows:
         style = "[bold red]" if not r["fits"] else ""
         cells = [
-            r["model"], r["batch"], r["image"],
+            r["model"],
+            r["batch"],
+            r["image"],
             f"{r['weights_mb'] + r['gradients_mb'] + r['optimizer_mb']:.2f}",
             f"{r['activations_mb'] + r['activation_gradients_mb']:.2f}",
             f"{style}{r['total_mb']:.2f}",
@@ -80,18 +119,23 @@ def memory(models: str, batch: str, image: str, device_memory: str, optimizer: s
         if measure:
             cells.append("" if r.get("measured_mb") is None else f"{r['measured_mb']:.2f}")
         shown.append(cells)
-    console.print(table(
-        "Memory to train (MB = 2^20 bytes)", columns, shown,
-        caption=f"red: above the device memory ({format_bytes(device)}); fixed: weights, "
-                "gradients, 2 Adam buffers; activations: layer outputs and their gradients; "
-                "total: paper accounting; autograd: plain PyTorch step with "
-                f"{optimizer} on this device"
-                + ("; measured: live tensor storages at the step's peak" if measure else ""),
-    ))
+    console.print(
+        table(
+            "Memory to train (MB = 2^20 bytes)",
+            columns,
+            shown,
+            caption=f"red: above the device memory ({format_bytes(device)}); fixed: weights, "
+            "gradients, 2 Adam buffers; activations: layer outputs and their gradients; "
+            "total: paper accounting; autograd: plain PyTorch step with "
+            f"{optimizer} on this device"
+            + ("; measured: live tensor storages at the step's peak" if measure else ""),
+        )
+    )
 
 
-def _row(name: str, batch: int, image: int, device: int, optimizer: str, measure: bool,
-         limit: int) -> dict[str, Any]:
+def _row(
+    name: str, batch: int, image: int, device: int, optimizer: str, measure: bool, limit: int
+) -> dict[str, Any]:
     chain = model_chain(name, batch, image, timing=False)
     paper = paper_estimate(chain)
     real = autograd_estimate(chain, optimizer)

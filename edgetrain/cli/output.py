@@ -26,8 +26,9 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *,
-          caption: str | None = None) -> Table:
+def table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, caption: str | None = None
+) -> Table:
     """A rich table with right-aligned columns after the first."""
     out = Table(title=title, caption=caption, caption_justify="left")
     for i, column in enumerate(columns):

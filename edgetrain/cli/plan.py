@@ -1,4 +1,4 @@
-"""``edgetrain plan``: the checkpointing plan of a model for a memory budget or a recompute factor."""
+"""``edgetrain plan``: a model's checkpointing plan for a memory budget or a recompute factor."""
 
 from __future__ import annotations
 
@@ -25,13 +25,26 @@ from edgetrain.units import format_bytes, mib
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="optimal", show_default=True)
 @click.option("--memory", default=None, help="Device memory for training, e.g. 2GB.")
 @click.option("--recompute", type=float, default=None, help="Largest recompute factor, e.g. 1.6.")
-@click.option("--optimizer", type=click.Choice(sorted(OPTIMIZER_STATES)), default="momentum",
-              show_default=True, help="Optimizer whose state the memory must also hold.")
+@click.option(
+    "--optimizer",
+    type=click.Choice(sorted(OPTIMIZER_STATES)),
+    default="momentum",
+    show_default=True,
+    help="Optimizer whose state the memory must also hold.",
+)
 @click.option("--save", "save_path", default=None, help="Write the plan to this JSON file.")
 @click.option("--json", "as_json", is_flag=True)
-def plan_command(model_name: str, batch: int, image: int, strategy: str, memory: str | None,
-                 recompute: float | None, optimizer: str, save_path: str | None,
-                 as_json: bool) -> None:
+def plan_command(
+    model_name: str,
+    batch: int,
+    image: int,
+    strategy: str,
+    memory: str | None,
+    recompute: float | None,
+    optimizer: str,
+    save_path: str | None,
+    as_json: bool,
+) -> None:
     """Plan which activations to store and which to recompute.
 
     The chain comes from shapes alone (meta tensors); stage times are FLOP estimates, so the
@@ -47,12 +60,22 @@ def plan_command(model_name: str, batch: int, image: int, strategy: str, memory:
     if as_json:
         emit_json(report)
         return
-    console.print(table(
-        f"{strategy} plan for {chain.name}, batch {batch}, {image}x{image}",
-        ["stage", "output MB", "forwards", "first forward", "recomputed"],
-        [[s["name"], f"{s['output_mb']:.2f}", s["forward_runs"], s["first_forward"],
-          s["recomputations"]] for s in report["stages"]],
-    ))
+    console.print(
+        table(
+            f"{strategy} plan for {chain.name}, batch {batch}, {image}x{image}",
+            ["stage", "output MB", "forwards", "first forward", "recomputed"],
+            [
+                [
+                    s["name"],
+                    f"{s['output_mb']:.2f}",
+                    s["forward_runs"],
+                    s["first_forward"],
+                    s["recomputations"],
+                ]
+                for s in report["stages"]
+            ],
+        )
+    )
     console.print(
         f"predicted peak {format_bytes(report['peak_bytes'])} "
         f"(fixed {format_bytes(fixed.total)} + activations "
@@ -63,8 +86,11 @@ def plan_command(model_name: str, batch: int, image: int, strategy: str, memory:
     )
 
 
-_FIRST = {Op.FORWARD_ALL: "keep graph", Op.FORWARD_CHECKPOINT: "checkpoint",
-          Op.FORWARD_NOSAVE: "drop"}
+_FIRST = {
+    Op.FORWARD_ALL: "keep graph",
+    Op.FORWARD_CHECKPOINT: "checkpoint",
+    Op.FORWARD_NOSAVE: "drop",
+}
 
 
 def describe(chain: Chain, schedule: Schedule, fixed_total: int) -> dict[str, Any]:

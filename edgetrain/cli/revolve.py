@@ -40,10 +40,15 @@ def revolve_command(steps: int, slots: int, as_json: bool) -> None:
     if as_json:
         emit_json(data)
         return
-    console.print(table(f"Revolve, {steps} steps, {slots} slots", ["count", "value"],
-                        [[k, v] for k, v in data.items()],
-                        caption="forward_steps counts advances (pyrevolve's numforw); the forward "
-                                "before each backward is fused with it"))
+    console.print(
+        table(
+            f"Revolve, {steps} steps, {slots} slots",
+            ["count", "value"],
+            [[k, v] for k, v in data.items()],
+            caption="forward_steps counts advances (pyrevolve's numforw); the forward "
+            "before each backward is fused with it",
+        )
+    )
 
 
 register(revolve_command)

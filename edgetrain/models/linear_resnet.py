@@ -19,7 +19,8 @@ def linear_resnet_chain(
 
     ``weight_bytes``: all parameters of ResNet-``depth`` (bytes). ``activation_bytes``: all
     activations of one training batch of ResNet-``depth`` (bytes). Each layer's output is
-    ``activation_bytes // depth``; autograd keeps exactly the layer's input (nothing else), a forward
+    ``activation_bytes // depth``; autograd keeps exactly the layer's input (nothing else), a
+    forward
     allocates its output, a backward allocates the input gradient; one time unit per pass.
     """
     per_layer = activation_bytes // depth

@@ -1,4 +1,4 @@
-"""The first 16 layers of YOLOv2 (Darknet ``yolov2.cfg``) as an ``nn.Sequential``, one child per layer.
+"""The first 16 layers of YOLOv2 (Darknet ``yolov2.cfg``) as an ``nn.Sequential``.
 
 Each convolutional layer is Conv2d (no bias) + BatchNorm2d + LeakyReLU(0.1) with "same" padding;
 each max-pool is 2×2 with stride 2. These are the feature-map-dominated layers that tile-parallel

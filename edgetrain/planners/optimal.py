@@ -4,8 +4,8 @@ Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova (2019), "Optimal checkpointing 
 chains: how to train deep neural networks with limited memory". For every sub-chain ``s..t``, every
 memory size ``m`` (in slots of ``slot_bytes``), and whether the sub-chain owns its input ``a[s]``
 (*unpinned*: it may drop it) or the input is held by an enclosing graph (*pinned*), the table holds
-the least time to backpropagate through ``s..t`` given ``a[s]`` and the gradient of ``a[t+1]``, within
-``m``. The two ways to start:
+the least time to backpropagate through ``s..t`` given ``a[s]`` and the gradient of ``a[t+1]``,
+within ``m``. The two ways to start:
 
 * **graph first**: ``Fa s``, then the sub-chain ``s+1..t`` (pinned: the graph holds ``a[s+1]``),
   then ``B s``;
@@ -108,7 +108,9 @@ class OptimalTable:
                     peak_f = own + grad_in + z.fwd_grad_peak[s]
                     if span == 0:
                         peak_b = graph + z.grad[s + 1] + z.bwd_peak[s]
-                        best = np.where(m >= max(peak_f, peak_b), z.fwd_time[s] + z.bwd_time[s], np.inf)
+                        best = np.where(
+                            m >= max(peak_f, peak_b), z.fwd_time[s] + z.bwd_time[s], np.inf
+                        )
                     else:
                         peak_b = graph + z.grad[s + 1] + after + z.bwd_peak[s]
                         inner = _shift(self._time[1, s + 1, t], graph)
@@ -120,7 +122,9 @@ class OptimalTable:
                         # Checkpoint at j: Fc s, Fn s+1..j-1, then j..t (owning a[j]), then s..j-1.
                         js = np.arange(s + 1, t + 1)
                         walk = np.maximum.accumulate(
-                            np.concatenate([[z.fwd_peak[s]], z.act[s + 1 : t] + z.fwd_peak[s + 1 : t]])
+                            np.concatenate(
+                                [[z.fwd_peak[s]], z.act[s + 1 : t] + z.fwd_peak[s + 1 : t]]
+                            )
                         )
                         peak_walk = own + grad_in + walk  # walk[j - s - 1]: peak of reaching a[j]
                         right = _shift_rows(self._time[0, s + 1 : t + 1, t], own)
@@ -143,7 +147,8 @@ class OptimalTable:
 
     def times(self) -> np.ndarray:
         """Least step time for every budget 0..slots (inf where none fits)."""
-        return self._time[1, 0, self.chain.length - 1].copy()
+        row: np.ndarray = self._time[1, 0, self.chain.length - 1].copy()
+        return row
 
     def smallest_feasible_slots(self) -> int | None:
         """Fewest slots any plan needs, or None if even ``slots`` is too few."""
@@ -198,7 +203,7 @@ def store_all(chain: Chain) -> Schedule:
 
 
 def _shift(values: np.ndarray, offset: int) -> np.ndarray:
-    """``out[m] = values[m - offset]`` (inf where ``m < offset``): the budget left after ``offset``."""
+    """``out[m] = values[m - offset]`` (inf where ``m < offset``): what is left after ``offset``."""
     offset = int(offset)
     if offset <= 0:
         return values.copy()
@@ -274,7 +279,10 @@ def _classic_plans(chain: Chain) -> list[Schedule]:
     from edgetrain.planners.sequential import sequential
 
     n = chain.length
-    return [*(sequential(chain, s) for s in range(1, n + 1)), *(revolve(chain, s) for s in range(1, n + 1))]
+    return [
+        *(sequential(chain, s) for s in range(1, n + 1)),
+        *(revolve(chain, s) for s in range(1, n + 1)),
+    ]
 
 
 def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS) -> float:

@@ -76,8 +76,16 @@ def revolve_steps(steps: int, slots: int) -> Schedule:
         )
     kinds: list[int] = []
     indices: list[int] = []
-    fc, fn, fa, bw, ds = (int(op) for op in (Op.FORWARD_CHECKPOINT, Op.FORWARD_NOSAVE,
-                                              Op.FORWARD_ALL, Op.BACKWARD, Op.DISCARD))
+    fc, fn, fa, bw, ds = (
+        int(op)
+        for op in (
+            Op.FORWARD_CHECKPOINT,
+            Op.FORWARD_NOSAVE,
+            Op.FORWARD_ALL,
+            Op.BACKWARD,
+            Op.DISCARD,
+        )
+    )
 
     def advance(start: int, count: int) -> None:
         """Forward ``count`` stages from the checkpoint ``a[start]``, keeping it."""

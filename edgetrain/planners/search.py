@@ -123,7 +123,7 @@ def _plan_optimal(
 
 
 def smallest_memory(chain: Chain, strategy: str = "optimal", slots: int = DEFAULT_SLOTS) -> int:
-    """The smallest peak (bytes) any plan of ``strategy`` reaches on ``chain``, whatever its time."""
+    """The smallest peak (bytes) a plan of ``strategy`` reaches on ``chain``, whatever its time."""
     if strategy == "optimal":
         schedule = optimal(chain, minimum_memory(chain, slots), slots)
         return simulate(chain, schedule).peak_bytes
