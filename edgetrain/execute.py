@@ -35,7 +35,7 @@ from edgetrain.planners import plan
 from edgetrain.planners.optimal import store_all
 from edgetrain.profile import profile
 from edgetrain.schedule import Cost, Op, Schedule, simulate
-from edgetrain.stages import run_backward, run_forward
+from edgetrain.stages import run_backward, run_forward, run_forward_with_grad
 from edgetrain.units import format_bytes, parse_bytes
 
 
@@ -200,7 +200,7 @@ class _Run:
         with self._replay(k, module):
             if kind is Op.FORWARD_ALL:
                 needs = k > 0 or self.input_requires_grad
-                self.graphs[k] = run_forward(module, x, grad=True, needs_input_grad=needs, stage=k)
+                self.graphs[k] = run_forward_with_grad(module, x, needs_input_grad=needs, stage=k)
             else:
                 self.plain[k + 1] = run_forward(module, x, stage=k)
         del x

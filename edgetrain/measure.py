@@ -73,6 +73,12 @@ class StorageCounter(TorchDispatchMode):
         return out
 
 
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each shared storage counted once)."""
+    sizes = {storage_key(t): int(t.untyped_storage().nbytes()) for t in tensors}
+    return sum(sizes.values())
+
+
 def module_bytes(module: torch.nn.Module) -> tuple[int, int, int]:
     """(parameter bytes, gradient bytes of trainable parameters, buffer bytes) of ``module``."""
     params = sum(p.numel() * p.element_size() for p in module.parameters())

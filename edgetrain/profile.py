@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, module_bytes, storage_key
-from edgetrain.stages import group_children, run_backward, run_forward
+from edgetrain.stages import group_children, run_backward, run_forward, run_forward_with_grad
 
 NOMINAL_FLOPS = 1e9
 """Speed (floating-point operations per second) that turns analytic op counts into seconds."""
@@ -192,7 +192,7 @@ def _profile_stage(
     with counter:
         base = counter.reset_peak()
         with layer_outputs:
-            out = run_forward(module, x, grad=False, stage=index, name=name)
+            out = run_forward(module, x, stage=index, name=name)
         forward_peak = counter.peak_bytes - base
         output_bytes = counter.live_bytes - base
 
@@ -204,8 +204,8 @@ def _profile_stage(
 
         base = counter.reset_peak()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            leaf, y = run_forward(
-                module, x, grad=True, needs_input_grad=needs_grad, stage=index, name=name
+            leaf, y = run_forward_with_grad(
+                module, x, needs_input_grad=needs_grad, stage=index, name=name
             )
         forward_grad_peak = counter.peak_bytes - base
         kept = counter.live_bytes - base
@@ -251,8 +251,8 @@ def _time_stage(
     backward: list[float] = []
     for _ in range(timer.repeats):
         start = time.perf_counter()
-        leaf, y = run_forward(
-            module, x, grad=True, needs_input_grad=needs_grad, stage=index, name=name
+        leaf, y = run_forward_with_grad(
+            module, x, needs_input_grad=needs_grad, stage=index, name=name
         )
         middle = time.perf_counter()
         run_backward(leaf, y, torch.ones_like(y))
@@ -268,8 +268,8 @@ def _count_flops(
 ) -> tuple[int, int]:
     counter = FlopCounterMode(display=False)
     with counter:
-        leaf, y = run_forward(
-            module, x, grad=True, needs_input_grad=needs_grad, stage=index, name=name
+        leaf, y = run_forward_with_grad(
+            module, x, needs_input_grad=needs_grad, stage=index, name=name
         )
     forward = counter.get_total_flops()
     counter = FlopCounterMode(display=False)

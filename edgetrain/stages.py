@@ -10,8 +10,6 @@ intact for recomputation and its output must be a tensor of its own.
 
 from __future__ import annotations
 
-from typing import overload
-
 import torch
 from torch import nn
 
@@ -19,32 +17,26 @@ from edgetrain.errors import InvalidInput
 from edgetrain.measure import storage_key
 
 
-@overload
 def run_forward(
-    module: nn.Module, x: torch.Tensor, *, grad: bool = ..., stage: int = ..., name: str = ...
-) -> torch.Tensor: ...
+    module: nn.Module, x: torch.Tensor, *, stage: int = 0, name: str = ""
+) -> torch.Tensor:
+    """Run one stage without building a graph; returns its output."""
+    with torch.no_grad():
+        out = module(x)
+    _check_output(out, stage, name)
+    return out
 
 
-def run_forward(
+def run_forward_with_grad(
     module: nn.Module,
     x: torch.Tensor,
     *,
-    grad: bool = False,
-    needs_input_grad: bool = False,
+    needs_input_grad: bool,
     stage: int = 0,
     name: str = "",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # type: ignore[misc]
-    """Run one stage.
-
-    ``grad=False``: forward without building a graph; returns the output. ``grad=True``: forward on
-    a detached leaf (requiring grad if ``needs_input_grad``) with a graph; returns
-    ``(leaf, output)``, ready for :func:`run_backward`.
-    """
-    if not grad:
-        with torch.no_grad():
-            out = module(x)
-        _check_output(out, stage, name)
-        return out
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run one stage on a detached leaf (requiring grad if ``needs_input_grad``), building its
+    graph; returns ``(leaf, output)``, ready for :func:`run_backward`."""
     leaf = x.detach().requires_grad_(needs_input_grad)
     with torch.enable_grad():
         out = module(leaf)

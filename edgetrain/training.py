@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
+from edgetrain.measure import StorageCounter, storage_bytes
 from edgetrain.memory import OPTIMIZER_STATES
 
 
@@ -52,10 +52,17 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.op
     return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "momentum" else 0.0)
 
 
-def held_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors``."""
-    sizes = {int(t.untyped_storage()._cdata): int(t.untyped_storage().nbytes()) for t in tensors}
-    return sum(sizes.values())
+def held_before_step(
+    params: list[nn.Parameter],
+    module: nn.Module,
+    opt: torch.optim.Optimizer,
+    inputs: list[torch.Tensor],
+) -> int:
+    """Bytes a training step starts with: weights, gradients, buffers, optimizer state, inputs."""
+    held: list[torch.Tensor] = [*params, *module.buffers(), *inputs]
+    held += [p.grad for p in params if p.grad is not None]
+    held += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return storage_bytes(held)
 
 
 def train(
@@ -86,12 +93,7 @@ def train(
         opt.zero_grad(set_to_none=False)
         start = time.perf_counter()
         if step == measure_at:
-            held = [*params, *net.buffers(), images, labels]
-            held += [p.grad for p in params if p.grad is not None]
-            held += [
-                v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
-            ]
-            before = held_bytes(held)
+            before = held_before_step(params, net, opt, [images, labels])
             counter = StorageCounter()
             with counter:
                 loss = loss_fn(net(images), labels)
