@@ -211,3 +211,18 @@ def test_table_times_decrease_with_memory():
     times = OptimalTable(chain, 1.0, 300).times()
     finite = times[np.isfinite(times)]
     assert finite.size > 0 and np.all(np.diff(finite) <= 1e-12)
+
+
+def test_long_chains_get_a_table_that_fits_in_memory(monkeypatch):
+    import edgetrain.planners.optimal as module
+
+    # A 40-stage chain with a 1 MiB table limit stands in for a 700-stage chain with 1 GiB.
+    monkeypatch.setattr(module, "TABLE_LIMIT_BYTES", 2**20)
+    chain = random_chain(random.Random(8), 40, scale=30)
+    assert module.max_slots(40) < 500
+    for rho in (1.2, 2.0):
+        assert simulate(chain, plan(chain, "optimal", recompute=rho)).recompute_factor <= rho
+    budget = simulate(chain, plan(chain, "optimal", recompute=2.0)).peak_bytes
+    assert simulate(chain, plan(chain, "optimal", memory=budget)).peak_bytes <= budget
+    with pytest.raises(InvalidInput, match="at most"):
+        OptimalTable(chain, 1.0, 500)

@@ -30,6 +30,13 @@ from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.schedule import Op, Schedule, simulate
 
 DEFAULT_SLOTS = 500
+TABLE_LIMIT_BYTES = 2**30
+"""Largest table (time and choice arrays) the planner builds; longer chains get fewer slots."""
+
+
+def max_slots(length: int) -> int:
+    """The most memory slots a table for a chain of ``length`` stages may have."""
+    return max(16, TABLE_LIMIT_BYTES // (2 * length * length * 12) - 1)
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,11 @@ class OptimalTable:
     def __init__(self, chain: Chain, slot_bytes: float, slots: int) -> None:
         if slot_bytes <= 0 or slots < 1:
             raise InvalidInput("the memory budget must be positive; give e.g. --memory 512MB")
+        if slots > max_slots(chain.length):
+            raise InvalidInput(
+                f"a table of {slots} slots for {chain.length} stages would exceed "
+                f"{TABLE_LIMIT_BYTES >> 20} MiB; use at most {max_slots(chain.length)} slots"
+            )
         self.chain = chain
         self.slot_bytes = float(slot_bytes)
         self.slots = int(slots)
@@ -236,6 +248,7 @@ def optimal(chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS) -> Sc
     """
     if memory_bytes <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
+    slots = min(slots, max_slots(chain.length))
     schedule = _fastest_within(chain, memory_bytes, slots)
     if schedule is None:
         smallest = minimum_memory(chain, slots)
@@ -292,6 +305,7 @@ def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS) -> float:
     resolution of the current answer, for the fewest slots that work; a candidate is accepted only
     if :func:`optimal` succeeds with it at its own resolution, so the answer is always usable.
     """
+    slots = min(slots, max_slots(chain.length))
     best = float(simulate(chain, store_all(chain)).peak_bytes)
     for _ in range(6):
         fewest = OptimalTable(chain, best / slots, slots).smallest_feasible_slots()

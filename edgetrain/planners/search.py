@@ -20,6 +20,7 @@ from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.planners.optimal import (
     DEFAULT_SLOTS,
     OptimalTable,
+    max_slots,
     minimum_memory,
     optimal,
     store_all,
@@ -112,14 +113,40 @@ def _plan_optimal(
         return optimal(chain, memory, slots)
     if recompute is None:
         return store_all(chain)
-    # One table over [0, store-all peak] (plus room for rounding) answers every budget.
-    slot_bytes = max(simulate(chain, store_all(chain)).peak_bytes, 1) / slots
-    table = OptimalTable(chain, slot_bytes, slots + 3 * chain.length + 8)
+    # One table over [0, 2 x the store-everything peak] answers every budget at once.
+    table, _slot_bytes = _curve_table(chain, slots)
     limit = recompute * (chain.forward_seconds + chain.backward_seconds) * (1 + _TOLERANCE)
+    candidates = [store_all(chain)]  # factor 1: always within any target >= 1
     ok = np.flatnonzero(table.times() <= limit)
-    if not ok.size:  # unreachable for recompute >= 1: storing everything has factor 1
-        raise InfeasibleBudget(f"no plan keeps the recompute factor at {recompute}", None)
-    return table.schedule(int(ok[0]), {"recompute_target": recompute})
+    if ok.size:
+        candidates.append(table.schedule(int(ok[0]), {"recompute_target": recompute}))
+    costs = [(simulate(chain, s), s) for s in candidates]
+    fitting = [(c, s) for c, s in costs if c.recompute_factor <= recompute + _TOLERANCE]
+    best = min(fitting, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds))[1]
+    return Schedule(
+        best.length,
+        best.kinds,
+        best.indices,
+        "optimal",
+        {**best.params, "recompute_target": recompute, "from": best.strategy},
+    )
+
+
+def _curve_table(chain: Chain, slots: int) -> tuple[OptimalTable, float]:
+    """A table whose budgets run from 0 to twice the store-everything peak (rounding room)."""
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    cap = max_slots(chain.length)
+    unit = _common_unit(chain)
+    if unit and 2 * everything / unit <= min(8 * slots, cap):
+        slot_bytes = float(unit)  # every size is a whole number of units: no rounding at all
+    else:
+        slot_bytes = max(everything, 1) / min(slots, cap // 2)
+    size = min(cap, math.ceil(2 * everything / slot_bytes) + 1)
+    return OptimalTable(chain, slot_bytes, size), slot_bytes
+
+
+def _classic(chain: Chain) -> list[Schedule]:
+    return [*_sequential_family(chain), *_revolve_family(chain)]
 
 
 def smallest_memory(chain: Chain, strategy: str = "optimal", slots: int = DEFAULT_SLOTS) -> int:
@@ -145,17 +172,16 @@ def tradeoff(
     plain = chain.forward_seconds + chain.backward_seconds
     points: list[tuple[float, int]]
     if strategy == "optimal":
-        everything = simulate(chain, store_all(chain)).peak_bytes
-        slot_bytes = max(everything, 1) / slots
-        unit = _common_unit(chain)
-        if unit and everything / unit <= 4 * slots:
-            slot_bytes = unit  # every size is a whole number of units: no rounding at all
-        count = math.ceil(everything / slot_bytes)
-        times = OptimalTable(chain, slot_bytes, count + 3 * chain.length + 8).times()
+        table, slot_bytes = _curve_table(chain, slots)
         points = [
             (float(t) / plain, math.ceil(m * slot_bytes))
-            for m, t in enumerate(times)
+            for m, t in enumerate(table.times())
             if math.isfinite(t)
+        ]
+        # Plans the slot rounding may have priced out of the table.
+        points += [
+            (c.recompute_factor, c.peak_bytes)
+            for c in (simulate(chain, s) for s in [store_all(chain), *_classic(chain)])
         ]
     else:
         family = _sequential_family if strategy == "sequential" else _revolve_family
