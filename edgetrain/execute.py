@@ -23,6 +23,8 @@ Contract (compare ``torch.utils.checkpoint``):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,9 @@ from edgetrain.profile import profile
 from edgetrain.schedule import Cost, Op, Schedule, simulate
 from edgetrain.stages import run_backward, run_forward, run_forward_with_grad
 from edgetrain.units import format_bytes, parse_bytes
+
+
+_RngState = tuple[torch.Tensor, list[torch.Tensor]]  # CPU generator state, CUDA states
 
 
 class Checkpointed(nn.Module):
@@ -171,8 +176,8 @@ class _Run:
     stages: list[nn.Module]
     plain: dict[int, torch.Tensor] = field(default_factory=dict)
     graphs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    grads: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    rng: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    rng: dict[int, _RngState] = field(default_factory=dict)
     input_requires_grad: bool = False
     done: bool = False
 
@@ -189,8 +194,10 @@ class _Run:
             elif kind is Op.BACKWARD:
                 leaf, out = self.graphs.pop(k)
                 grad = self.grads.pop(k + 1)
-                self.grads[k] = run_backward(leaf, out, grad)  # type: ignore[arg-type]
-                del leaf, out, grad
+                grad_input = run_backward(leaf, out, grad)
+                if grad_input is not None:  # None for an input that needs no gradient
+                    self.grads[k] = grad_input
+                del leaf, out, grad, grad_input
             else:
                 self._forward(kind, k)
 
@@ -207,56 +214,43 @@ class _Run:
         if kind is Op.FORWARD_NOSAVE and k > 0:
             self.plain.pop(k, None)
 
-    def _replay(self, k: int, module: nn.Module) -> Any:
+    def _replay(self, k: int, module: nn.Module) -> AbstractContextManager[None]:
         """First run of stage k: remember its RNG state. Later runs: replay it, keep buffers."""
         if k not in self.rng:
             self.rng[k] = _rng_state()
-            return _Nothing()
-        return _Recompute(self.rng[k], module)
+            return nullcontext()
+        return _recomputing(self.rng[k], module)
 
 
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _Recompute:
-    """Replays a stage's first RNG state, on copies of its buffers.
+@contextmanager
+def _recomputing(state: _RngState, module: nn.Module) -> Iterator[None]:
+    """Replay a stage's first RNG state, on copies of its buffers.
 
     The recomputation updates the copies (BatchNorm running statistics ...), which are then
-    dropped; the module's own buffers are untouched and the graph may keep the copies it saved.
+    dropped: the module's own buffers are untouched, and a graph may keep the copies it saved.
     """
-
-    def __init__(self, state: tuple[torch.Tensor, list[torch.Tensor]], module: nn.Module) -> None:
-        self.state = state
-        self.module = module
-        self.originals: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = []
-
-    def __enter__(self) -> None:
-        self.outer = _rng_state()
-        _set_rng_state(self.state)
-        for sub in self.module.modules():
-            for name, buffer in sub._buffers.items():
-                if buffer is not None:
-                    self.originals.append((sub._buffers, name, buffer))
-                    sub._buffers[name] = buffer.detach().clone()
-
-    def __exit__(self, *exc: object) -> None:
-        for buffers, name, original in self.originals:
+    outer = _rng_state()
+    _set_rng_state(state)
+    swapped: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = []
+    for sub in module.modules():
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                swapped.append((sub._buffers, name, buffer))
+                sub._buffers[name] = buffer.detach().clone()
+    try:
+        yield
+    finally:
+        for buffers, name, original in swapped:
             buffers[name] = original
-        self.originals = []
-        _set_rng_state(self.outer)
+        _set_rng_state(outer)
 
 
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _rng_state() -> _RngState:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
     return torch.get_rng_state(), cuda
 
 
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+def _set_rng_state(state: _RngState) -> None:
     torch.set_rng_state(state[0])
     if state[1]:
         torch.cuda.set_rng_state_all(state[1])

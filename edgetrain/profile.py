@@ -53,7 +53,7 @@ LAYER_TYPES: tuple[type[nn.Module], ...] = (
 """Layers whose outputs the paper's memory model counts as activations (no pooling, no reshapes)."""
 
 
-def profile(model: nn.Module, sample_input: torch.Tensor, *, repeats: int = 5) -> Chain:
+def profile(model: nn.Module, sample_input: torch.Tensor, *, repeats: int = 3) -> Chain:
     """Measure ``model`` (an ``nn.Sequential``) on ``sample_input`` on this device.
 
     Each child is one stage (children that return a view of their input or change it in place are
