@@ -1,0 +1,8 @@
+"""Device and link profiles (data with sources) for the tile-parallel cost model; pure."""
+
+from __future__ import annotations
+
+from edgetrain.devices.catalog import CLUSTERS
+from edgetrain.devices.profile import Cluster, Device, Link, cluster_from_json, load
+
+__all__ = ["CLUSTERS", "Cluster", "Device", "Link", "cluster_from_json", "load"]
