@@ -34,6 +34,7 @@ from edgetrain.distributed.tiling import (
     TilePlan,
     Transfer,
     check_grouping,
+    parse_groups,
     plan_group,
 )
 
@@ -262,3 +263,20 @@ def grid_for(devices: int) -> Grid:
         return GRIDS[devices]
     rows = max(r for r in range(1, int(devices**0.5) + 1) if devices % r == 0)
     return Grid(rows, devices // rows)
+
+
+def choose_grouping(
+    spec: str,
+    net: Network,
+    grid: Grid,
+    cluster: Cluster,
+    batch: int = 1,
+    element_bytes: int = 4,
+) -> Grouping:
+    """``"auto"``: the grouping :func:`optimise` finds for ``cluster``; else as written."""
+    if spec.strip().lower() == "auto":
+        return optimise(net, grid, cluster, batch, element_bytes).grouping
+    grouping = parse_groups(spec, len(net.layers))
+    for first, last in grouping:
+        plan_group(net, grid, first, last)  # raises InvalidInput for a grid the maps cannot hold
+    return grouping

@@ -504,24 +504,29 @@ class TilePlan:
         """Forward work all ranks do beyond the untiled network (the halo recomputation)."""
         return sum(self.macs(r) for r in range(self.ranks)) - self.network.macs()
 
-    def halo_elements(self, rank: int) -> int:
-        """Feature-map elements ``rank`` sends in the forward halo exchanges of one image.
+    def halo_elements(self, rank: int, direction: str = "sent") -> int:
+        """Feature-map elements of one image ``rank`` sends (or receives) in forward halos.
 
-        The backward pass sends the same number back as gradient halos.
+        ``direction`` is ``"sent"`` or ``"received"``. The backward pass moves the same regions
+        the other way: a rank sends as gradient halos what it received as halos.
         """
         total = 0
         for group in self.groups:
             channels = self.network.layers[group.first].in_channels
-            total += sum(t.region.area * channels for t in group.transfers() if t.src == rank)
+            for t in group.transfers():
+                if (t.src if direction == "sent" else t.dst) == rank:
+                    total += t.region.area * channels
         return total
 
     def halo_bytes_sent(self, rank: int, batch: int, element_bytes: int) -> int:
-        """Bytes ``rank`` sends per training step: forward halos plus backward gradient halos."""
-        return 2 * self.halo_elements(rank) * batch * element_bytes
+        """Bytes ``rank`` sends per training step: its forward halos plus the gradient halos of
+        what it received."""
+        elements = self.halo_elements(rank, "sent") + self.halo_elements(rank, "received")
+        return elements * batch * element_bytes
 
     def messages(self, rank: int) -> int:
-        """Point-to-point messages ``rank`` sends per training step (both directions)."""
-        return 2 * sum(1 for g in self.groups for t in g.transfers() if t.src == rank)
+        """Point-to-point messages ``rank`` sends per training step (forward and backward)."""
+        return sum(1 for g in self.groups for t in g.transfers() if rank in (t.src, t.dst))
 
 
 def plan(net: Network, grid: Grid, grouping: Grouping) -> TilePlan:
