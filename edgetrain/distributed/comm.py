@@ -1,0 +1,183 @@
+"""One rank's view of the cluster: gloo point-to-point and collectives, counting bytes (torch).
+
+:class:`Comm` wraps a ``torch.distributed`` gloo process group. It is built either for local
+workers (a file store in a temporary directory, the gloo device bound to the given address,
+loopback by default, so nothing listens on other interfaces) or from the ``torchrun``
+environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``). Every operation
+has the process group's timeout, so a peer that died or hangs turns into an exception instead
+of an endless wait.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank handed to the network.
+
+    ``halo_bytes`` counts point-to-point sends (halos and gradient halos) exactly;
+    ``collective_bytes`` counts the payload this rank contributes to collectives (batch-norm
+    statistics, weight gradients). What gloo puts on the wire for a collective depends on its
+    algorithm (a ring all-reduce sends about twice the payload).
+    """
+
+    halo_bytes: int = 0
+    halo_messages: int = 0
+    collective_bytes: int = 0
+    collectives: int = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.halo_bytes + self.collective_bytes
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Comm:
+    """Send, receive and reduce tensors among ``size`` ranks (``size == 1``: all local no-ops)."""
+
+    def __init__(self, backend: dist.ProcessGroupGloo | None, rank: int, size: int) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.size = size
+        self.traffic = Traffic()
+
+    # --- construction ---------------------------------------------------------------------
+
+    @staticmethod
+    def solo() -> Comm:
+        """A cluster of one: collectives return their input."""
+        return Comm(None, 0, 1)
+
+    @staticmethod
+    def gloo(
+        store: dist.Store, rank: int, size: int, address: str | None, timeout_seconds: float
+    ) -> Comm:
+        """A gloo group over ``store``; its sockets bind to ``address`` (None: gloo's default).
+
+        gloo's default follows ``GLOO_SOCKET_IFNAME`` or the host name's address.
+        """
+        options = dist.ProcessGroupGloo._Options()
+        if address:
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        else:
+            options._devices = [dist.ProcessGroupGloo.create_default_device()]
+        options._timeout = datetime.timedelta(seconds=timeout_seconds)
+        backend = dist.ProcessGroupGloo(dist.PrefixStore("edgetrain", store), rank, size, options)
+        return Comm(backend, rank, size)
+
+    @staticmethod
+    def from_file(path: str, rank: int, size: int, address: str, timeout_seconds: float) -> Comm:
+        """Local workers meet through a file store (no listening socket for the rendezvous)."""
+        return Comm.gloo(dist.FileStore(path, size), rank, size, address, timeout_seconds)
+
+    @staticmethod
+    def from_torchrun(address: str | None, timeout_seconds: float) -> tuple[Comm, dist.Store]:
+        """Join the group ``torchrun`` set up (reads its environment variables)."""
+        store, rank, size = next(
+            iter(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=timeout_seconds)))
+        )
+        store.set_timeout(datetime.timedelta(seconds=timeout_seconds))
+        return Comm.gloo(store, rank, size, address, timeout_seconds), store
+
+    # --- operations -----------------------------------------------------------------------
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        receives: Sequence[tuple[int, torch.Tensor]],
+        tag: int,
+    ) -> None:
+        """Send ``(peer, tensor)`` pairs and fill ``(peer, buffer)`` pairs, all at once.
+
+        Every receive is posted before any send and all are waited for together, so neighbours
+        exchanging in both directions cannot deadlock whatever order they call in.
+        """
+        if self.backend is None:
+            if sends or receives:
+                raise AssertionError("a cluster of one has no peers to exchange with")
+            return
+        works = [self.backend.recv([buf], peer, tag) for peer, buf in receives]
+        for peer, tensor in sends:
+            works.append(self.backend.send([tensor.contiguous()], peer, tag))
+            self.traffic.halo_bytes += _nbytes(tensor)
+            self.traffic.halo_messages += 1
+        for work in works:
+            work.wait()
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over all ranks, in place (it must be contiguous)."""
+        if self.backend is not None:
+            self.backend.allreduce([tensor]).wait()
+            self.traffic.collective_bytes += _nbytes(tensor)
+            self.traffic.collectives += 1
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor``, in rank order."""
+        if self.backend is None:
+            return [tensor]
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.backend.allgather([out], [tensor.contiguous()]).wait()
+        self.traffic.collective_bytes += _nbytes(tensor)
+        self.traffic.collectives += 1
+        return out
+
+    def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` with rank ``root``'s, in place."""
+        if self.backend is not None:
+            self.backend.broadcast(tensor, root).wait()
+        return tensor
+
+    def barrier(self) -> None:
+        if self.backend is not None:
+            self.backend.barrier().wait()
+
+
+def listening_addresses() -> list[str]:
+    """``address:port`` of every TCP socket this process listens on (Linux; else empty)."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    inodes = set()
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(_decode(fields[1], width))
+    return found
+
+
+def _decode(text: str, width: int) -> str:
+    address, port = text.split(":")
+    raw = bytes.fromhex(address)
+    if width == 8:
+        host = ".".join(str(b) for b in reversed(raw))
+    else:  # four little-endian 32-bit words
+        words = [raw[i : i + 4][::-1] for i in range(0, 16, 4)]
+        host = ":".join(b"".join(words)[i : i + 2].hex() for i in range(0, 16, 2))
+    return f"{host}:{int(port, 16)}"
