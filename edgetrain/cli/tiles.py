@@ -1,0 +1,181 @@
+"""``edgetrain tiles``: train a few steps tile-parallel on local workers and report each rank."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from edgetrain.cli.main import register
+from edgetrain.cli.output import console, emit_json, table
+from edgetrain.errors import InvalidInput
+from edgetrain.units import format_bytes
+
+TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
+"""Largest relative difference ``--check`` accepts per precision."""
+
+
+def _positive(value: float, name: str) -> None:
+    if value <= 0:
+        raise InvalidInput(f"--{name} must be positive, got {value}; e.g. --{name} 1")
+
+
+@click.command("tiles")
+@click.option("--model", default="yolov2-16", show_default=True, help="Model to train.")
+@click.option("--grid", "grid_text", default="2x2", show_default=True, help="Tiles: rows x cols.")
+@click.option("--image", type=int, default=416, show_default=True, help="Image size in pixels.")
+@click.option("--batch", type=int, default=1, show_default=True, help="Images per step.")
+@click.option(
+    "--groups",
+    default="auto",
+    show_default=True,
+    help='Layer groups: auto (cost model), per-layer, 1 (one group) or ranges "0-3,4-7,8-15".',
+)
+@click.option("--steps", type=int, default=3, show_default=True, help="Training steps.")
+@click.option(
+    "--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True
+)
+@click.option(
+    "--profile",
+    default="pi3-ethernet",
+    show_default=True,
+    help="Cluster profile --groups auto optimises for (name or .json file).",
+)
+@click.option("--address", default="127.0.0.1", show_default=True, help="Address workers bind.")
+@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds per op.")
+@click.option("--threads", type=int, default=1, show_default=True, help="Threads per worker.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--check", is_flag=True, help="Also run one process and compare (max_rel_diff).")
+def tiles(
+    model: str,
+    grid_text: str,
+    image: int,
+    batch: int,
+    groups: str,
+    steps: int,
+    dtype: str,
+    profile: str,
+    address: str,
+    timeout: float,
+    threads: int,
+    seed: int,
+    as_json: bool,
+    check: bool,
+) -> None:
+    """Train MODEL for a few steps with one local worker per tile (torch.distributed, gloo).
+
+    Prints per rank the peak tensor memory, the median step time and the bytes sent, and the
+    layer groups used. Across boards use torchrun (docs/tiles.md).
+    """
+    import torch
+
+    from edgetrain.devices import load
+    from edgetrain.distributed.grouping import choose_grouping, plan_cost
+    from edgetrain.distributed.launch import run_local
+    from edgetrain.distributed.layers import describe
+    from edgetrain.distributed.tiling import format_grouping, parse_grid, plan
+    from edgetrain.distributed.worker import TileJob
+    from edgetrain.models import build, canonical_name, check_image
+
+    for value, name in ((image, "image"), (batch, "batch"), (steps, "steps")):
+        _positive(value, name)
+    _positive(timeout, "timeout")
+    _positive(threads, "threads")
+    grid = parse_grid(grid_text)
+    name = canonical_name(model)
+    check_image(name, image)
+    torch.manual_seed(seed)
+    network_model = build(name)
+    element = 8 if dtype == "float64" else 4
+    net = describe(network_model, 3, image, image)
+    cluster = load(profile)
+    grouping = choose_grouping(groups, net, grid, cluster, batch, element)
+    tile_plan = plan(net, grid, grouping)
+    job = TileJob(
+        network_model, (image, image), batch, grid, grouping, steps, dtype, seed, collect=check
+    )
+    results = run_local([job], address=address, threads=threads, timeout=timeout)[0]
+    predicted = [tile_plan.halo_bytes_sent(r, batch, element) for r in range(grid.size)]
+    cost = plan_cost(tile_plan, cluster, batch, element)
+    doc: dict[str, Any] = {
+        "model": name,
+        "grid": str(grid),
+        "image": image,
+        "batch": batch,
+        "dtype": dtype,
+        "steps": steps,
+        "groups": format_grouping(grouping),
+        "redundant_compute": tile_plan.redundant_macs / net.macs(),
+        "predicted_seconds": {"profile": cluster.name, "step_seconds": cost.seconds},
+        "ranks": [
+            {
+                **r.summary(),
+                "tile": [
+                    r.output_region.top,
+                    r.output_region.bottom,
+                    r.output_region.left,
+                    r.output_region.right,
+                ],
+                "predicted_halo_bytes": predicted[r.rank] * steps,
+            }
+            for r in results
+        ],
+    }
+    failed = False
+    if check:
+        from edgetrain.distributed.check import max_relative_difference, reference
+
+        diff = max_relative_difference(job, results, reference(job))
+        doc["max_rel_diff"] = diff
+        doc["tolerance"] = TOLERANCE[dtype]
+        failed = not diff <= TOLERANCE[dtype]
+    if as_json:
+        emit_json(doc)
+    else:
+        _print(doc)
+    if failed:
+        raise click.exceptions.Exit(1)
+
+
+def _print(doc: dict[str, Any]) -> None:
+    rows = [
+        (
+            str(r["rank"]),
+            "{}:{} x {}:{}".format(*r["tile"]),
+            format_bytes(r["peak_bytes"]),
+            f"{r['step_seconds']:.3f} s",
+            format_bytes(r["halo_bytes"]),
+            format_bytes(r["collective_bytes"]),
+            format_bytes(r["bytes_sent"]),
+        )
+        for r in doc["ranks"]
+    ]
+    caption = (
+        f"groups {doc['groups']} · redundant compute {100 * doc['redundant_compute']:.1f}% · "
+        f"{doc['predicted_seconds']['profile']} would take "
+        f"{doc['predicted_seconds']['step_seconds']:.2f} s/step"
+    )
+    if "max_rel_diff" in doc:
+        verdict = "ok" if doc["max_rel_diff"] <= doc["tolerance"] else "MISMATCH"
+        caption += f"\ncheck: max_rel_diff {doc['max_rel_diff']:.2e} ({verdict})"
+    console.print(
+        table(
+            f"{doc['model']} on a {doc['grid']} grid, image {doc['image']}, batch {doc['batch']}, "
+            f"{doc['dtype']}, {doc['steps']} steps",
+            (
+                "rank",
+                "tile (rows x cols)",
+                "peak memory",
+                "step",
+                "halo sent",
+                "collectives",
+                "bytes sent",
+            ),
+            rows,
+            caption=caption,
+        )
+    )
+
+
+register(tiles)

@@ -1,0 +1,90 @@
+"""``edgetrain tiles``: runs local workers, reports per rank, checks, and rejects bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from torch import nn
+
+from edgetrain.cli import commands  # noqa: F401  (registers the commands)
+from edgetrain.cli.main import cli
+from edgetrain.distributed.layers import describe
+from edgetrain.errors import InvalidInput
+
+
+def _run(*args: str):
+    """``edgetrain tiles`` with ``args``; a single string is split on spaces."""
+    words = args[0].split() if len(args) == 1 else list(args)
+    return CliRunner().invoke(cli, ["tiles", *words])
+
+
+def test_json_reports_every_rank_and_check_agrees_with_one_process():
+    result = _run(
+        "--grid 1x2 --image 32 --groups per-layer --steps 2 --dtype float64 --json --check"
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["groups"] == ",".join(str(i) for i in range(16))
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    for rank in doc["ranks"]:
+        assert rank["peak_bytes"] > 0 and rank["step_seconds"] > 0 and rank["bytes_sent"] > 0
+        assert rank["halo_bytes"] == rank["predicted_halo_bytes"]
+    assert doc["max_rel_diff"] < 1e-10
+
+
+def test_table_output_names_the_groups_chosen_automatically():
+    result = _run("--grid", "1x2", "--image", "32", "--steps", "1", "--profile", "pi3-wifi")
+    assert result.exit_code == 0, result.output
+    assert "groups " in result.output and "rank" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--grid", "2by2"], "cannot read grid '2by2'"),
+        (["--grid", "3x3", "--image", "32"], "grid 3x3 has more tiles than the 2x2 output"),
+        (["--image", "50"], "use an image size that is a multiple of 16"),
+        (["--groups", "0-3,5-15"], "must be consecutive ranges"),
+        (["--groups", "0-3"], "end the last group at 15"),
+        (["--model", "resnet18"], "has a second window"),
+        (["--model", "vgg"], "unknown model"),
+        (["--steps", "0"], "--steps must be positive"),
+        (["--profile", "mars"], "unknown profile"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_status_2(args, message):
+    result = _run(*args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+
+
+def test_a_layer_tiling_cannot_split_is_named():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 64, 2))
+    with pytest.raises(InvalidInput, match=r"layer 1 \(Flatten\) contains Flatten"):
+        describe(model, 3, 8, 8)
+
+
+def test_torchrun_starts_ranks_that_find_each_other_and_report():
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    worker = (
+        "-m edgetrain.distributed.worker --model yolov2-16 --grid 1x2 --image 32 --steps 2 "
+        "--groups per-layer --bind 127.0.0.1 --timeout 60 --threads 1"
+    )
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "2", *worker.split()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads(done.stdout)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    assert doc["ranks"][0]["loss"] == doc["ranks"][1]["loss"]
+    assert all(r["halo_bytes"] > 0 for r in doc["ranks"])
