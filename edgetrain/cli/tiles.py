@@ -130,6 +130,11 @@ def tiles(
         doc["max_rel_diff"] = diff
         doc["tolerance"] = TOLERANCE[dtype]
         failed = not diff <= TOLERANCE[dtype]
+        if failed and dtype == "float32":
+            doc["hint"] = (
+                "float32 runs can split where an activation lies within rounding of a LeakyReLU "
+                "kink or a max-pool tie; rerun with --dtype float64 for an exact check"
+            )
     if as_json:
         emit_json(doc)
     else:
@@ -159,6 +164,8 @@ def _print(doc: dict[str, Any]) -> None:
     if "max_rel_diff" in doc:
         verdict = "ok" if doc["max_rel_diff"] <= doc["tolerance"] else "MISMATCH"
         caption += f"\ncheck: max_rel_diff {doc['max_rel_diff']:.2e} ({verdict})"
+        if "hint" in doc:
+            caption += f"\n{doc['hint']}"
     console.print(
         table(
             f"{doc['model']} on a {doc['grid']} grid, image {doc['image']}, batch {doc['batch']}, "

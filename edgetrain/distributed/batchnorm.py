@@ -16,7 +16,8 @@ of ``y`` and ``x̂ = (x - mean) * invstd``::
 
 where the sums run over every rank's whole local region (all-reduced) and the correction applies
 only to owned pixels. The weight and bias gradients returned are this rank's local sums; the
-weight-gradient all-reduce after backward adds them up.
+weight-gradient all-reduce after backward adds them up. Both exchanges are a few hundred bytes
+per layer (:meth:`Comm.gather_small`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         total = x.new_zeros(channels)
         g_mean = x.new_zeros(channels)
         g_m2 = x.new_zeros(channels)
-        for part in comm.all_gather(packed):  # Chan et al.: combine (n, mean, M2) pairwise
+        for part in comm.gather_small(packed):  # Chan et al.: combine (n, mean, M2) pairwise
             n_b, mean_b, m2_b = part[0], part[1], part[2]
             new_total = total + n_b
             delta = mean_b - g_mean
@@ -89,7 +90,10 @@ class _GlobalBatchNorm(torch.autograd.Function):
         dx, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
             grad, x, weight, mean, var, None, None, False, ctx.eps, [True, True, True]
         )
-        sums = ctx.comm.all_reduce_(torch.stack([sum_g, sum_gx]))  # a copy: locals stay
+        parts = ctx.comm.gather_small(torch.stack([sum_g, sum_gx]))
+        sums = parts[0].clone()
+        for part in parts[1:]:  # in rank order: the same sums, bit for bit, on every rank
+            sums += part
         # Owned pixels also move the mean and variance: subtract (Σg + x̂ Σgx̂) · w·invstd / N,
         # which is k1 * x + k0 per channel with x̂ = (x - mean) * invstd.
         invstd = torch.rsqrt(var + ctx.eps)

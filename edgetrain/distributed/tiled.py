@@ -3,10 +3,11 @@
 Per group: the halo exchange assembles the region the rank needs of the group input (the first
 group reads it straight from the data), then each layer runs on the local region with its
 padding applied only where the region touches the true image border (zeros for convolutions and
-average pooling, -inf for max pooling, as torch pads them) and the layer's own padding set to
-zero. Batch norm uses the statistics of the whole map (:mod:`edgetrain.distributed.batchnorm`).
-The result is the rank's tile of the last layer's output. Autograd records all of it, halo
-exchanges included, so one ``backward()`` runs the groups in reverse with gradient halos.
+average pooling, -inf for max pooling, as torch pads them; the exchange writes the first layer's
+padding as it assembles) and the layer's own padding set to zero. Batch norm uses the statistics
+of the whole map (:mod:`edgetrain.distributed.batchnorm`). The result is the rank's tile of the
+last layer's output. Autograd records all of it, halo exchanges included, so one ``backward()``
+runs the groups in reverse with gradient halos.
 """
 
 from __future__ import annotations
@@ -51,7 +52,13 @@ class TiledNetwork:
         self.comm = comm
         self.rank = comm.rank
         self.ops = model_ops(model)
-        self.halos = tuple(HaloSpec.of(g, self.rank, i) for i, g in enumerate(plan.groups))
+        self.halos = tuple(
+            HaloSpec.of(g, self.rank, i, self._fill(g.first)) for i, g in enumerate(plan.groups)
+        )
+
+    def _fill(self, layer: int) -> float:
+        """The padding value of ``layer``'s window: -inf for max pooling, else 0."""
+        return float("-inf") if isinstance(self.ops[layer].window, nn.MaxPool2d) else 0.0
 
     @property
     def input_region(self) -> Region:
@@ -69,18 +76,19 @@ class TiledNetwork:
             if index > 0:
                 x = exchange_halo(x, self.halos[index], self.comm)
             for step, layer in enumerate(group.layers):
-                x = self._layer(x, group, step, layer)
+                x = self._layer(x, group, step, layer, padded=index > 0 and step == 0)
         return x
 
     __call__ = forward
 
-    def _layer(self, x: torch.Tensor, group: GroupPlan, step: int, layer: int) -> torch.Tensor:
+    def _layer(
+        self, x: torch.Tensor, group: GroupPlan, step: int, layer: int, padded: bool
+    ) -> torch.Tensor:
         ops = self.ops[layer]
         if ops.window is not None:
             pads = group.pads(step, self.rank)
-            if any(pads):
-                fill = float("-inf") if isinstance(ops.window, nn.MaxPool2d) else 0.0
-                x = functional.pad(x, pads, value=fill)
+            if any(pads) and not padded:  # a halo exchange pads while it assembles
+                x = functional.pad(x, pads, value=self._fill(layer))
             x = _window(ops.window, x)
         owned = group.owned(step + 1, self.rank).relative_to(group.computed(step + 1, self.rank))
         owned_slices = region_slices(owned)[2:]

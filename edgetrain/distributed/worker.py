@@ -164,33 +164,36 @@ def squared_error(out: torch.Tensor, target: torch.Tensor, count: int) -> torch.
     return (out - target).square().sum() / count
 
 
-def all_reduce_gradients(parameters: list[nn.Parameter], comm: Comm) -> None:
-    """Sum every parameter's gradient over the ranks, in place.
+class GradientSync:
+    """Sum every parameter's gradient over the ranks while backward is still running.
 
-    Gradients of at most :data:`BUCKET_ELEMENTS` elements are packed into one buffer per
-    bucket so that the many small batch-norm gradients cost a few collectives, not dozens; the
-    large convolution gradients are reduced in place (no copy on a memory-limited device).
+    A hook on each parameter starts an asynchronous all-reduce of its gradient as soon as
+    autograd has accumulated it (the last layers' first), so the transfer overlaps with the
+    backward pass of the earlier layers; :meth:`wait` finishes them all. Every rank runs the same
+    graph, so the hooks fire, and the collectives start, in the same order everywhere.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    bucket: list[torch.Tensor] = []
-    for grad in [*grads, None]:
-        if grad is not None and grad.numel() > BUCKET_ELEMENTS:
-            comm.all_reduce_(grad)
-            continue
-        if grad is not None and sum(g.numel() for g in bucket) + grad.numel() <= BUCKET_ELEMENTS:
-            bucket.append(grad)
-            continue
-        if bucket:
-            flat = comm.all_reduce_(torch.cat([g.reshape(-1) for g in bucket]))
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        bucket = [grad] if grad is not None else []
 
+    def __init__(self, parameters: list[nn.Parameter], comm: Comm) -> None:
+        self.comm = comm
+        self.pending: list[Any] = []
+        self.handles = [p.register_post_accumulate_grad_hook(self._start) for p in parameters]
 
-BUCKET_ELEMENTS = 65536
-"""Gradients up to this many elements share an all-reduce."""
+    def _start(self, parameter: torch.Tensor) -> None:
+        assert parameter.grad is not None
+        work = self.comm.all_reduce_start(parameter.grad)
+        if work is not None:
+            self.pending.append(work)
+
+    def wait(self) -> None:
+        """Block until every gradient started so far is summed."""
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+
+    def close(self) -> None:
+        self.wait()
+        for handle in self.handles:
+            handle.remove()
 
 
 def sgd_step(parameters: list[nn.Parameter], lr: float) -> None:
@@ -235,6 +238,7 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
         tiled = TiledNetwork(model, plan(net, job.grid, job.grouping), comm)
         in_region, out_region = tiled.input_region, tiled.output_region
     parameters = [p for p in model.parameters() if p.requires_grad]
+    sync = GradientSync(parameters, comm)
     start = comm.traffic.halo_bytes, comm.traffic.halo_messages, comm.traffic.collective_bytes
     times: list[float] = []
     losses: list[float] = []
@@ -257,7 +261,7 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
             out = tiled(x) if tiled is not None else model(x)
             loss = squared_error(out, target[region_slices(out_region)], target.numel())
             loss.backward()
-            all_reduce_gradients(parameters, comm)
+            sync.wait()  # the weight-gradient all-reduce, started during backward
             sgd_step(parameters, job.lr)
             total = comm.all_reduce_(loss.detach().reshape(1).clone())
         times.append(time.perf_counter() - began)
@@ -269,6 +273,7 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
         del out, loss, x
         if progress is not None:
             progress(step)
+    sync.close()
     result = RankResult(
         rank=comm.rank,
         step_seconds=times,
@@ -292,6 +297,14 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
     return result
 
 
+def _pin(rank: int, world: int, threads: int) -> None:
+    """Give each local worker its own cores when there are enough (Linux): a rank that migrates
+    between cores makes every other rank wait for it at the next exchange."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cores and world * threads <= len(cores):
+        os.sched_setaffinity(0, set(cores[rank * threads : (rank + 1) * threads]))
+
+
 def serve(
     rank: int,
     world: int,
@@ -309,6 +322,7 @@ def serve(
     """
     try:
         torch.set_num_threads(threads)
+        _pin(rank, world, threads)
         jobs: list[TileJob] = pickle.loads(Path(jobs_path).read_bytes())
         if world > 1:
             comm = Comm.from_file(store_path, rank, world, address, timeout_seconds)
