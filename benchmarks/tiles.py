@@ -1,0 +1,276 @@
+"""Tile-parallel training of YOLOv2-16: speed, memory, halo bytes and groupings, side by side.
+
+Measured on this machine, in one run, medians over all timed steps (the first step of every
+launch is warm-up and left out):
+
+* speed: one process with one thread (the plain model) against two workers (1x2 grid) with one
+  thread each, alternating in rounds; also two independent single-thread copies of the plain model
+  at once, which is the most two workers could gain here (the machine's parallel ceiling);
+* memory: peak tensor bytes per rank of a 2x2 grid against the plain model on one device (exact
+  storage counts, not RSS);
+* halo bytes: what gloo carried against what the geometry predicts, per rank;
+* groupings on 2x2: one group, per layer, and the cost model's optimum;
+* the cost model's prediction for Raspberry Pi 3 clusters of 1-6 devices beside the paper's
+  reported speedups.
+
+Usage: ``python benchmarks/tiles.py [--image 416] [--steps 4] [--rounds 2] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from edgetrain.cli.output import console, emit_json, table
+from edgetrain.devices import CLUSTERS
+from edgetrain.distributed.grouping import (
+    grid_for,
+    optimise,
+    single_core_seconds,
+    step_cost,
+)
+from edgetrain.distributed.launch import run_local
+from edgetrain.distributed.layers import describe
+from edgetrain.distributed.tiling import Grid, Grouping, format_grouping, parse_groups, plan
+from edgetrain.distributed.worker import RankResult, TileJob
+from edgetrain.models import build
+from edgetrain.units import format_bytes
+
+PAPER = {"speedup": "2-15x over one core (2-6 Pi 3)", "memory": "up to 8x less per device"}
+TARGETS = {"speedup": 1.7, "memory_ratio": 0.35}
+
+
+def _timed(results: list[RankResult]) -> list[float]:
+    """A launch's step times: the slowest rank per step, the first step left out."""
+    per_step = zip(*(r.step_seconds for r in results), strict=True)
+    return [max(step) for step in per_step][1:]
+
+
+def _job(
+    model: torch.nn.Module, image: int, grid: Grid, grouping: Grouping, batch: int = 1, **kw: Any
+) -> TileJob:
+    return TileJob(model, (image, image), batch, grid, grouping, **kw)
+
+
+def speed(
+    model: Any, image: int, batch: int, steps: int, rounds: int, groupings: dict[str, Grouping]
+) -> dict:
+    """Alternate: plain model, each 1x2 grouping, two plain copies at once."""
+    whole: Grouping = ((0, len(model) - 1),)
+    solo = _job(
+        model, image, Grid(1, 1), whole, batch, steps=steps, reference=True, measure_memory=False
+    )
+    times: dict[str, list[float]] = {"one process": [], "two copies at once": []}
+    for name in groupings:
+        times[f"2 workers, {name}"] = []
+    for _ in range(rounds):
+        times["one process"] += _timed(run_local([solo], threads=1)[0])
+        for name, grouping in groupings.items():
+            tiled = _job(
+                model, image, Grid(1, 2), grouping, batch, steps=steps, measure_memory=False
+            )
+            times[f"2 workers, {name}"] += _timed(run_local([tiled], threads=1)[0])
+        # two independent copies, each pinned to its own core like the two workers
+        times["two copies at once"] += _timed(run_local([replace(solo, grid=Grid(1, 2))])[0])
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    base = medians["one process"]
+    ceiling = 2 * base / medians["two copies at once"]
+    rows = []
+    for name, seconds in medians.items():
+        if name == "two copies at once":
+            rows.append({"run": name, "step_seconds": seconds, "speedup": ceiling})
+        else:
+            rows.append({"run": name, "step_seconds": seconds, "speedup": base / seconds})
+    return {
+        "batch": batch,
+        "rows": rows,
+        "ceiling": ceiling,
+        "steps_per_run": steps - 1,
+        "rounds": rounds,
+    }
+
+
+def memory_and_halos(model: Any, image: int, groupings: dict[str, Grouping]) -> dict:
+    """2x2 grid: peak bytes per rank and halo bytes, measured against predicted."""
+    whole: Grouping = ((0, len(model) - 1),)
+    solo = _job(model, image, Grid(1, 1), whole, steps=2, reference=True)
+    one_device = max(r.peak_bytes for r in run_local([solo])[0])
+    net = describe(model, 3, image, image)
+    rows = []
+    jobs = [_job(model, image, Grid(2, 2), g, steps=2) for g in groupings.values()]
+    for (name, grouping), ranks in zip(groupings.items(), run_local(jobs), strict=True):
+        tiles = plan(net, Grid(2, 2), grouping)
+        predicted = [2 * tiles.halo_bytes_sent(r.rank, 1, 4) for r in ranks]
+        measured = [r.halo_bytes for r in ranks]
+        peak = max(r.peak_bytes for r in ranks)
+        rows.append(
+            {
+                "grouping": name,
+                "groups": format_grouping(grouping),
+                "peak_bytes_per_rank": peak,
+                "ratio_to_one_device": peak / one_device,
+                "halo_bytes_measured": measured,
+                "halo_bytes_predicted": predicted,
+                "halo_bytes_equal": measured == predicted,
+                "redundant_compute": tiles.redundant_macs / net.macs(),
+                "step_seconds_here": statistics.median(_timed(ranks) or [0.0]),
+                "pi3_ethernet_seconds": step_cost(
+                    net, Grid(2, 2), grouping, CLUSTERS["pi3-ethernet"]
+                ).seconds,
+                "pi3_wifi_seconds": step_cost(
+                    net, Grid(2, 2), grouping, CLUSTERS["pi3-wifi"]
+                ).seconds,
+            }
+        )
+    return {"one_device_peak_bytes": one_device, "rows": rows}
+
+
+def pi3_predictions(model: Any, image: int = 416) -> list[dict]:
+    """Predicted step time and speedup over one Pi 3 core for 1-6 devices, both links.
+
+    Always at the paper's 416 x 416, batch 1, whatever ``--image`` the measurements use.
+    """
+    net = describe(model, 3, image, image)
+    rows = []
+    for name, cluster in CLUSTERS.items():
+        core = single_core_seconds(net, cluster)
+        for devices in range(1, 7):
+            grid = grid_for(devices)
+            best = optimise(net, grid, cluster)
+            rows.append(
+                {
+                    "profile": name,
+                    "devices": devices,
+                    "grid": str(grid),
+                    "groups": format_grouping(best.grouping),
+                    "step_seconds": best.seconds,
+                    "speedup_vs_core": core / best.seconds,
+                    "speedup_without_weight_sync": core / (best.seconds - best.allreduce_seconds),
+                    "one_core_seconds": core,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--image", type=int, default=416)
+    parser.add_argument("--steps", type=int, default=4, help="steps per launch (first is warm-up)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds of the speed runs"
+    )
+    parser.add_argument(
+        "--batches", default="1,4", help="batch sizes of the speed runs (comma-separated)"
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = build("yolov2-16")
+    net = describe(model, 3, args.image, args.image)
+    auto2 = optimise(net, Grid(1, 2), CLUSTERS["pi3-ethernet"]).grouping
+    auto4 = optimise(net, Grid(2, 2), CLUSTERS["pi3-ethernet"]).grouping
+    n = len(model)
+    result = {
+        "image": args.image,
+        "speed": [
+            speed(
+                model,
+                args.image,
+                int(batch),
+                args.steps,
+                args.rounds,
+                {"per-layer": parse_groups("per-layer", n), "optimised": auto2},
+            )
+            for batch in args.batches.split(",")
+        ],
+        "memory": memory_and_halos(
+            model,
+            args.image,
+            {
+                "1 group": ((0, n - 1),),
+                "per-layer": parse_groups("per-layer", n),
+                "optimised": auto4,
+            },
+        ),
+        "pi3": pi3_predictions(model),
+        "paper": PAPER,
+        "targets": TARGETS,
+    }
+    if args.json:
+        emit_json(result)
+    else:
+        _print(result)
+
+
+def _print(result: dict) -> None:
+    for s in result["speed"]:
+        console.print(
+            table(
+                f"Speed, yolov2-16 at {result['image']} px, batch {s['batch']}, 1 thread per "
+                f"process (medians of {s['rounds']} rounds x {s['steps_per_run']} steps)",
+                ("run", "step", "speedup over one process"),
+                [
+                    (r["run"], f"{r['step_seconds']:.3f} s", f"{r['speedup']:.2f}x")
+                    for r in s["rows"]
+                ],
+                caption=(
+                    f"target >= {TARGETS['speedup']}x; this machine's ceiling for two processes "
+                    f"is {s['ceiling']:.2f}x (two independent copies at once)"
+                ),
+            )
+        )
+    m = result["memory"]
+    console.print(
+        table(
+            f"2x2 grid against one device ({format_bytes(m['one_device_peak_bytes'])} peak)",
+            ("grouping", "groups", "peak/rank", "ratio", "halo bytes (measured = predicted)",
+             "redundant", "step here", "Pi 3 eth", "Pi 3 Wi-Fi"),
+            [
+                (
+                    r["grouping"],
+                    r["groups"],
+                    format_bytes(r["peak_bytes_per_rank"]),
+                    f"{r['ratio_to_one_device']:.3f}",
+                    f"{format_bytes(max(r['halo_bytes_measured']))} "
+                    f"({'yes' if r['halo_bytes_equal'] else 'NO'})",
+                    f"{100 * r['redundant_compute']:.1f}%",
+                    f"{r['step_seconds_here']:.2f} s",
+                    f"{r['pi3_ethernet_seconds']:.2f} s",
+                    f"{r['pi3_wifi_seconds']:.2f} s",
+                )
+                for r in m["rows"]
+            ],
+            caption=f"target ratio <= {TARGETS['memory_ratio']}; paper: {PAPER['memory']}",
+        )
+    )  # fmt: skip
+    console.print(
+        table(
+            "Cost model: Raspberry Pi 3 clusters, yolov2-16 at 416 px, batch 1 (optimised groups)",
+            ("profile", "devices", "grid", "step", "speedup vs 1 core", "no weight sync", "groups"),
+            [
+                (
+                    r["profile"],
+                    str(r["devices"]),
+                    r["grid"],
+                    f"{r['step_seconds']:.2f} s",
+                    f"{r['speedup_vs_core']:.1f}x",
+                    f"{r['speedup_without_weight_sync']:.1f}x",
+                    r["groups"],
+                )
+                for r in result["pi3"]
+            ],
+            caption=(
+                f"paper: {PAPER['speedup']}; one core: {result['pi3'][0]['one_core_seconds']:.1f} s"
+                " per step. 'no weight sync' leaves out the weight-gradient all-reduce, which the"
+                " paper's prototype did not perform (its weight update was commented out)."
+            ),
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
