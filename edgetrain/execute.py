@@ -40,7 +40,6 @@ from edgetrain.schedule import Cost, Op, Schedule, simulate
 from edgetrain.stages import run_backward, run_forward, run_forward_with_grad
 from edgetrain.units import format_bytes, parse_bytes
 
-
 _RngState = tuple[torch.Tensor, list[torch.Tensor]]  # CPU generator state, CUDA states
 
 
