@@ -84,7 +84,7 @@ def tiles(
     _positive(threads, "threads")
     grid = parse_grid(grid_text)
     name = canonical_name(model)
-    check_image(name, image)
+    check_image(name, image, batch)
     torch.manual_seed(seed)
     network_model = build(name)
     element = 8 if dtype == "float64" else 4
