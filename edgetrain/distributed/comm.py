@@ -165,16 +165,6 @@ class Comm:
         self.traffic.collectives += 1
         return self.backend.allreduce([tensor])
 
-    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``tensor``, in rank order."""
-        if self.backend is None:
-            return [tensor]
-        out = [torch.empty_like(tensor) for _ in range(self.size)]
-        self.backend.allgather([out], [tensor.contiguous()]).wait()
-        self.traffic.collective_bytes += _nbytes(tensor)
-        self.traffic.collectives += 1
-        return out
-
     def broadcast_(self, tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` with rank ``root``'s, in place."""
         if self.backend is not None:
