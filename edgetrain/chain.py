@@ -187,8 +187,18 @@ def uniform_chain(
     activation_bytes: int = 1,
     forward_seconds: float = 1.0,
     backward_seconds: float = 1.0,
+    *,
+    weight_bytes: int = 0,
+    name: str | None = None,
 ) -> Chain:
-    """A homogeneous chain: equal stages that keep only their input, as revolve assumes."""
+    """A homogeneous chain of ``length`` equal stages, as revolve and the paper's §VI assume.
+
+    Each stage outputs ``activation_bytes``, keeps only its input for backward (nothing else),
+    allocates its output in a forward and its input gradient in a backward, and holds
+    ``weight_bytes`` of trainable parameters. The input is ``activation_bytes`` too.
+    """
+    if length < 1:
+        raise InvalidInput(f"a chain needs at least one step, got {length}; use --steps >= 1")
     stage = Stage(
         name="step",
         output_bytes=activation_bytes,
@@ -197,13 +207,13 @@ def uniform_chain(
         forward_peak_bytes=activation_bytes,
         forward_grad_peak_bytes=activation_bytes,
         backward_peak_bytes=activation_bytes,
-        weight_bytes=0,
-        gradient_bytes=0,
+        weight_bytes=weight_bytes,
+        gradient_bytes=weight_bytes,
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
         layer_output_bytes=activation_bytes,
     )
-    if length < 1:
-        raise InvalidInput(f"a chain needs at least one step, got {length}; use --steps >= 1")
     # One shared Stage object: a 100 000-step chain costs no more than a pointer per step.
-    return Chain(stages=(stage,) * length, input_bytes=activation_bytes, name=f"uniform{length}")
+    return Chain(
+        stages=(stage,) * length, input_bytes=activation_bytes, name=name or f"uniform{length}"
+    )

@@ -40,9 +40,9 @@ from torch import nn
 
 from edgetrain.distributed.comm import Comm, listening_addresses
 from edgetrain.distributed.layers import describe
-from edgetrain.distributed.meter import StorageMeter
 from edgetrain.distributed.tiled import TiledNetwork, region_slices
 from edgetrain.distributed.tiling import Grid, Grouping, Network, Region, TilePlan, plan
+from edgetrain.measure import StorageCounter
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -254,7 +254,7 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
             parameter.grad = None
         clock.barrier()  # start together, so a step's time is not another rank's lag
         began = time.perf_counter()
-        meter = StorageMeter() if job.measure_memory else contextlib.nullcontext()
+        meter = StorageCounter() if job.measure_memory else contextlib.nullcontext()
         with meter:
             x = image[region_slices(in_region)].contiguous()
             if job.collect:
@@ -266,7 +266,7 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
             sgd_step(parameters, job.lr)
             total = comm.all_reduce_(loss.detach().reshape(1).clone())
         times.append(time.perf_counter() - began)
-        if isinstance(meter, StorageMeter):
+        if isinstance(meter, StorageCounter):
             peak = max(peak, meter.peak_bytes)
         losses.append(float(total.item()))
         if job.collect and step == job.steps - 1:

@@ -1,14 +1,14 @@
-"""The live-storage meter counts exact tensor bytes, frees, backward, and meta tensors."""
+"""The live-storage counter counts exact tensor bytes, frees, backward, and meta tensors."""
 
 from __future__ import annotations
 
 import torch
 
-from edgetrain.distributed.meter import StorageMeter
+from edgetrain.measure import StorageCounter
 
 
 def test_counts_new_storages_exactly_and_subtracts_freed_ones():
-    with StorageMeter() as meter:
+    with StorageCounter() as meter:
         a = torch.empty(1000, dtype=torch.float32)
         b = torch.empty(10, dtype=torch.float64)
         assert meter.live_bytes == 4000 + 80
@@ -21,7 +21,7 @@ def test_counts_new_storages_exactly_and_subtracts_freed_ones():
 
 def test_views_and_in_place_results_are_not_new_memory():
     x = torch.zeros(100, 100)
-    with StorageMeter() as meter:
+    with StorageCounter() as meter:
         v = x[::2, :5]
         f = x.view(-1)
         x.add_(1.0)
@@ -32,7 +32,7 @@ def test_views_and_in_place_results_are_not_new_memory():
 
 def test_sees_the_backward_pass():
     w = torch.randn(64, 64, requires_grad=True)
-    with StorageMeter() as meter:
+    with StorageCounter() as meter:
         loss = (w @ w).sum()
         forward_peak = meter.peak_bytes
         loss.backward()
@@ -42,7 +42,7 @@ def test_sees_the_backward_pass():
 
 
 def test_works_on_meta_tensors_without_allocating():
-    with StorageMeter() as meter:
+    with StorageCounter() as meter:
         big = torch.empty(10**9, device="meta")
         doubled = big * 2
         del doubled
