@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -99,14 +99,6 @@ class _Timer:
         if repeats < 1:
             raise InvalidInput(f"repeats must be at least 1, got {repeats}")
         self.repeats = repeats
-
-    def median(self, work: Callable[[], object]) -> float:
-        samples = []
-        for _ in range(self.repeats):
-            start = time.perf_counter()
-            work()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
 
 
 @contextmanager

@@ -342,6 +342,9 @@ def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] 
             if kind is Op.FORWARD_ALL:
                 if graph[k]:
                     raise fail(i, kind, k, "runs the stage with grad while its graph is held")
+                if plain[k + 1]:
+                    # The graph's output would be a second copy of a[k+1]; discard it first.
+                    raise fail(i, kind, k, f"recomputes a[{k + 1}], which is already in memory")
                 during = held + stage.forward_grad_peak_bytes
                 graph[k] = True
                 held += take(k + 1) + stage.saved_bytes

@@ -56,7 +56,7 @@ def fastest_schedule(chain: Chain, budget: int) -> tuple[float, Schedule | None]
         for k in range(n):
             if not available(plain, graph, k) or (loss and k > nb):
                 continue
-            if not (graph >> k) & 1:
+            if not (graph >> k) & 1 and not (plain >> (k + 1)) & 1:
                 new = (plain, graph | (1 << k), nb, loss)
                 moves.append(
                     (

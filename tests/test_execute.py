@@ -14,6 +14,8 @@ from edgetrain.execute import Checkpointed
 from edgetrain.measure import StorageCounter
 from edgetrain.models import build
 from edgetrain.planners.optimal import minimum_memory
+from edgetrain.planners.revolve import revolve
+from edgetrain.planners.sequential import sequential
 from edgetrain.profile import analytic_chain
 from edgetrain.schedule import Schedule, simulate
 from tests.conftest import small_cnn
@@ -51,7 +53,8 @@ def test_gradients_rng_and_batchnorm_equal_plain_autograd(strategy, budget, dtyp
     plain = copy.deepcopy(model)
     x = torch.randn(4, 3, 8, 8, dtype=dtype, requires_grad=True)
     x_plain = x.detach().clone().requires_grad_()
-    net = Checkpointed(model, x, strategy=strategy, **budget)
+    # Plans from the analytic chain (FLOP-based times) do not depend on how busy the machine is.
+    net = Checkpointed(model, x, chain=analytic_chain(model, x), strategy=strategy, **budget)
     expected, rng_after = reference_step(plain, x_plain, seed=123)
     torch.manual_seed(123)
     out = net(x)
@@ -97,7 +100,9 @@ def test_random_mlps_train_exactly_under_any_plan(depth, rho, strategy, seed):
     plain = copy.deepcopy(model)
     x = torch.randn(5, widths[0], dtype=torch.float64)
     try:
-        net = Checkpointed(model, x, strategy=strategy, max_recompute=rho)
+        net = Checkpointed(
+            model, x, chain=analytic_chain(model, x), strategy=strategy, max_recompute=rho
+        )
     except InfeasibleBudget:
         assert strategy == "revolve"
         return
@@ -190,3 +195,23 @@ def test_analytic_chain_plans_run_exactly_too():
 def test_not_a_sequential_is_refused():
     with pytest.raises(InvalidInput, match=r"nn\.Sequential"):
         Checkpointed(nn.Linear(3, 3), torch.randn(2, 3))
+
+
+def test_every_revolve_and_sequential_plan_of_a_cnn_is_exact():
+    model = small_cnn(torch.float64)
+    x0 = torch.randn(4, 3, 8, 8, dtype=torch.float64, requires_grad=True)
+    chain = analytic_chain(model, x0)
+    plans = [revolve(chain, s) for s in range(1, chain.length + 1)]
+    plans += [sequential(chain, s) for s in range(1, chain.length + 1)]
+    for schedule in plans:
+        ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+        x = x0.detach().clone().requires_grad_()
+        x_plain = x0.detach().clone().requires_grad_()
+        net = Checkpointed(ours, x, chain=chain, schedule=schedule)
+        expected, _ = reference_step(plain, x_plain, seed=5)
+        torch.manual_seed(5)
+        out = net(x)
+        (out.square().sum() + out.sum()).backward()
+        assert torch.equal(out, expected), schedule.text()
+        assert torch.equal(x.grad, x_plain.grad), schedule.text()
+        assert_same_training_state(plain, ours, 0.0)

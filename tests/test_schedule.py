@@ -132,3 +132,9 @@ def test_saving_over_an_existing_plan_is_atomic(tmp_path):
     sequential(chain, 3).save(path)
     assert Schedule.load(path).params == {"segments": 3}
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temp files left behind
+
+
+def test_a_graph_cannot_duplicate_an_activation_already_held():
+    # Fa 1 would make a second copy of a[2] while the plain one from Fc 1 is still held.
+    with pytest.raises(InvalidSchedule, match="already in memory"):
+        simulate(uniform_chain(3), ops(3, (C, 0), (C, 1), (A, 1)))
