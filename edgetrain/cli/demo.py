@@ -22,9 +22,9 @@ from edgetrain.units import format_bytes
 @click.option("--steps", default=4, show_default=True, type=int, help="Training steps.")
 @click.option(
     "--memory",
-    default="300MB",
+    default="420MB",
     show_default=True,
-    help="Device memory for the ResNet-18 run (plain autograd needs about 500 MB).",
+    help="Device memory for the ResNet-18 run (plain autograd needs about 510 MB).",
 )
 @click.option("--batch", default=16, show_default=True, type=int)
 def demo(steps: int, memory: str, batch: int) -> None:
