@@ -15,14 +15,16 @@ def run(*args: str):
 
 def test_memory_json_has_the_documented_shape():
     result = run(
-        "memory",
-        "--models",
-        "resnet18,resnet50",
-        "--batch",
-        "1,3,5",
-        "--image",
-        "224,500",
-        "--json",
+        *[
+            "memory",
+            "--models",
+            "resnet18,resnet50",
+            "--batch",
+            "1,3,5",
+            "--image",
+            "224,500",
+            "--json",
+        ]
     )
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
@@ -134,18 +136,20 @@ def test_revolve_prints_pyrevolve_counts():
 
 def test_train_reports_measured_and_predicted_peak():
     result = run(
-        "train",
-        "--model",
-        "resnet18",
-        "--batch",
-        "2",
-        "--image",
-        "64",
-        "--steps",
-        "2",
-        "--memory",
-        "152MB",
-        "--json",
+        *[
+            "train",
+            "--model",
+            "resnet18",
+            "--batch",
+            "2",
+            "--image",
+            "64",
+            "--steps",
+            "2",
+            "--memory",
+            "152MB",
+            "--json",
+        ]
     )
     report = json.loads(result.output)
     assert report["predicted_peak_bytes"] <= 152e6
