@@ -178,8 +178,21 @@ class Chain:
             ) from exc
 
     def to_json(self) -> str:
-        """The chain as a JSON document."""
+        """The chain as a JSON document (see :meth:`from_json`)."""
         return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Chain:
+        """Rebuild a chain from :meth:`to_json`; raises :class:`CorruptFile` if malformed."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CorruptFile(
+                f"chain is not valid JSON ({exc.msg}); write it with to_json"
+            ) from exc
+        if not isinstance(data, dict):
+            raise CorruptFile("not a chain description; write it with Chain.to_json")
+        return cls.from_dict(data)
 
 
 def uniform_chain(

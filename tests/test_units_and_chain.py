@@ -36,6 +36,9 @@ def test_chain_round_trips_through_json_and_rejects_garbage():
     chain = uniform_chain(4, activation_bytes=8)
     again = Chain.from_dict(chain.to_dict())
     assert again == chain
+    assert Chain.from_json(chain.to_json()) == chain
+    with pytest.raises(CorruptFile, match="not valid JSON"):
+        Chain.from_json("{")
     with pytest.raises(CorruptFile):
         Chain.from_dict({"stages": [{"name": "x"}]})
 
