@@ -22,28 +22,23 @@ MIN_IMAGE = {**{f"resnet{d}": 32 for d in ARCHITECTURES}, "yolov2-16": 16}
 MIN_IMAGE_BATCH_1 = {**{f"resnet{d}": 33 for d in ARCHITECTURES}, "yolov2-16": 32}
 
 
-def build(name: str) -> nn.Sequential:
-    """Build the model called ``name`` (see :data:`MODEL_NAMES`) with fresh weights."""
-    key = name.strip().lower().replace("_", "-")
-    if key.startswith("resnet"):
-        depth = key.removeprefix("resnet").lstrip("-")
-        if depth.isdigit() and int(depth) in ARCHITECTURES:
-            return resnet(int(depth))
-    if key in ("yolov2-16", "yolov2"):
-        return yolov2_16()
-    raise InvalidInput(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
-
-
 def canonical_name(name: str) -> str:
-    """The registry spelling of ``name`` (raises InvalidInput for an unknown model)."""
+    """The registry spelling of ``name`` ("ResNet_50" -> "resnet50"); InvalidInput if unknown."""
     key = name.strip().lower().replace("_", "-")
     if key.startswith("resnet"):
         key = "resnet" + key.removeprefix("resnet").lstrip("-")
-    if key == "yolov2":
-        key = "yolov2-16"
+    key = {"yolov2": "yolov2-16"}.get(key, key)
     if key not in MODEL_NAMES:
         raise InvalidInput(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     return key
+
+
+def build(name: str) -> nn.Sequential:
+    """Build the model called ``name`` (see :data:`MODEL_NAMES`) with fresh weights."""
+    key = canonical_name(name)
+    if key.startswith("resnet"):
+        return resnet(int(key.removeprefix("resnet")))
+    return yolov2_16()
 
 
 def check_image(name: str, image: int, batch: int = 2) -> None:
