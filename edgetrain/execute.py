@@ -33,8 +33,9 @@ from torch import nn
 
 from edgetrain.chain import Chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
-from edgetrain.planners import plan
+from edgetrain.memory import fixed_training_bytes
 from edgetrain.planners.optimal import store_all
+from edgetrain.planners.search import plan_for_device
 from edgetrain.profile import profile
 from edgetrain.schedule import Cost, Op, Schedule, simulate
 from edgetrain.stages import run_backward, run_forward, run_forward_with_grad
@@ -84,34 +85,23 @@ class Checkpointed(nn.Module):
             )
         self.model = model
         self.chain = chain if chain is not None else profile(model, sample_input)
+        self.reserve_bytes = int(reserve_bytes)
+        device = None if memory_budget is None else parse_bytes(memory_budget)
         if schedule is None:
-            budget = None
-            if memory_budget is not None:
-                budget = parse_bytes(memory_budget) - self.fixed_bytes - int(reserve_bytes)
-                if budget <= 0:
-                    raise InvalidInput(
-                        f"memory budget {memory_budget} does not even hold the weights, gradients "
-                        f"and input ({self.fixed_bytes} bytes); give more memory"
-                    )
-            try:
-                schedule = plan(self.chain, strategy, memory=budget, recompute=max_recompute)
-            except InfeasibleBudget as exc:
-                if budget is None or exc.smallest is None:
-                    raise
-                smallest = int(exc.smallest) + self.fixed_bytes + int(reserve_bytes)
-                raise InfeasibleBudget(
-                    f"{strategy} cannot train this model in "
-                    f"{format_bytes(parse_bytes(memory_budget))}; the smallest "
-                    f"memory that works is {format_bytes(smallest)} ({smallest} bytes)",
-                    smallest,
-                ) from exc
+            schedule = plan_for_device(
+                self.chain,
+                strategy,
+                device_bytes=device,
+                fixed_bytes=self.fixed_bytes + self.reserve_bytes,
+                recompute=max_recompute,
+            )
         self.schedule = schedule
         try:
             self.cost: Cost = simulate(self.chain, schedule)
         except InvalidSchedule as exc:
             raise InvalidSchedule(f"the plan does not fit this model: {exc}") from exc
-        if memory_budget is not None:
-            limit = parse_bytes(memory_budget) - int(reserve_bytes)
+        if device is not None:
+            limit = device - self.reserve_bytes
             if self.predicted_peak_bytes > limit:
                 raise InfeasibleBudget(
                     f"the given plan needs {format_bytes(self.predicted_peak_bytes)}, more than "
@@ -123,8 +113,7 @@ class Checkpointed(nn.Module):
     @property
     def fixed_bytes(self) -> int:
         """Weights, gradients, buffers and the input: what the step holds before it starts."""
-        c = self.chain
-        return c.weight_bytes + c.gradient_bytes + c.buffer_bytes + c.input_bytes
+        return fixed_training_bytes(self.chain)
 
     @property
     def plain_peak_bytes(self) -> int:

@@ -88,6 +88,18 @@ def optimizer_state_bytes(chain: Chain, optimizer: str) -> int:
     return OPTIMIZER_STATES[optimizer] * chain.gradient_bytes
 
 
+def fixed_training_bytes(chain: Chain, optimizer: str = "sgd") -> int:
+    """What a training step holds whatever the plan: weights, gradients, optimizer state,
+    buffers and the input (bytes)."""
+    return (
+        chain.weight_bytes
+        + chain.gradient_bytes
+        + optimizer_state_bytes(chain, optimizer)
+        + chain.buffer_bytes
+        + chain.input_bytes
+    )
+
+
 def paper_estimate(chain: Chain) -> MemoryEstimate:
     """The paper's accounting for the batch ``chain`` was profiled with."""
     weights = chain.weight_bytes

@@ -159,8 +159,8 @@ def test_train_reports_measured_and_predicted_peak():
 
 def test_the_demo_budget_is_feasible_and_below_plain_autograd():
     # scripts/run must work on its defaults: the demo trains ResNet-18, batch 16, 224x224.
-    from edgetrain.cli.common import fixed_bytes
     from edgetrain.cli.demo import demo
+    from edgetrain.memory import fixed_training_bytes
     from edgetrain.planners.optimal import minimum_memory, store_all
     from edgetrain.profile import model_chain
     from edgetrain.schedule import simulate
@@ -168,7 +168,7 @@ def test_the_demo_budget_is_feasible_and_below_plain_autograd():
 
     defaults = {p.name: p.default for p in demo.params}
     chain = model_chain("resnet18", defaults["batch"], 224)
-    fixed = fixed_bytes(chain, "momentum").total
+    fixed = fixed_training_bytes(chain, "momentum")
     budget = parse_bytes(defaults["memory"])
     plain = fixed + simulate(chain, store_all(chain)).peak_bytes
     assert fixed + minimum_memory(chain) < budget < plain

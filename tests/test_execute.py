@@ -139,7 +139,7 @@ def test_a_budget_plans_the_fastest_fitting_schedule_and_too_small_says_what_fit
     with pytest.raises(InfeasibleBudget, match="smallest memory that works is") as info:
         Checkpointed(model, x, memory_budget=plain.fixed_bytes + 1000, chain=plain.chain)
     assert info.value.smallest is not None and info.value.smallest > plain.fixed_bytes
-    with pytest.raises(InvalidInput, match="does not even hold"):
+    with pytest.raises(InfeasibleBudget, match="does not hold the weights"):
         Checkpointed(model, x, memory_budget="1MB", chain=plain.chain)
 
 

@@ -7,12 +7,12 @@ from typing import Any
 import click
 
 from edgetrain.chain import Chain
-from edgetrain.cli.common import fixed_bytes, plan_for_device
 from edgetrain.cli.main import register
 from edgetrain.cli.options import size
 from edgetrain.cli.output import console, emit_json, table
-from edgetrain.memory import OPTIMIZER_STATES
+from edgetrain.memory import OPTIMIZER_STATES, fixed_training_bytes
 from edgetrain.planners import STRATEGIES
+from edgetrain.planners.search import plan_for_device
 from edgetrain.profile import model_chain
 from edgetrain.schedule import Op, Schedule, simulate
 from edgetrain.units import format_bytes, mib
@@ -51,11 +51,13 @@ def plan_command(
     plan suits any device. Without --memory or --recompute the plan stores everything.
     """
     chain = model_chain(model_name, batch, image)
-    fixed = fixed_bytes(chain, optimizer)
-    schedule = plan_for_device(chain, strategy, fixed, size(memory), recompute)
+    fixed = fixed_training_bytes(chain, optimizer)
+    schedule = plan_for_device(
+        chain, strategy, device_bytes=size(memory), fixed_bytes=fixed, recompute=recompute
+    )
     if save_path:
         schedule.save(save_path)
-    report = describe(chain, schedule, fixed.total)
+    report = describe(chain, schedule, fixed)
     report.update(model=chain.name, batch=batch, image=image, optimizer=optimizer)
     if as_json:
         emit_json(report)
@@ -78,7 +80,7 @@ def plan_command(
     )
     console.print(
         f"predicted peak {format_bytes(report['peak_bytes'])} "
-        f"(fixed {format_bytes(fixed.total)} + activations "
+        f"(fixed {format_bytes(fixed)} + activations "
         f"{format_bytes(report['activation_peak_bytes'])}), "
         f"recompute factor {report['recompute_factor']:.3f}, "
         f"at most {report['stored_activations']} activations stored"

@@ -28,6 +28,7 @@ from edgetrain.planners.optimal import (
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
 from edgetrain.schedule import Cost, Schedule, simulate
+from edgetrain.units import format_bytes
 
 STRATEGIES = ("optimal", "revolve", "sequential")
 
@@ -147,6 +148,44 @@ def _curve_table(chain: Chain, slots: int) -> tuple[OptimalTable, float]:
 
 def _classic(chain: Chain) -> list[Schedule]:
     return [*_sequential_family(chain), *_revolve_family(chain)]
+
+
+def plan_for_device(
+    chain: Chain,
+    strategy: str,
+    *,
+    device_bytes: float | None,
+    fixed_bytes: int,
+    recompute: float | None = None,
+    slots: int = DEFAULT_SLOTS,
+) -> Schedule:
+    """:func:`plan` when the budget is a whole device's memory, not only the activations'.
+
+    ``fixed_bytes`` (weights, gradients, optimizer state, buffers, input) come off the top of
+    ``device_bytes``; an infeasible budget is reported in the same terms: the smallest device
+    memory that works.
+    """
+    if device_bytes is None:
+        return plan(chain, strategy, recompute=recompute, slots=slots)
+    if recompute is not None:
+        raise InvalidInput("give a memory budget or a recompute factor, not both")
+    if device_bytes <= fixed_bytes:
+        raise InfeasibleBudget(
+            f"{format_bytes(device_bytes)} does not hold the weights, gradients, optimizer state, "
+            f"buffers and input ({format_bytes(fixed_bytes)}); give more memory",
+            fixed_bytes,
+        )
+    try:
+        return plan(chain, strategy, memory=device_bytes - fixed_bytes, slots=slots)
+    except InfeasibleBudget as exc:
+        if exc.smallest is None:
+            raise
+        smallest = int(fixed_bytes + exc.smallest)
+        raise InfeasibleBudget(
+            f"{strategy} cannot train in {format_bytes(device_bytes)}; the smallest memory that "
+            f"works is {format_bytes(smallest)} ({smallest} bytes)",
+            smallest,
+        ) from exc
 
 
 def smallest_memory(chain: Chain, strategy: str = "optimal", slots: int = DEFAULT_SLOTS) -> int:
