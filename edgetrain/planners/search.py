@@ -21,7 +21,6 @@ from edgetrain.planners.optimal import (
     DEFAULT_SLOTS,
     OptimalTable,
     max_slots,
-    minimum_memory,
     optimal,
     store_all,
 )
@@ -186,15 +185,6 @@ def plan_for_device(
             f"works is {format_bytes(smallest)} ({smallest} bytes)",
             smallest,
         ) from exc
-
-
-def smallest_memory(chain: Chain, strategy: str = "optimal", slots: int = DEFAULT_SLOTS) -> int:
-    """The smallest peak (bytes) a plan of ``strategy`` reaches on ``chain``, whatever its time."""
-    if strategy == "optimal":
-        schedule = optimal(chain, minimum_memory(chain, slots), slots)
-        return simulate(chain, schedule).peak_bytes
-    family = _sequential_family if strategy == "sequential" else _revolve_family
-    return min(simulate(chain, s).peak_bytes for s in family(chain))
 
 
 def tradeoff(
