@@ -9,23 +9,13 @@ from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the
 from edgetrain.cli.main import cli
 
 
-def run(*args: str):
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+def run(command: str, *extra: str):
+    """Invoke ``edgetrain`` with the words of ``command`` and then ``extra`` arguments as given."""
+    return CliRunner().invoke(cli, [*command.split(), *extra], catch_exceptions=False)
 
 
 def test_memory_json_has_the_documented_shape():
-    result = run(
-        *[
-            "memory",
-            "--models",
-            "resnet18,resnet50",
-            "--batch",
-            "1,3,5",
-            "--image",
-            "224,500",
-            "--json",
-        ]
-    )
+    result = run("memory --models resnet18,resnet50 --batch 1,3,5 --image 224,500 --json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["unit"] == "MB"
@@ -42,15 +32,13 @@ def test_memory_json_has_the_documented_shape():
 
 
 def test_memory_table_marks_cells_above_the_device():
-    result = run("memory", "--models", "resnet18", "--batch", "1,30", "--device-memory", "1GB")
+    result = run("memory --models resnet18 --batch 1,30 --device-memory 1GB")
     assert result.exit_code == 0
     assert "resnet18" in result.output and "1825" in result.output
 
 
 def test_memory_measure_prints_measured_beside_predicted():
-    result = run(
-        "memory", "--models", "resnet18", "--batch", "1", "--image", "64", "--measure", "--json"
-    )
+    result = run("memory --models resnet18 --batch 1 --image 64 --measure --json")
     row = json.loads(result.output)["rows"][0]
     assert row["measured_mb"] == pytest.approx(row["autograd_total_mb"], rel=0.10)
 
@@ -86,35 +74,13 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
 def test_plan_json_and_saved_plan_round_trip(tmp_path):
     path = tmp_path / "plan.json"
     result = run(
-        "plan",
-        "--model",
-        "resnet18",
-        "--batch",
-        "2",
-        "--image",
-        "64",
-        "--recompute",
-        "1.5",
-        "--save",
-        str(path),
-        "--json",
+        "plan --model resnet18 --batch 2 --image 64 --recompute 1.5 --save", str(path), "--json"
     )
     data = json.loads(result.output)
     assert {"strategy", "peak_bytes", "recompute_factor", "stages"} <= data.keys()
     assert data["recompute_factor"] <= 1.5
     trained = run(
-        "train",
-        "--model",
-        "resnet18",
-        "--batch",
-        "2",
-        "--image",
-        "64",
-        "--steps",
-        "2",
-        "--plan",
-        str(path),
-        "--json",
+        "train --model resnet18 --batch 2 --image 64 --steps 2 --plan", str(path), "--json"
     )
     report = json.loads(trained.output)
     assert report["recompute_factor"] <= 1.5
@@ -130,27 +96,12 @@ def test_train_refuses_a_corrupt_plan_file(tmp_path):
 
 
 def test_revolve_prints_pyrevolve_counts():
-    data = json.loads(run("revolve", "--steps", "100000", "--slots", "10", "--json").output)
+    data = json.loads(run("revolve --steps 100000 --slots 10 --json").output)
     assert data["forward_steps"] == data["optimal_forward_steps"] == 832040
 
 
 def test_train_reports_measured_and_predicted_peak():
-    result = run(
-        *[
-            "train",
-            "--model",
-            "resnet18",
-            "--batch",
-            "2",
-            "--image",
-            "64",
-            "--steps",
-            "2",
-            "--memory",
-            "152MB",
-            "--json",
-        ]
-    )
+    result = run("train --model resnet18 --batch 2 --image 64 --steps 2 --memory 152MB --json")
     report = json.loads(result.output)
     assert report["predicted_peak_bytes"] <= 152e6
     assert report["measured_peak_bytes"] == pytest.approx(report["predicted_peak_bytes"], rel=0.02)
