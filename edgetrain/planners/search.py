@@ -20,14 +20,14 @@ from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.planners.optimal import (
     DEFAULT_SLOTS,
     OptimalTable,
-    max_slots,
     optimal,
+    resolution,
     store_all,
 )
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
 from edgetrain.schedule import Cost, Schedule, simulate
-from edgetrain.units import format_bytes
+from edgetrain.units import format_bytes, parse_bytes
 
 STRATEGIES = ("optimal", "revolve", "sequential")
 
@@ -38,16 +38,20 @@ def plan(
     chain: Chain,
     strategy: str = "optimal",
     *,
-    memory: float | None = None,
+    memory: float | str | None = None,
     recompute: float | None = None,
     slots: int = DEFAULT_SLOTS,
 ) -> Schedule:
-    """The best plan of ``strategy`` for ``chain`` within ``memory`` bytes or ``recompute`` factor.
+    """The best plan of ``strategy`` for ``chain`` within ``memory`` or ``recompute`` factor.
 
-    With neither, the fastest plan of the strategy. ``memory`` counts the step's activations,
-    graphs and gradients above weights, gradients and input (see :class:`~edgetrain.schedule.Cost`).
-    Raises :class:`InfeasibleBudget` with the smallest feasible value when nothing fits.
+    With neither, the fastest plan of the strategy. ``memory`` (bytes, or a size such as "1GB" or
+    "512MiB", as everywhere in edgetrain) counts what the step holds above what it starts with:
+    activations, graphs, activation gradients and the parameter gradients it creates (see
+    :class:`~edgetrain.schedule.Cost`). Raises :class:`InfeasibleBudget` with the smallest feasible
+    value when nothing fits.
     """
+    if memory is not None:
+        memory = parse_bytes(memory)
     if strategy not in STRATEGIES:
         raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if memory is not None and recompute is not None:
@@ -113,8 +117,8 @@ def _plan_optimal(
         return optimal(chain, memory, slots)
     if recompute is None:
         return store_all(chain)
-    # One table over [0, 2 x the store-everything peak] answers every budget at once.
-    table, _slot_bytes = _curve_table(chain, slots)
+    # One table over [0, the store-everything peak] answers every budget at once.
+    table = _curve_table(chain, slots)
     limit = recompute * (chain.forward_seconds + chain.backward_seconds) * (1 + _TOLERANCE)
     candidates = [store_all(chain)]  # factor 1: always within any target >= 1
     ok = np.flatnonzero(table.times() <= limit)
@@ -128,25 +132,15 @@ def _plan_optimal(
         best.kinds,
         best.indices,
         "optimal",
-        {**best.params, "recompute_target": recompute, "from": best.strategy},
+        {**best.params, "recompute_target": recompute},
     )
 
 
-def _curve_table(chain: Chain, slots: int) -> tuple[OptimalTable, float]:
-    """A table whose budgets run from 0 to twice the store-everything peak (rounding room)."""
+def _curve_table(chain: Chain, slots: int) -> OptimalTable:
+    """A table whose budgets run from 0 to the store-everything peak."""
     everything = simulate(chain, store_all(chain)).peak_bytes
-    cap = max_slots(chain.length)
-    unit = _common_unit(chain)
-    if unit and 2 * everything / unit <= min(8 * slots, cap):
-        slot_bytes = float(unit)  # every size is a whole number of units: no rounding at all
-    else:
-        slot_bytes = max(everything, 1) / min(slots, cap // 2)
-    size = min(cap, math.ceil(2 * everything / slot_bytes) + 1)
-    return OptimalTable(chain, slot_bytes, size), slot_bytes
-
-
-def _classic(chain: Chain) -> list[Schedule]:
-    return [*_sequential_family(chain), *_revolve_family(chain)]
+    slot_bytes, count = resolution(chain, max(everything, 1), slots)
+    return OptimalTable(chain, slot_bytes, count)
 
 
 def plan_for_device(
@@ -201,17 +195,13 @@ def tradeoff(
     plain = chain.forward_seconds + chain.backward_seconds
     points: list[tuple[float, int]]
     if strategy == "optimal":
-        table, slot_bytes = _curve_table(chain, slots)
+        table = _curve_table(chain, slots)
         points = [
-            (float(t) / plain, math.ceil(m * slot_bytes))
+            (float(t) / plain, math.ceil(m * table.slot_bytes))
             for m, t in enumerate(table.times())
             if math.isfinite(t)
         ]
-        # Plans the slot rounding may have priced out of the table.
-        points += [
-            (c.recompute_factor, c.peak_bytes)
-            for c in (simulate(chain, s) for s in [store_all(chain), *_classic(chain)])
-        ]
+        points.append((1.0, simulate(chain, store_all(chain)).peak_bytes))
     else:
         family = _sequential_family if strategy == "sequential" else _revolve_family
         points = [
@@ -222,19 +212,3 @@ def tradeoff(
         if not pareto or peak < pareto[-1][1]:
             pareto.append((rho, peak))
     return pareto
-
-
-def _common_unit(chain: Chain) -> int:
-    """The greatest common divisor of all the chain's sizes (0 if they are all 0)."""
-    unit = 0
-    for k, stage in enumerate(chain.stages):
-        for size in (
-            stage.output_bytes,
-            stage.saved_bytes,
-            stage.forward_peak_bytes,
-            stage.forward_grad_peak_bytes,
-            stage.backward_peak_bytes,
-            chain.gradient_of_activation_bytes(k),
-        ):
-            unit = math.gcd(unit, size)
-    return unit
