@@ -21,6 +21,7 @@ Memory conventions (all in bytes, tensor storages deduplicated, measured the sam
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
@@ -166,6 +167,29 @@ class Chain:
     def layer_output_bytes(self) -> int:
         """The paper's activation count for this batch (see :attr:`Stage.layer_output_bytes`)."""
         return sum(s.layer_output_bytes for s in self.stages)
+
+    def fingerprint(self) -> str:
+        """A hash of everything a plan depends on: every byte count and flag, not names or times.
+
+        A chain measured on one device and its analytic twin share it; another model, batch,
+        image size or dtype changes it.
+        """
+        data = [self.input_bytes, self.input_requires_grad] + [
+            [
+                s.output_bytes,
+                s.saved_bytes,
+                s.saves_input,
+                s.saves_output,
+                s.forward_peak_bytes,
+                s.forward_grad_peak_bytes,
+                s.backward_peak_bytes,
+                s.gradient_bytes,
+                s.output_requires_grad,
+                s.span,
+            ]
+            for s in self.stages
+        ]
+        return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`from_dict`)."""

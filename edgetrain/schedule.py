@@ -17,15 +17,16 @@ activations are ``a[0]`` (the input) .. ``a[L]`` (the output):
 
 The *forward phase* is everything before the first ``B``; it must have built the graph of the last
 stage, whose output is handed to the caller, who holds it until the step ends and computes the
-loss. The backward phase must run ``B L-1``, ``B L-2`` .. ``B 0`` in that order.
+loss; the output's gradient, handed back by autograd, is held until the backward ends. The backward phase must run ``B L-1``, ``B L-2`` .. ``B 0`` in that order.
 
 :func:`simulate` replays a schedule on a chain and returns its :class:`Cost`. Memory is counted the
 way the executor (:mod:`edgetrain.execute`) and autograd hold it: an activation's storage is held
 while our reference, a graph that saved it as its input, or a graph that saved it as its output
 refers to it, and is counted once; a graph holds only what autograd saved; each operation adds its
 measured transient peak; parameter gradients appear as the backward creates them and stay until
-the step ends. The input ``a[0]``, the weights and the buffers are held before the step and are
-not counted; nor are parameter gradients that already exist (they are added to in place).
+the step ends (unless ``grads_exist``: then they were held before the step and are added to in
+place). The input ``a[0]``, the weights and the buffers are held before the step and are not
+counted.
 
 Recompute factor convention: ``recompute_factor = seconds / (forward_seconds + backward_seconds)``
 of the chain, i.e. the time of the schedule over the time of one plain forward and backward. On a
@@ -248,23 +249,32 @@ class Cost:
     peak_op: int
 
 
-def simulate(chain: Chain, schedule: Schedule) -> Cost:
+def simulate(chain: Chain, schedule: Schedule, *, grads_exist: bool = False) -> Cost:
     """Replay ``schedule`` on ``chain``: validate it and return its :class:`Cost`.
 
-    Raises :class:`InvalidSchedule` naming the first operation that cannot run (a forward whose
-    input is gone, a stage run twice with grad, a backward out of order, ...).
+    ``grads_exist``: the parameters' gradients exist before the step and are added to in place
+    (``zero_grad(set_to_none=False)``); by default they do not (PyTorch's ``zero_grad()``) and the
+    backward creates them. Raises :class:`InvalidSchedule` naming the first operation that cannot
+    run (a forward whose input is gone, a stage run twice with grad, a backward out of order, ...).
     """
-    return _replay(chain, schedule, trace=None)
+    return _replay(chain, schedule, None, grads_exist)
 
 
-def memory_trace(chain: Chain, schedule: Schedule) -> list[tuple[int, int, int]]:
+def memory_trace(
+    chain: Chain, schedule: Schedule, *, grads_exist: bool = False
+) -> list[tuple[int, int, int]]:
     """Per operation: bytes held before it, peak bytes during it, bytes held after it."""
     trace: list[tuple[int, int, int]] = []
-    _replay(chain, schedule, trace=trace)
+    _replay(chain, schedule, trace, grads_exist)
     return trace
 
 
-def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] | None) -> Cost:
+def _replay(
+    chain: Chain,
+    schedule: Schedule,
+    trace: list[tuple[int, int, int]] | None,
+    grads_exist: bool,
+) -> Cost:
     n = chain.length
     if schedule.length != n:
         raise InvalidSchedule(
@@ -336,12 +346,13 @@ def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] 
                 before = held
             during = held + stage.backward_peak_bytes
             graph[k] = False
-            held -= stage.saved_bytes + grad[k + 1]
+            # The output's gradient is autograd's to free, after the whole backward.
+            held -= stage.saved_bytes + (grad[k + 1] if k + 1 < n else 0)
             if stage.saves_input:
                 held -= drop(k)
             if stage.saves_output:
                 held -= drop(k + 1)
-            held += grad[k] + stage.gradient_bytes
+            held += grad[k] + (0 if grads_exist else stage.gradient_bytes)
             next_backward -= 1
             seconds += stage.backward_seconds
         else:

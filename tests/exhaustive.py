@@ -5,7 +5,7 @@ graphs, how far the backward has come) reachable by any operation, keeping each 
 within the budget, and returns the fastest schedule. Its memory count is written from the
 simulator's documented rules, independently of :func:`edgetrain.schedule.simulate`: an activation
 is held while our reference, a graph that saved it as input, or a graph that saved it as output
-refers to it; the caller holds the output; parameter gradients stay from their backward on.
+refers to it; the caller holds the output, autograd its gradient; parameter gradients stay from their backward on.
 Exponential in the chain length: for L <= 6.
 """
 
@@ -35,7 +35,7 @@ def fastest_schedule(chain: Chain, budget: int) -> tuple[float, Schedule | None]
                 total += act[k]
         total += sum(st[k].saved_bytes for k in range(n) if (graph >> k) & 1)
         if loss:
-            total += grad[nb + 1]
+            total += grad[nb + 1] + (grad[n] if nb + 1 < n else 0)
             total += sum(st[k].gradient_bytes for k in range(nb + 1, n))
         return total
 

@@ -66,13 +66,13 @@ class _Sizes:
     bwd_time: np.ndarray
 
 
-def _sizes(chain: Chain, slot_bytes: float) -> _Sizes:
+def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool) -> _Sizes:
     def up(values: list[int]) -> np.ndarray:
         return np.array([math.ceil(v / slot_bytes) for v in values], dtype=np.int64)
 
     stages = chain.stages
     n = chain.length
-    created = up([s.gradient_bytes for s in stages])
+    created = up([0 if grads_exist else s.gradient_bytes for s in stages])
     held = np.concatenate([np.cumsum(created[::-1])[::-1], [0]]).astype(np.int64)
     return _Sizes(
         act=up([0] + [s.output_bytes for s in stages]),
@@ -96,7 +96,9 @@ class OptimalTable:
     plan that achieves it. One table answers every budget up to ``slots`` slots.
     """
 
-    def __init__(self, chain: Chain, slot_bytes: float, slots: int) -> None:
+    def __init__(
+        self, chain: Chain, slot_bytes: float, slots: int, *, grads_exist: bool = False
+    ) -> None:
         if slot_bytes <= 0 or slots < 1:
             raise InvalidInput("the memory budget must be positive; give e.g. --memory 512MB")
         n = chain.length
@@ -108,7 +110,8 @@ class OptimalTable:
         self.chain = chain
         self.slot_bytes = float(slot_bytes)
         self.slots = int(slots)
-        self._z = _sizes(chain, self.slot_bytes)
+        self.grads_exist = grads_exist
+        self._z = _sizes(chain, self.slot_bytes, grads_exist)
         size = self.slots + 1
         # time[pin, s, t, m] and choice[pin, s, t, m]: -1 = graph first, j = checkpoint at j.
         self._time = np.full((2, n, n, size), np.inf)
@@ -130,7 +133,8 @@ class OptimalTable:
             t = s + span
             top = t == n - 1
             grad_in = np.where(top, 0, z.grad[np.minimum(t + 1, n)])
-            after = np.where(top, z.act[n], 0)  # the caller's output, once the forward is done
+            # The caller's output, once the forward is done; its gradient, once the loss is.
+            after = np.where(top, z.act[n] + z.grad[n], 0)
             entry_rest = grad_in + z.held_grads[t + 1]
             for pin in (0, 1):
                 own = np.zeros_like(s) if pin else z.act[s]
@@ -142,7 +146,7 @@ class OptimalTable:
                 if span == 0:
                     best = np.where(m >= np.maximum(peak_f, peak_b)[:, None], base[:, None], np.inf)
                 else:
-                    peak_b = peak_b + np.where(top, z.act[n], 0)
+                    peak_b = peak_b + after
                     pinned = z.saves_output[s].astype(np.int64)
                     shift = graph + pinned * z.act[s + 1]
                     inner = np.where(
@@ -214,7 +218,7 @@ class OptimalTable:
             assert isinstance(pin, int) and isinstance(s, int) and isinstance(t, int)
             assert isinstance(m, int)
             j = int(self._choice[pin, s, t, m])
-            after = act_out if t == n - 1 else 0
+            after = act_out + int(z.grad[n]) if t == n - 1 else 0
             if j == -1:
                 graph = int(z.extra[s] + (0 if pin else z.saves_input[s] * z.act[s]))
                 pinned = int(z.saves_output[s])
@@ -255,7 +259,9 @@ def _shift_each(values: np.ndarray, offset: np.ndarray) -> np.ndarray:
     return np.where(index >= 0, out, np.inf)
 
 
-def optimal(chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS) -> Schedule:
+def optimal(
+    chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
+) -> Schedule:
     """The fastest plan whose peak stays within ``memory_bytes`` (see :class:`~edgetrain.schedule.Cost`).
 
     One table: the budget is cut into at most ``slots`` slots (fewer for long chains, see
@@ -265,9 +271,9 @@ def optimal(chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS) -> Sc
     """
     if memory_bytes <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
-    schedule = _fastest_within(chain, memory_bytes, slots)
+    schedule = _fastest_within(chain, memory_bytes, slots, grads_exist)
     if schedule is None:
-        smallest = minimum_memory(chain, slots)
+        smallest = minimum_memory(chain, slots, grads_exist=grads_exist)
         raise InfeasibleBudget(
             f"no plan fits in {memory_bytes:.0f} bytes; the smallest that works is "
             f"{smallest:.0f} bytes",
@@ -289,16 +295,18 @@ def resolution(chain: Chain, budget_bytes: float, slots: int = DEFAULT_SLOTS) ->
     return budget_bytes / slots, slots
 
 
-def _fastest_within(chain: Chain, memory_bytes: float, slots: int) -> Schedule | None:
+def _fastest_within(
+    chain: Chain, memory_bytes: float, slots: int, grads_exist: bool
+) -> Schedule | None:
     """:func:`optimal`'s search; None when nothing fits."""
     everything = store_all(chain)
-    if simulate(chain, everything).peak_bytes <= memory_bytes:
+    if simulate(chain, everything, grads_exist=grads_exist).peak_bytes <= memory_bytes:
         schedule = everything  # nothing is faster than storing everything
     else:
         slot_bytes, count = resolution(chain, memory_bytes, slots)
         if count < 1:
             return None
-        table = OptimalTable(chain, slot_bytes, count)
+        table = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
         if not np.isfinite(table.time(count)):
             return None
         schedule = table.schedule(count)
@@ -306,26 +314,30 @@ def _fastest_within(chain: Chain, memory_bytes: float, slots: int) -> Schedule |
     return Schedule(schedule.length, schedule.kinds, schedule.indices, "optimal", params)
 
 
-def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS) -> float:
+def minimum_memory(
+    chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
+) -> float:
     """The smallest activation budget (bytes) with which :func:`optimal` finds a plan.
 
     A table at the resolution of the store-everything peak gives an upper bound; a second one at
     the resolution of that bound refines it; the answer is checked with :func:`optimal`'s own
     search (and raised a slot at a time until it passes), so it is always usable.
     """
-    best = float(simulate(chain, store_all(chain)).peak_bytes)
+    everything = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
+    best = everything
     for _ in range(2):
         slot_bytes, count = resolution(chain, best, slots)
-        fewest = OptimalTable(chain, slot_bytes, count).smallest_feasible_slots()
+        table = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
+        fewest = table.smallest_feasible_slots()
         if fewest is None:
             break
         best = min(best, fewest * slot_bytes)
     step = resolution(chain, best, slots)[0]
     for _ in range(8):
-        if _fastest_within(chain, best, slots) is not None:
+        if _fastest_within(chain, best, slots, grads_exist) is not None:
             return best
         best += step
-    return float(simulate(chain, store_all(chain)).peak_bytes)
+    return everything
 
 
 def common_unit(chain: Chain) -> int:

@@ -41,14 +41,15 @@ def plan(
     memory: float | str | None = None,
     recompute: float | None = None,
     slots: int = DEFAULT_SLOTS,
+    grads_exist: bool = False,
 ) -> Schedule:
     """The best plan of ``strategy`` for ``chain`` within ``memory`` or ``recompute`` factor.
 
     With neither, the fastest plan of the strategy. ``memory`` (bytes, or a size such as "1GB" or
     "512MiB", as everywhere in edgetrain) counts what the step holds above what it starts with:
     activations, graphs, activation gradients and the parameter gradients it creates (see
-    :class:`~edgetrain.schedule.Cost`). Raises :class:`InfeasibleBudget` with the smallest feasible
-    value when nothing fits.
+    :class:`~edgetrain.schedule.Cost`; ``grads_exist`` as in :func:`~edgetrain.schedule.simulate`).
+    Raises :class:`InfeasibleBudget` with the smallest feasible value when nothing fits.
     """
     if memory is not None:
         memory = parse_bytes(memory)
@@ -64,11 +65,26 @@ def plan(
     if memory is not None and memory <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
     if strategy == "optimal":
-        return _plan_optimal(chain, memory, recompute, slots)
-    family: Callable[[Chain], list[Schedule]] = (
-        _sequential_family if strategy == "sequential" else _revolve_family
-    )
-    return _pick(chain, strategy, family(chain), memory, recompute)
+        schedule = _plan_optimal(chain, memory, recompute, slots, grads_exist)
+    else:
+        family: Callable[[Chain], list[Schedule]] = (
+            _sequential_family if strategy == "sequential" else _revolve_family
+        )
+        schedule = _pick(chain, strategy, family(chain), memory, recompute, grads_exist)
+    return made_for(schedule, chain)
+
+
+def made_for(schedule: Schedule, chain: Chain) -> Schedule:
+    """``schedule`` with a record of what it was made for (the chain's fingerprint, its name and
+    input size), which :class:`~edgetrain.execute.Checkpointed` checks before running it."""
+    record = {
+        "chain": chain.fingerprint(),
+        "model": chain.name,
+        "input_bytes": chain.input_bytes,
+        "stages": chain.length,
+    }
+    params = {**schedule.params, "made_for": record}
+    return Schedule(schedule.length, schedule.kinds, schedule.indices, schedule.strategy, params)
 
 
 def _sequential_family(chain: Chain) -> list[Schedule]:
@@ -85,8 +101,11 @@ def _pick(
     candidates: list[Schedule],
     memory: float | None,
     recompute: float | None,
+    grads_exist: bool = False,
 ) -> Schedule:
-    costs: list[tuple[Cost, Schedule]] = [(simulate(chain, s), s) for s in candidates]
+    costs: list[tuple[Cost, Schedule]] = [
+        (simulate(chain, s, grads_exist=grads_exist), s) for s in candidates
+    ]
     if memory is not None:
         fitting = [(c, s) for c, s in costs if c.peak_bytes <= memory]
         if not fitting:
@@ -111,20 +130,20 @@ def _pick(
 
 
 def _plan_optimal(
-    chain: Chain, memory: float | None, recompute: float | None, slots: int
+    chain: Chain, memory: float | None, recompute: float | None, slots: int, grads_exist: bool
 ) -> Schedule:
     if memory is not None:
-        return optimal(chain, memory, slots)
+        return optimal(chain, memory, slots, grads_exist=grads_exist)
     if recompute is None:
         return store_all(chain)
     # One table over [0, the store-everything peak] answers every budget at once.
-    table = _curve_table(chain, slots)
+    table = _curve_table(chain, slots, grads_exist)
     limit = recompute * (chain.forward_seconds + chain.backward_seconds) * (1 + _TOLERANCE)
     candidates = [store_all(chain)]  # factor 1: always within any target >= 1
     ok = np.flatnonzero(table.times() <= limit)
     if ok.size:
         candidates.append(table.schedule(int(ok[0]), {"recompute_target": recompute}))
-    costs = [(simulate(chain, s), s) for s in candidates]
+    costs = [(simulate(chain, s, grads_exist=grads_exist), s) for s in candidates]
     fitting = [(c, s) for c, s in costs if c.recompute_factor <= recompute + _TOLERANCE]
     best = min(fitting, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds))[1]
     return Schedule(
@@ -136,11 +155,11 @@ def _plan_optimal(
     )
 
 
-def _curve_table(chain: Chain, slots: int) -> OptimalTable:
+def _curve_table(chain: Chain, slots: int, grads_exist: bool = False) -> OptimalTable:
     """A table whose budgets run from 0 to the store-everything peak."""
-    everything = simulate(chain, store_all(chain)).peak_bytes
+    everything = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
     slot_bytes, count = resolution(chain, max(everything, 1), slots)
-    return OptimalTable(chain, slot_bytes, count)
+    return OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
 
 
 def plan_for_device(
@@ -151,6 +170,7 @@ def plan_for_device(
     fixed_bytes: int,
     recompute: float | None = None,
     slots: int = DEFAULT_SLOTS,
+    grads_exist: bool = False,
 ) -> Schedule:
     """:func:`plan` when the budget is a whole device's memory, not only the activations'.
 
@@ -159,7 +179,7 @@ def plan_for_device(
     memory that works.
     """
     if device_bytes is None:
-        return plan(chain, strategy, recompute=recompute, slots=slots)
+        return plan(chain, strategy, recompute=recompute, slots=slots, grads_exist=grads_exist)
     if recompute is not None:
         raise InvalidInput("give a memory budget or a recompute factor, not both")
     if device_bytes <= fixed_bytes:
@@ -169,7 +189,11 @@ def plan_for_device(
             fixed_bytes,
         )
     try:
-        return plan(chain, strategy, memory=device_bytes - fixed_bytes, slots=slots)
+        # fixed_bytes holds gradients kept from the last step, so plan for that loop: a loop
+        # that sets them to None then needs no more (what it creates is at most what is kept).
+        return plan(
+            chain, strategy, memory=device_bytes - fixed_bytes, slots=slots, grads_exist=True
+        )
     except InfeasibleBudget as exc:
         if exc.smallest is None:
             raise
