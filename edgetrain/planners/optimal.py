@@ -126,8 +126,8 @@ class OptimalTable:
         size = self.slots + 1
         m = np.arange(size)
         prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
-        # a[k] + the peak of the forward that starts from it, for the walk to a checkpoint.
-        step = np.concatenate([[0], z.act[1:n]]) + z.fwd_peak
+        # Reaching a[k+1] from a[k]: a[k] + the forward's peak, and a[k+1] once it is done.
+        step = np.maximum(np.concatenate([[0], z.act[1:n]]) + z.fwd_peak, z.act[1:])
         for span in range(n):
             s = np.arange(n - span)
             t = s + span
@@ -139,14 +139,20 @@ class OptimalTable:
             for pin in (0, 1):
                 own = np.zeros_like(s) if pin else z.act[s]
                 graph = z.extra[s] + np.where(z.saves_input[s] & (pin == 0), z.act[s], 0)
-                peak_f = own + entry_rest + z.fwd_grad_peak[s]
+                # Each operation's peak, and what it leaves held (the simulator takes the larger).
+                peak_f = np.maximum(
+                    own + entry_rest + z.fwd_grad_peak[s], entry_rest + graph + z.act[s + 1]
+                )
                 out = np.where(z.saves_output[s] | (s + 1 == n), z.act[s + 1], 0)
                 peak_b = graph + out + z.grad[s + 1] + z.held_grads[s + 1] + z.bwd_peak[s]
+                if span > 0:
+                    peak_b = peak_b + after  # the caller's output and its gradient, if top
+                left_b = z.grad[s] + z.held_grads[s] + after
                 base = z.fwd_time[s] + z.bwd_time[s]
+                peak_b = np.maximum(peak_b, left_b)
                 if span == 0:
                     best = np.where(m >= np.maximum(peak_f, peak_b)[:, None], base[:, None], np.inf)
                 else:
-                    peak_b = peak_b + after
                     pinned = z.saves_output[s].astype(np.int64)
                     shift = graph + pinned * z.act[s + 1]
                     inner = np.where(
@@ -162,7 +168,7 @@ class OptimalTable:
                     walk = np.maximum.accumulate(
                         np.concatenate(
                             [
-                                z.fwd_peak[s][:, None],
+                                np.maximum(z.fwd_peak[s], z.act[s + 1])[:, None],
                                 step[np.minimum(s[:, None] + q[None, :-1], n - 1)],
                             ],
                             axis=1,
