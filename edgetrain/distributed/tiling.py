@@ -116,6 +116,19 @@ class Network:
             out.append((layer.rows.output_size(h), layer.cols.output_size(w)))
         return tuple(out)
 
+    def check_batch(self, batch: int) -> None:
+        """Raise InvalidInput unless ``batch`` images train: at least one, and every batch norm
+        in train mode sees more than one value per channel (torch refuses a single one too)."""
+        if batch < 1:
+            raise InvalidInput(f"batch {batch} is empty; use at least 1 image")
+        for index, layer in enumerate(self.layers):
+            h, w = self.sizes[index + 1]
+            if layer.batchnorm and batch * h * w == 1:
+                raise InvalidInput(
+                    f"layer {index} ({layer.name}) normalises a 1x1 map of one image, a single "
+                    "value per channel, which batch norm cannot; use a batch of 2 or a larger image"
+                )
+
     def macs(self, first: int = 0, last: int | None = None) -> int:
         """Multiply-accumulates of layers ``first..last`` (inclusive) for one image, untiled."""
         stop = len(self.layers) if last is None else last + 1
@@ -261,6 +274,23 @@ def parse_grid(text: str) -> Grid:
     if match is None:
         raise InvalidInput(f"cannot read grid {text!r}; write rows x columns, e.g. 2x2 or 1x3")
     return Grid(int(match.group(1)), int(match.group(2)))
+
+
+_IMAGE = re.compile(r"^\s*(\d+)\s*(?:[xX×*]\s*(\d+)\s*)?$")
+
+
+def parse_image(text: str) -> tuple[int, int]:
+    """``"416"`` → ``(416, 416)``; ``"480x640"`` → ``(480, 640)`` (height × width, pixels)."""
+    match = _IMAGE.match(text)
+    if match is None:
+        raise InvalidInput(
+            f"cannot read image size {text!r}; write one number (416) or height x width (480x640)"
+        )
+    height = int(match.group(1))
+    width = int(match.group(2)) if match.group(2) is not None else height
+    if height < 1 or width < 1:
+        raise InvalidInput(f"image {height}x{width} is empty; use a positive size, e.g. 416")
+    return height, width
 
 
 def split(size: int, parts: int) -> tuple[Span, ...]:
