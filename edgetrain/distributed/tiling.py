@@ -13,6 +13,10 @@ the same region back (*gradient halo*).
 Everything is separable: the rows of a region depend only on the rows of the tile, the columns
 only on its columns. So the plan is computed per axis and regions are products of spans.
 
+Windows floor their output size as torch does, so any image the untiled model accepts tiles:
+rows that no window reads (dropped at the end of a map, or skipped by a large stride) still
+belong to a rank, which computes them because batch norm counts them (see :class:`GroupPlan`).
+
 All spans are half-open ``(start, stop)`` pixel ranges; sizes are pixels unless a name says bytes.
 """
 
