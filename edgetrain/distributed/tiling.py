@@ -392,7 +392,8 @@ class GroupPlan:
       between the smallest span holding both what the next layer needs and what the rank owns;
     * ``owned_*[k][i]``: a partition of level ``k`` among the grid rows. At ``k = 0`` of a group
       after the first it is the previous group's tiles (what each rank holds); at ``k > 0`` it
-      lies inside ``computed`` and says which rank counts a pixel in batch-norm statistics;
+      lies inside ``computed`` and says which rank counts a pixel in batch-norm statistics (at
+      ``k = 0`` of the first group it partitions the image, which nothing normalises);
     * ``pads_*[j][i]``: the zero padding ``(before, after)`` layer ``j`` needs; non-zero only
       where the region touches the true image border.
 
