@@ -319,7 +319,8 @@ def _fastest_within(
         schedule = everything  # nothing is faster than storing everything
     else:
         slot_bytes, count = resolution(chain, memory_bytes, slots)
-        top = count + max(1, int(count * _MARGIN))
+        top = min(count + max(1, int(count * _MARGIN)), max_slots(chain.length))
+        top = max(top, count)
         table = OptimalTable(chain, slot_bytes, top, grads_exist=grads_exist)
         found = _fastest_fitting(table, memory_bytes, top)
         if found is None:
