@@ -7,6 +7,15 @@ from edgetrain.models import build
 from edgetrain.models.resnet_module import module_key, module_state
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Full-width ResNets in float64: one thread is faster than two on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("depth", [18, 50])
 def test_same_seed_gives_the_same_parameters_under_the_name_mapping(depth):
     torch.manual_seed(3)
