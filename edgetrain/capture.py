@@ -16,6 +16,8 @@ into graph outputs, which an executor would have to write back; it also takes se
 The price of fx: Python control flow that depends on a tensor's *value* cannot be traced (nor
 can torch.export trace it without rewriting); :func:`capture` then raises one
 :class:`~edgetrain.errors.InvalidInput` line naming the construct, where it is, and what to do.
+The tracer is fx's own, except that ``a += b`` on a tensor is recorded as ``operator.iadd``
+(in place, as eager runs it) where plain fx would record ``a = a + b``.
 fx bakes Python values in at trace time (``self.training`` passed to ``F.dropout``, for
 example): capture the model in the mode it will run in.
 
@@ -140,7 +142,8 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
         raise InvalidInput(f"capture needs an nn.Module, got {type(model).__name__}")
     samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
     try:
-        graph_module = fx.symbolic_trace(model)
+        tracer = _Tracer()
+        graph_module = fx.GraphModule(tracer.root_of(model), tracer.trace(model))
     except Exception as exc:
         raise InvalidInput(_trace_error(model, exc)) from exc
     graph = graph_module.graph
@@ -294,6 +297,32 @@ def _segment(captured: Captured, start: int, stop: int, index: int) -> fx.GraphM
         graph.output(outgoing[0] if len(outgoing) == 1 else tuple(outgoing))
     graph.lint()
     return fx.GraphModule(captured.graph_module, graph, class_name=f"Segment{index}")
+
+
+class _InplaceProxy(fx.Proxy):
+    """An fx Proxy that records ``a += b`` as ``operator.iadd`` (in place, as eager runs it);
+    fx's own Proxy has no in-place operators, so Python would record ``a = a + b``."""
+
+
+def _inplace_operator(function: Any) -> Any:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", function, (self, other), {})
+
+    return method
+
+
+for _name in ("iadd", "isub", "imul", "itruediv"):
+    setattr(_InplaceProxy, f"__{_name}__", _inplace_operator(getattr(operator, _name)))
+
+
+class _Tracer(fx.Tracer):
+    """``torch.fx.symbolic_trace``'s tracer, keeping augmented assignments in place."""
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InplaceProxy(node, self)
+
+    def root_of(self, model: nn.Module) -> nn.Module:
+        return model
 
 
 def _value_inputs(node: fx.Node) -> list[fx.Node]:

@@ -192,8 +192,9 @@ def test_resnet_articulation_cuts_are_between_blocks_and_skips_cross_block_cuts(
     # last before the head), plus the head's own chain of single tensors.
     after = {captured.nodes[c - 1].target for c in articulation}
     assert {"maxpool", *(f"layer{g}.{i}.relu" for g in (1, 2, 3, 4) for i in (0, 1))} <= after
-    joins = [n for n in captured.nodes if n.target == "_operator.add"]
-    assert len(joins) == 8
+    joins = [n for n in captured.nodes if n.target == "_operator.iadd"]
+    assert len(joins) == 8  # `out += identity`, kept in place as eager runs it
+    assert all(join.mutates == (join.reads[0],) for join in joins)
     # Inside a block, a cut carries the trunk and the skip (the block's input), as a tuple.
     conv2 = next(i for i, n in enumerate(captured.nodes) if n.target == "layer1.0.conv2")
     assert live_values(captured, conv2) == ("maxpool", "layer1_0_relu")
