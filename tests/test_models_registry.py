@@ -1,5 +1,7 @@
 """The model registry: every name builds and runs, inputs are checked, user factories load."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -132,3 +134,17 @@ def test_load_factory_mistakes_are_one_line(tmp_path, spec, message):
     with pytest.raises(InvalidInput, match=message) as info:
         load_factory(spec.format(dir=tmp_path))
     assert "\n" not in str(info.value)
+
+
+def test_models_command_lists_every_registered_model():
+    from click.testing import CliRunner
+
+    from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
+    from edgetrain.cli.main import cli
+
+    result = CliRunner().invoke(cli, ["models", "--json"], catch_exceptions=False)
+    rows = json.loads(result.output)
+    assert [r["name"] for r in rows] == list(MODEL_NAMES)
+    assert {r["name"] for r in rows if r["sequential"]} == set(SEQUENTIAL_NAMES)
+    text = CliRunner().invoke(cli, ["models"], catch_exceptions=False).output
+    assert "tinylm" in text and "load_factory" in text
