@@ -41,6 +41,7 @@ operation for operation: outputs, gradients and BatchNorm buffers are bitwise eq
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import traceback
 from collections.abc import Iterator, Sequence
@@ -141,12 +142,13 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"capture needs an nn.Module, got {type(model).__name__}")
     samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
+    defaults = _defaulted_arguments(model, len(samples))
     try:
-        tracer = _Tracer()
-        graph_module = fx.GraphModule(tracer.root_of(model), tracer.trace(model))
+        graph = _Tracer().trace(model, concrete_args=defaults or None)
     except Exception as exc:
         raise InvalidInput(_trace_error(model, exc)) from exc
-    graph = graph_module.graph
+    _drop_specialised_arguments(graph, len(samples))
+    graph_module = fx.GraphModule(model, graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(samples):
         raise InvalidInput(
@@ -321,8 +323,37 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _InplaceProxy(node, self)
 
-    def root_of(self, model: nn.Module) -> nn.Module:
-        return model
+
+def _defaulted_arguments(model: nn.Module, given: int) -> dict[str, Any]:
+    """forward()'s arguments after the first ``given`` that have defaults (``mask=None``): the
+    trace fixes them to their defaults."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    return {
+        p.name: p.default
+        for p in parameters[given:]
+        if p.default is not inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
+def _drop_specialised_arguments(graph: fx.Graph, given: int) -> None:
+    """Remove the placeholders fx keeps for arguments fixed to their defaults, and the checks
+    it adds on them, so the graph takes exactly the sample's inputs."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    extra = set(placeholders[given:])
+    checks = {torch._assert, operator.eq, getattr(fx._symbolic_trace, "_assert_is_none", None)}
+    for node in reversed(list(graph.nodes)):
+        if node.users:
+            continue
+        if node in extra or (
+            node.op == "call_function"
+            and node.target in checks
+            and any(a in extra or a.target is operator.eq for a in node.all_input_nodes)
+        ):
+            graph.erase_node(node)
 
 
 def _value_inputs(node: fx.Node) -> list[fx.Node]:
@@ -331,10 +362,10 @@ def _value_inputs(node: fx.Node) -> list[fx.Node]:
 
 def _target_name(node: fx.Node) -> str:
     if node.op == "call_function":
-        target = node.target
-        module = getattr(target, "__module__", None) or ""
-        name = getattr(target, "__qualname__", None) or getattr(target, "__name__", str(target))
-        return f"{module}.{name}" if module else str(name)
+        try:
+            return fx.node._get_qualified_name(node.target)  # type: ignore[arg-type]
+        except Exception:  # an unusual callable: its plain name is enough
+            return getattr(node.target, "__name__", str(node.target))
     return str(node.target)
 
 

@@ -283,6 +283,31 @@ def test_untraceable_models_are_one_line_naming_the_construct_and_the_fix():
     assert "[row * 2 for row in x]" in str(info.value)
 
 
+class WithOptionalArguments(nn.Module):
+    """forward(x, mask=None, scale=2.0), the usual signature of attention-style code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask=None, scale: float = 2.0) -> torch.Tensor:
+        y = self.lin(x)
+        if mask is not None:
+            y = y * mask
+        return torch.tanh(y * scale)
+
+
+def test_optional_arguments_are_fixed_to_their_defaults():
+    torch.manual_seed(0)
+    original = WithOptionalArguments().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    twin = copy.deepcopy(original)
+    captured = capture(twin, x)
+    assert captured.inputs == ("x",)
+    assert [n.target for n in captured.nodes] == ["lin", "_operator.mul", "torch.tanh"]
+    _assert_same_training(original, twin, segments(captured, all_cuts(captured)), x)
+
+
 def test_wrong_sample_and_bad_cuts_are_one_line():
     with pytest.raises(InvalidInput, match="does not run on the sample"):
         capture(nn.Linear(4, 2), torch.randn(2, 5))
