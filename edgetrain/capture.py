@@ -251,6 +251,27 @@ def articulation_cuts(captured: Captured) -> tuple[int, ...]:
     return tuple(c for c in all_cuts(captured) if len(live_values(captured, c)) == 1)
 
 
+def block_cuts(captured: Captured, per_block: int = 2) -> tuple[int, ...]:
+    """Where edgetrain cuts a captured model into stages: every articulation cut (between
+    blocks), and inside each block the ``per_block`` admissible cuts with the least live bytes
+    (a cut inside a residual block carries the trunk and the skip). Finer stages let the
+    planner recompute inside blocks; ``per_block=0`` gives one stage per block."""
+    admissible = all_cuts(captured)
+    between = set(articulation_cuts(captured))
+    sizes = {n.name: n.bytes for n in captured.nodes}
+    chosen = set(between)
+    bounds = [0, *sorted(between), len(captured.nodes)]
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        inside = [c for c in admissible if start < c < stop]
+        if per_block <= 0 or not inside:
+            continue
+        by_size = sorted(
+            inside, key=lambda c: (sum(sizes.get(v, 0) for v in live_values(captured, c)), c)
+        )
+        chosen.update(by_size[:per_block])
+    return tuple(sorted(chosen))
+
+
 def segments(captured: Captured, cuts: Sequence[int]) -> nn.Sequential:
     """The model as an ``nn.Sequential`` of fx GraphModules, cut at ``cuts`` (increasing,
     admissible positions; see :func:`all_cuts`). See the module docstring for the contract."""

@@ -59,7 +59,8 @@ class _Sizes:
     grad: np.ndarray  # gradient of a[k]
     extra: np.ndarray  # saved_bytes of stage k
     saves_input: np.ndarray  # bool
-    saves_output: np.ndarray  # bool
+    saves_output: np.ndarray  # bool: the graph holds some of the output
+    pins_output: np.ndarray  # bool: the graph holds all of the output
     fwd_peak: np.ndarray  # forward without grad
     fwd_grad_peak: np.ndarray  # forward with grad
     bwd_peak: np.ndarray
@@ -82,6 +83,7 @@ def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool) -> _Sizes:
         extra=up([s.saved_bytes for s in stages]),
         saves_input=np.array([s.saves_input for s in stages], dtype=bool),
         saves_output=np.array([s.saves_output for s in stages], dtype=bool),
+        pins_output=np.array([s.saves_whole_output for s in stages], dtype=bool),
         fwd_peak=up([s.forward_peak_bytes for s in stages]),
         fwd_grad_peak=up([s.forward_grad_peak_bytes for s in stages]),
         bwd_peak=up([s.backward_peak_bytes for s in stages]),
@@ -155,7 +157,7 @@ class OptimalTable:
                 if span == 0:
                     best = np.where(m >= np.maximum(peak_f, peak_b)[:, None], base[:, None], np.inf)
                 else:
-                    pinned = z.saves_output[s].astype(np.int64)
+                    pinned = z.pins_output[s].astype(np.int64)
                     shift = graph + pinned * z.act[s + 1]
                     inner = np.where(
                         pinned[:, None] == 1, self._time[1, s + 1, t], self._time[0, s + 1, t]
@@ -229,7 +231,7 @@ class OptimalTable:
             after = act_out + int(z.grad[n]) if t == n - 1 else 0
             if j == -1:
                 graph = int(z.extra[s] + (0 if pin else z.saves_input[s] * z.act[s]))
-                pinned = int(z.saves_output[s])
+                pinned = int(z.pins_output[s])
                 todo: list[tuple[object, ...]] = [("emit", Op.FORWARD_ALL, s)]
                 if t > s:
                     todo.append(("solve", pinned, s + 1, t, m - graph - pinned * int(z.act[s + 1])))
