@@ -64,6 +64,8 @@ class Stage:
             same storage in the input and the output).
         saved_inputs, saved_outputs: which input and output tensors the graph holds, when
             only some of them (None: all of them or none, as ``saves_input``/``saves_output``).
+        backward_peak_kept_bytes: the backward's peak when parameter gradients exist and are
+            added to in place (None: as ``backward_peak_bytes``).
     """
 
     name: str
@@ -86,6 +88,14 @@ class Stage:
     carried: tuple[tuple[int, int], ...] = ()
     saved_inputs: tuple[int, ...] | None = None
     saved_outputs: tuple[int, ...] | None = None
+    backward_peak_kept_bytes: int | None = None
+
+    def backward_peak(self, grads_exist: bool) -> int:
+        """The backward's peak when parameter gradients are created (held from then on) or,
+        with ``grads_exist``, added in place to existing ones as they are computed."""
+        if grads_exist and self.backward_peak_kept_bytes is not None:
+            return self.backward_peak_kept_bytes
+        return self.backward_peak_bytes
 
     @property
     def output_leaves(self) -> int:
@@ -212,6 +222,7 @@ class Chain:
                 [list(c) for c in s.carried],
                 s.saved_inputs,
                 s.saved_outputs,
+                s.backward_peak_kept_bytes,
             ]
             for s in self.stages
         ]

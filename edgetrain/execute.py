@@ -23,7 +23,8 @@ inputs and random-number state:
 * autocast: recomputations and the backward run under the autocast state of the forward;
 * inputs may be a tensor or a tuple, list or dict of tensors (only floating-point tensors carry
   gradients); stages may pass such structures between them;
-* under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs.
+* under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
+  when the plan stores everything (plain autograd's step, which holds no more than predicted).
 
 What is refused with one clear error (before any gradient, buffer or RNG state changes):
 
@@ -161,13 +162,14 @@ class Checkpointed(nn.Module):
                     worst,
                 )
         self._stages = _stage_modules(self.model, self.chain)
+        self._stores_everything = schedule.text() == store_all(self.chain).text()
         index_of = {id(p): i for i, p in enumerate(self._params)}
         self._stage_params = [stage_params(m, index_of) for m in self._stages]
 
     @property
     def grads_exist(self) -> bool:
-        """Whether the training loop keeps gradients between steps (the last step found them all
-        and added to them in place); before the first step, whether they exist now."""
+        """Whether the training loop keeps gradients between steps: whether the last step found
+        them all (and no hook on them); before the first step, whether they exist now."""
         if self._grads_exist is None:
             return _kept(p for p in self._params if p.requires_grad)
         return self._grads_exist
@@ -216,6 +218,11 @@ class Checkpointed(nn.Module):
             if self.model is not self.module:
                 self.model = as_stages(self.module, x)
             self._plan(x, None, None)
+        self._grads_exist = _kept(params)  # the loop this step runs in
+        if self._stores_everything:
+            # Every stage once with its graph, nothing recomputed: that is plain autograd, which
+            # holds no more than the plan predicts and pays no executor overhead.
+            return self.module(x)
         run = _Run(self, x)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
@@ -344,6 +351,7 @@ class _Run:
                     x,
                     needs_input_grad=needs,
                     params=self.net._stage_params[k],
+                    sink=self.receive,
                     stage=k,
                 )
             else:
@@ -359,20 +367,23 @@ class _Run:
         grad_out = self.grads.pop(k + 1)
         if k == 0 and not self.want_input:
             graph.inputs = [None] * len(graph.inputs)
-        graph.params = {i: e for i, e in graph.params.items() if i in self.wanted_params}
-        input_grads, param_grads = run_backward(graph, grad_out)
+        input_grads = run_backward(graph, grad_out, params=bool(self.wanted_params))
         del graph, grad_out
-        for index, grad in param_grads.items():
-            if index in self.in_place:
-                with torch.no_grad():
-                    self.in_place[index].add_(grad)
-                continue
-            known = self.param_grads.get(index)
-            # A parameter used by several stages: sum out of place (the first may alias another
-            # gradient that is still in use).
-            self.param_grads[index] = grad if known is None else known + grad
-        del param_grads
         self.grads[k] = input_grads
+
+    def receive(self, index: int, grad: torch.Tensor) -> None:
+        """A parameter's gradient from one stage, as autograd computes it: added in place to
+        its ``.grad`` when the loop keeps gradients (as autograd would), else kept, summed over
+        the stages that use the parameter, for autograd to take at the end of the step."""
+        if index not in self.wanted_params:
+            return
+        if index in self.in_place:
+            with torch.no_grad():
+                self.in_place[index].add_(grad)
+            return
+        known = self.param_grads.get(index)
+        # Out of place: the first gradient may alias another that is still in use.
+        self.param_grads[index] = grad if known is None else known + grad
 
     def _replay(self, k: int, module: nn.Module) -> AbstractContextManager[None]:
         """First run of stage k: remember its RNG state. Later runs: replay it, keep buffers."""

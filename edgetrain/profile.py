@@ -214,6 +214,7 @@ class _Measured:
         self.forward_peak_bytes: int = values["forward_peak_bytes"]
         self.forward_grad_peak_bytes: int = values["forward_grad_peak_bytes"]
         self.backward_peak_bytes: int = values["backward_peak_bytes"]
+        self.backward_peak_kept_bytes: int = values["backward_peak_kept_bytes"]
         self.forward_seconds: float = values["forward_seconds"]
         self.backward_seconds: float = values["backward_seconds"]
         self.layer_output_bytes: int = values["layer_output_bytes"]
@@ -250,6 +251,7 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             forward_peak_bytes=r.forward_peak_bytes,
             forward_grad_peak_bytes=r.forward_grad_peak_bytes,
             backward_peak_bytes=r.backward_peak_bytes,
+            backward_peak_kept_bytes=r.backward_peak_kept_bytes,
             weight_bytes=weights[k],
             gradient_bytes=created[k],
             forward_seconds=r.forward_seconds,
@@ -288,6 +290,7 @@ def _profile_stage(
 ) -> tuple[_Measured, Any]:
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
+    buffers = {i: torch.zeros_like(p) for i, p in params.values()}  # gradients that exist
     with counter:
         base = counter.reset_peak()
         with layer_outputs:
@@ -302,10 +305,25 @@ def _profile_stage(
             saved.add(storage_key(t))
             return t
 
+        param_grads: dict[int, torch.Tensor] = {}
+
+        def held_sink(i: int, grad: torch.Tensor) -> None:
+            param_grads[i] = grad if i not in param_grads else param_grads[i] + grad
+
+        def kept_sink(i: int, grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                buffers[i].add_(grad)
+
         base = counter.reset_peak()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y, graph = run_forward_with_grad(
-                module, x, needs_input_grad=needs_grad, params=params, stage=index, name=name
+                module,
+                x,
+                needs_input_grad=needs_grad,
+                params=params,
+                sink=held_sink,
+                stage=index,
+                name=name,
             )
         forward_grad_peak = counter.peak_bytes - base
         in_keys = [storage_key(t) for t in leaves(x)]
@@ -330,8 +348,17 @@ def _profile_stage(
             for edge, t in zip(graph.outputs, leaves(out), strict=True)
         ]
         base = counter.reset_peak()
-        _, param_grads = run_backward(graph, grad_out)
+        run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
+        del graph
+        # Again, as in a loop that keeps gradients: each is added in place as it is computed.
+        y, graph = run_forward_with_grad(
+            module, x, needs_input_grad=needs_grad, params=params, sink=kept_sink, stage=index
+        )
+        del y
+        base = counter.reset_peak()
+        run_backward(graph, grad_out)
+        backward_peak_kept = counter.peak_bytes - base
     saves_input = bool(saved_in_leaves)
     several_in, several_out = len(in_keys) > 1, len(out_keys) > 1
     grad_ids = {id(p) for _, (i, p) in params.items() if i in param_grads}
@@ -359,6 +386,7 @@ def _profile_stage(
         forward_peak_bytes=forward_peak,
         forward_grad_peak_bytes=forward_grad_peak,
         backward_peak_bytes=backward_peak,
+        backward_peak_kept_bytes=backward_peak_kept,
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
         layer_output_bytes=layer_outputs.bytes,

@@ -370,7 +370,7 @@ def _replay(
                 in_backward = True
                 held += grad[n]
                 before = held
-            during = held + stage.backward_peak_bytes
+            during = held + stage.backward_peak(grads_exist)
             graph[k] = False
             # The output's gradient is autograd's to free, after the whole backward.
             held -= stage.saved_bytes + (grad[k + 1] if k + 1 < n else 0)

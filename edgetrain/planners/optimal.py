@@ -86,7 +86,7 @@ def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool) -> _Sizes:
         pins_output=np.array([s.saves_whole_output for s in stages], dtype=bool),
         fwd_peak=up([s.forward_peak_bytes for s in stages]),
         fwd_grad_peak=up([s.forward_grad_peak_bytes for s in stages]),
-        bwd_peak=up([s.backward_peak_bytes for s in stages]),
+        bwd_peak=up([s.backward_peak(grads_exist) for s in stages]),
         held_grads=held,
         fwd_time=np.array([s.forward_seconds for s in stages], dtype=np.float64),
         bwd_time=np.array([s.backward_seconds for s in stages], dtype=np.float64),
