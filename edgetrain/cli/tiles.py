@@ -8,6 +8,7 @@ import click
 
 from edgetrain.cli.main import register
 from edgetrain.cli.output import console, emit_json, table
+from edgetrain.devices.catalog import CLUSTERS
 from edgetrain.errors import InvalidInput
 from edgetrain.units import format_bytes
 
@@ -21,7 +22,12 @@ def _positive(value: float, name: str) -> None:
 
 
 @click.command("tiles")
-@click.option("--model", default="yolov2-16", show_default=True, help="Model to train.")
+@click.option(
+    "--model",
+    default="yolov2-16",
+    show_default=True,
+    help="Model to train: yolov2-16 (tiles needs a fully convolutional model).",
+)
 @click.option("--grid", "grid_text", default="2x2", show_default=True, help="Tiles: rows x cols.")
 @click.option("--image", type=int, default=416, show_default=True, help="Image size in pixels.")
 @click.option("--batch", type=int, default=1, show_default=True, help="Images per step.")
@@ -39,7 +45,7 @@ def _positive(value: float, name: str) -> None:
     "--profile",
     default="pi3-ethernet",
     show_default=True,
-    help="Cluster profile --groups auto optimises for (name or .json file).",
+    help=f"Cluster profile --groups auto optimises for: {', '.join(CLUSTERS)}, or a .json file.",
 )
 @click.option("--address", default="127.0.0.1", show_default=True, help="Address workers bind.")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds per op.")
