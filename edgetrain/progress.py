@@ -154,8 +154,8 @@ class Task:
         if self._bar is not None:
             _bars.remove(self._bar_id)
         elif self._last_line is not None:
-            detail = f", {self.detail}" if self.detail else ""
-            self._log(f"{self.description}: done in {self._clock() - self._start:.1f} s{detail}")
+            last = f" (last: {self.detail})" if self.detail else ""
+            self._log(f"{self.description}: done in {self._clock() - self._start:.1f} s{last}")
 
 
 def _write_line(stream: IO[str], text: str) -> None:

@@ -43,7 +43,7 @@ def test_long_work_logs_at_most_every_ten_percent_and_two_seconds():
     assert 9 <= len(lines) <= 12, lines
     assert all(" edgetrain: profiling m: " in line for line in lines)
     assert "1000/1000 (100%)" in lines[-2]
-    assert "done in 50.0 s, loss 1.0" in lines[-1]
+    assert "done in 50.0 s (last: loss 1.0)" in lines[-1]
 
 
 def test_slow_steps_are_logged_at_most_every_two_seconds():

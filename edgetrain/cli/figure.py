@@ -55,6 +55,7 @@ def figure1(out: str, max_rho: float, as_json: bool) -> None:
                 "claim_rho": CLAIM_RHO,
                 "claim_holds": verdict,
                 "claim_rows": [asdict(r) for r in rows],
+                "point_fields": ["recompute_factor", "total_bytes"],
                 "curves": [asdict(c) for c in all_curves],
             }
         )
