@@ -63,7 +63,7 @@ def test_memory_measure_prints_measured_beside_predicted():
             ["plan", "--model", "resnet18", "--batch", "2", "--image", "64", "--memory", "145MB"],
             "smallest memory that works is",
         ),
-        (["plan", "--recompute", "0.5"], "below 1"),
+        (["plan", "--recompute", "0.5"], "0.5 is not in the range x>=1"),
         (["plan", "--memory", "2GB", "--recompute", "2"], "not both"),
         (["revolve", "--steps", "0", "--slots", "3"], "0 is not in the range x>=1"),
         (["train", "--model", "resnet18", "--steps", "0"], "0 is not in the range x>=1"),

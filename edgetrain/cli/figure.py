@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from edgetrain.cli.main import register
-from edgetrain.cli.options import OutputFile
+from edgetrain.cli.options import FiniteRange, OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
 from edgetrain.figure1 import CLAIM_RHO, DEPTHS, DEVICE_BYTES, SETTINGS, Curve, claim, curves
@@ -31,7 +31,7 @@ FORMATS = (".png", ".pdf", ".svg")
 )
 @click.option(
     "--max-rho",
-    type=click.FloatRange(min=1, min_open=True),
+    type=FiniteRange(min=1, min_open=True),
     default=3.0,
     show_default=True,
     help="Right end of the x axis (above 1).",

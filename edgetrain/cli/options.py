@@ -11,6 +11,7 @@ is caught), the path must not be a directory, and its suffix must be one the com
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -225,11 +226,24 @@ def resnet_names() -> tuple[str, ...]:
     return tuple(n for n in model_names() if n.startswith("resnet"))
 
 
+class FiniteRange(click.FloatRange):
+    """A click.FloatRange that also refuses nan and inf (which compare false with any bound)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 POSITIVE = click.IntRange(min=1)
 """A whole number of at least 1 (batch, steps, image side, slots)."""
 
 NON_NEGATIVE = click.IntRange(min=0)
 """A whole number of at least 0 (seeds)."""
 
-POSITIVE_FLOAT = click.FloatRange(min=0, min_open=True)
+POSITIVE_FLOAT = FiniteRange(min=0, min_open=True)
 """A number above 0 (learning rate, seconds)."""
+
+RECOMPUTE = FiniteRange(min=1)
+"""A recompute factor: at least 1 (plain autograd), finite."""

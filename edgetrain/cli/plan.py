@@ -9,7 +9,7 @@ import click
 from edgetrain import progress
 from edgetrain.chain import Chain
 from edgetrain.cli.main import register
-from edgetrain.cli.options import POSITIVE, SIZE_HELP, ModelName, OutputFile, Size
+from edgetrain.cli.options import POSITIVE, RECOMPUTE, SIZE_HELP, ModelName, OutputFile, Size
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
 from edgetrain.memory import OPTIMIZER_STATES, fixed_training_bytes
@@ -38,7 +38,12 @@ from edgetrain.units import format_bytes, mib
     default=None,
     help=f"Device memory for training, e.g. 2GB or 1.5GiB ({SIZE_HELP}).",
 )
-@click.option("--recompute", type=float, default=None, help="Largest recompute factor, e.g. 1.6.")
+@click.option(
+    "--recompute",
+    type=RECOMPUTE,
+    default=None,
+    help="Largest recompute factor (at least 1), e.g. 1.6.",
+)
 @click.option(
     "--optimizer",
     type=click.Choice(sorted(OPTIMIZER_STATES)),

@@ -14,6 +14,7 @@ from edgetrain.cli.options import (
     NON_NEGATIVE,
     POSITIVE,
     POSITIVE_FLOAT,
+    RECOMPUTE,
     SIZE_HELP,
     InputFile,
     ModelName,
@@ -48,7 +49,7 @@ from edgetrain.units import format_bytes
 )
 @click.option(
     "--recompute",
-    type=click.FloatRange(min=1),
+    type=RECOMPUTE,
     default=None,
     help="Largest recompute factor (at least 1) instead of --memory.",
 )
