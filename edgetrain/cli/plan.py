@@ -143,7 +143,8 @@ def describe(chain: Chain, schedule: Schedule, fixed_total: int) -> dict[str, An
     ``max_checkpoints`` the most stage inputs held as checkpoints at once, ``recomputed_stages``
     the stages run forward more than once.
     """
-    cost = simulate(chain, schedule)
+    # fixed_total holds the parameters' gradients from the last step, so the step adds to them
+    cost = simulate(chain, schedule, grads_exist=True)
     runs = [0] * chain.length
     first: list[str] = [""] * chain.length
     for kind, k in schedule:
