@@ -26,7 +26,7 @@ from edgetrain.units import format_bytes
     type=Size(),
     default="420MB",
     show_default=True,
-    help=f"Device memory for the ResNet-18 run (plain autograd needs about 486 MiB; {SIZE_HELP}).",
+    help=f"Device memory for the ResNet-18 run (plain autograd needs about 490 MiB; {SIZE_HELP}).",
 )
 @click.option("--batch", default=16, show_default=True, type=POSITIVE, help="Images per step.")
 def demo(steps: int, memory: int, batch: int) -> None:
