@@ -157,7 +157,7 @@ def test_schedule_saves_and_loads_and_a_foreign_plan_is_refused(tmp_path):
     again = Checkpointed(model, x, schedule=Schedule.load(path), chain=net.chain)
     assert again.schedule.text() == net.schedule.text()
     other = Checkpointed(build("resnet18"), torch.randn(2, 3, 32, 32), max_recompute=2.0)
-    with pytest.raises(InvalidSchedule, match="does not fit this model"):
+    with pytest.raises(InvalidSchedule, match="made for .* re-plan it"):
         Checkpointed(model, x, schedule=other.schedule, chain=net.chain)
     path.write_text(path.read_text()[:-20])
     with pytest.raises(CorruptFile):

@@ -169,19 +169,24 @@ class IntList(_Checked):
 
 
 def model_names() -> tuple[str, ...]:
-    """The models ``--model`` accepts (the registry's spellings)."""
-    from edgetrain.models import MODEL_NAMES
+    """The models the chain commands accept: the registry's ``nn.Sequential`` models (the others
+    have a forward() and are captured as graphs, which these commands do not plan yet)."""
+    from edgetrain.models import SEQUENTIAL_NAMES
 
-    return MODEL_NAMES
+    return SEQUENTIAL_NAMES
 
 
 class ModelName(_Checked):
-    """A model from the registry, among ``allowed`` (default: all); aliases such as ResNet-50 are
-    accepted and given in the registry's spelling."""
+    """A model from the registry, among ``allowed`` (default: :func:`model_names`); aliases such
+    as ResNet-50 are accepted and given in the registry's spelling."""
 
     name = "model"
 
-    def __init__(self, allowed: Sequence[str] | None = None, reason: str = "") -> None:
+    def __init__(
+        self,
+        allowed: Sequence[str] | None = None,
+        reason: str = "it is not an nn.Sequential chain; `edgetrain models` lists them",
+    ) -> None:
         self.allowed = tuple(allowed) if allowed is not None else None
         self.reason = reason
 
@@ -222,7 +227,7 @@ class ModelList(ModelName):
 
 
 def resnet_names() -> tuple[str, ...]:
-    """The models with a classifier head (what ``train`` and ``memory`` support)."""
+    """The Sequential models with a classifier head: what ``train`` supports."""
     return tuple(n for n in model_names() if n.startswith("resnet"))
 
 

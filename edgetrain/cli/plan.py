@@ -27,7 +27,7 @@ from edgetrain.units import format_bytes, mib
     type=ModelName(),
     default="resnet101",
     show_default=True,
-    help="Model to plan for (every model in the registry).",
+    help="Model to plan for (the registry's nn.Sequential models; `edgetrain models` lists all).",
 )
 @click.option("--batch", type=POSITIVE, default=8, show_default=True, help="Images per step.")
 @click.option("--image", type=POSITIVE, default=224, show_default=True, help="Image side (px).")
