@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from edgetrain import progress
 from edgetrain.chain import Chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.memory import fixed_training_bytes
@@ -129,12 +130,13 @@ class Checkpointed(nn.Module):
         self._grads_exist: bool | None = None
         self._plan(sample_input, chain, schedule)
 
-    # -- planning ------------------------------------------------------------------------------------
+    # -- planning ----------------------------------------------------------------------------------
 
     def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
         self.chain = chain if chain is not None else profile(self.model, sample)
         self._signature = signature(sample)
         if schedule is None:
+            progress.note(f"planning {self.chain.length} stages of {self.chain.name}")
             schedule = plan_for_device(
                 self.chain,
                 self.strategy,
@@ -201,7 +203,7 @@ class Checkpointed(nn.Module):
         """Predicted peak of the whole step: :attr:`fixed_bytes` + the plan's ``peak_bytes``."""
         return self.fixed_bytes + self.cost.peak_bytes
 
-    # -- running -------------------------------------------------------------------------------------
+    # -- running -----------------------------------------------------------------------------------
 
     def forward(self, x: Any) -> Any:
         _refuse_hooks(self.module)
@@ -464,7 +466,9 @@ class _ScheduleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, run: _Run, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, run: _Run, count: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         net = run.net
         schedule = net.schedule
         end = schedule.forward_phase_end
@@ -520,10 +524,7 @@ class _ScheduleFunction(torch.autograd.Function):
         run.wanted_params = {i for i, want in zip(param_index, needed[count:], strict=True) if want}
         # Gradients that exist, watched by no hook, which the caller's backward accumulates:
         # add to them in place as plain autograd does, and hand autograd nothing for them.
-        accumulate = [
-            _accumulates(ctx.next_functions[count + j][0])
-            for j in range(len(trainable))
-        ]
+        accumulate = [_accumulates(ctx.next_functions[count + j][0]) for j in range(len(trainable))]
         run.in_place = {
             i: p.grad
             for i, p, acc in zip(param_index, trainable, accumulate, strict=True)

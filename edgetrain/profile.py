@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from edgetrain import progress
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, storage_bytes, storage_key
@@ -153,18 +154,23 @@ def _profile(
     # identical stages (the repeated blocks of a ResNet) are profiled once.
     memo: dict[tuple[str, str, bool], tuple[_Measured, Any]] = {}
     index_of = {id(p): i for i, p in enumerate(model.parameters())}
-    with _preserved(model):
+    what = "measuring" if timer is not None else "sizing"
+    with _preserved(model), progress.task(f"{what} the stages of {type(model).__name__}") as done:
         groups = group_children(model, sample_input)
         x = sample_input
         needs_grad = any(t.requires_grad for t in leaves(sample_input))
         for index, (name, module, span) in enumerate(groups):
+            done(detail=name)
             key = (repr(module), signature(x), needs_grad)
             if timer is None and key in memo and not _shares_parameters(module, measured):
                 known, out = memo[key]
                 # The twin's parameters all got gradients, or none did: so do this one's.
                 trainable = {id(p) for p in module.parameters() if p.requires_grad}
                 result = _Measured(
-                    **{**known.__dict__, "param_grad_ids": trainable if known.param_grad_ids else set()}
+                    **{
+                        **known.__dict__,
+                        "param_grad_ids": trainable if known.param_grad_ids else set(),
+                    }
                 )
                 x = _empty_like(out)
             else:
@@ -329,9 +335,7 @@ def _profile_stage(
         in_keys = [storage_key(t) for t in leaves(x)]
         out_keys = [storage_key(t) for t in leaves(y)]
         # Output tensors passed through unchanged: the same storage as an input tensor.
-        carried = tuple(
-            (i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys
-        )
+        carried = tuple((i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys)
         new_out = [t for i, t in enumerate(leaves(y)) if i not in dict(carried)]
         new_saved_bytes = storage_bytes([t for t in new_out if storage_key(t) in saved])
         leaf_bytes = tuple(int(t.untyped_storage().nbytes()) for t in leaves(y))
@@ -362,7 +366,8 @@ def _profile_stage(
     saves_input = bool(saved_in_leaves)
     several_in, several_out = len(in_keys) > 1, len(out_keys) > 1
     grad_ids = {id(p) for _, (i, p) in params.items() if i in param_grads}
-    del graph, grad_out, param_grads
+    del graph, grad_out
+    param_grads.clear()
 
     forward_seconds = backward_seconds = 0.0
     if timer is not None:

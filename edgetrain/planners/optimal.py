@@ -349,7 +349,10 @@ def _fastest_fitting(
             continue  # the same plan as a larger budget's
         tried.add(value)
         schedule = table.schedule(int(m))
-        if simulate(table.chain, schedule, grads_exist=table.grads_exist).peak_bytes <= memory_bytes:
+        if (
+            simulate(table.chain, schedule, grads_exist=table.grads_exist).peak_bytes
+            <= memory_bytes
+        ):
             return schedule
     return None
 
@@ -368,9 +371,7 @@ def _least_memory_table(chain: Chain, slots: int, grads_exist: bool) -> OptimalT
     return OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
 
 
-def minimum_memory(
-    chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
-) -> float:
+def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False) -> float:
     """The smallest activation budget (bytes) with which :func:`optimal` finds a plan: the least
     simulated peak of the plans of the least-memory table (and of storing everything)."""
     best = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
