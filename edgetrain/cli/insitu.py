@@ -41,10 +41,13 @@ def insitu() -> None:
     """In-situ student-teacher training on a fixed camera node."""
 
 
-def _source_meta(video: str | None, seed: int, frames: int, classes: int) -> dict[str, Any]:
+def _source_meta(
+    video: str | None, seed: int, frames: int, classes: int, teacher_views: int
+) -> dict[str, Any]:
+    common = {"classes": classes, "teacher_views": teacher_views}
     if video is not None:
-        return {"kind": "video", "path": str(Path(video).resolve()), "classes": classes}
-    return {"kind": "synthetic", "seed": seed, "frames": frames, "classes": classes}
+        return {"kind": "video", "path": str(Path(video).resolve()), **common}
+    return {"kind": "synthetic", "seed": seed, "frames": frames, **common}
 
 
 def _open_source(meta: dict[str, Any]) -> SyntheticScene | VideoSource:
@@ -87,6 +90,13 @@ def _stored_source(store: Store) -> dict[str, Any]:
     type=float,
     help="Pause training while other processes use more than this share of all cores (1: never).",
 )
+@click.option(
+    "--teacher-views",
+    default=400,
+    show_default=True,
+    type=int,
+    help="Canonical views per class the teacher is trained on (once, then cached).",
+)
 @click.option("--json", "as_json", is_flag=True)
 def run_command(
     video: str | None,
@@ -104,6 +114,7 @@ def run_command(
     checkpoint_every: int,
     threads: int,
     idle_threshold: float,
+    teacher_views: int,
     as_json: bool,
 ) -> None:
     """Capture, label, store, train the student when idle, evaluate; resumable."""
@@ -117,6 +128,7 @@ def run_command(
         ("--checkpoint-every", checkpoint_every),
         ("--threads", threads),
         ("--frames", frames),
+        ("--teacher-views", teacher_views),
     ):
         if value < 1:
             raise InvalidInput(f"{name} must be at least 1, got {value}")
@@ -133,9 +145,10 @@ def run_command(
     )
     if recompute < 1:
         raise InvalidInput(f"--recompute must be at least 1, got {recompute}")
-    batch_plan = plan_batch(classifier(classes), config)  # an infeasible budget fails now
-    meta = _source_meta(video, seed, frames, classes)
-    source = _open_source(meta)  # an unreadable video fails now
+    # Fail on an infeasible budget or an unreadable video before any long work.
+    batch_plan = plan_batch(classifier(classes), config, find_largest=True)
+    meta = _source_meta(video, seed, frames, classes, teacher_views)
+    source = _open_source(meta)
     deadline = time.monotonic() + 60 * minutes
     store, cleaned = Store.open(store_dir, cap_bytes=parse_bytes(store_cap) if store_cap else None)
     with store:
@@ -154,7 +167,7 @@ def run_command(
             )
         if not as_json:
             console.print("teacher: loading (trained once on canonical views, then cached)")
-        teacher = load_teacher(classes)
+        teacher = load_teacher(classes, per_class=teacher_views)
         if teacher.retrained:
             notes.append(f"teacher trained on canonical views and cached in {teacher.path}")
         with Progress(
@@ -328,7 +341,7 @@ def eval_command(store_dir: str, picture_path: str | None, as_json: bool) -> Non
         meta = _stored_source(store)
         if store.count() == 0:
             raise StoreError(f"the store {store_dir} holds no images yet; run `insitu run` first")
-        teacher = load_teacher(int(meta["classes"]))
+        teacher = load_teacher(int(meta["classes"]), per_class=int(meta["teacher_views"]))
         report = _evaluate(store, teacher, int(meta["classes"]), meta)
         out = Path(picture_path) if picture_path else store.directory / "insitu.png"
         scene = _open_source(meta) if meta["kind"] == "synthetic" else None

@@ -118,7 +118,7 @@ def evaluate(
     student: Any | None,
     scene: SyntheticScene | None,
     *,
-    heldout_frames: int = 1000,
+    heldout_frames: int | None = None,
     student_steps: tuple[int, int] = (0, 0),
 ) -> Report:
     """The report for a store (``scene`` None: a real video, no ground truth)."""
@@ -126,7 +126,8 @@ def evaluate(
     teacher_acc = student_acc = off_t = off_s = None
     n = 0
     if scene is not None:
-        crops, labels, angles = heldout(scene, heldout_frames)
+        frames = heldout_frames or min(scene.frames, 1000)
+        crops, labels, angles = heldout(scene, frames)
         n = len(crops)
         t_pred = _predict(teacher.model, crops)
         s_pred = _predict(student, crops) if student is not None else t_pred

@@ -114,33 +114,43 @@ def _plan_at(model: nn.Sequential, batch: int, config: TrainConfig) -> BatchPlan
     return BatchPlan(batch, batch, schedule, chain, fixed, cost.peak_bytes, cost.recompute_factor)
 
 
-def plan_batch(model: nn.Sequential, config: TrainConfig) -> BatchPlan:
-    """The largest batch (up to ``max_batch``) whose step fits ``memory_bytes`` at ρ."""
+def plan_batch(
+    model: nn.Sequential, config: TrainConfig, *, find_largest: bool = False
+) -> BatchPlan:
+    """The largest batch up to ``max_batch`` whose step fits ``memory_bytes`` at ρ.
+
+    With ``find_largest`` also the largest batch that fits without the cap (``largest_fitting``;
+    otherwise it is the chosen batch).
+    """
 
     def fits(b: int) -> BatchPlan | None:
         p = _plan_at(model, b, config)
         return p if p.predicted_peak_bytes <= config.memory_bytes else None
 
-    best = fits(1)
-    if best is None:
+    capped = fits(config.max_batch)
+    if capped is not None and not find_largest:
+        return capped
+    if fits(1) is None:
         need = _plan_at(model, 1, config).predicted_peak_bytes
         raise InfeasibleBudget(
             f"the student needs {format_bytes(need)} for a batch of 1 at recompute factor "
             f"{config.recompute}; give more --memory",
             need,
         )
-    low, high = 1, 2
-    while high <= 4096 and fits(high) is not None:  # doubling, then bisection
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) is not None else (low, mid)
-    largest = low
-    chosen = fits(min(largest, config.max_batch))
+    # The step's bytes are affine in the batch (every activation scales with it): start from
+    # the line through batches 1 and 2, then check the neighbours with the planner itself.
+    one, two = _plan_at(model, 1, config), _plan_at(model, 2, config)
+    slope = max(1, two.predicted_peak_bytes - one.predicted_peak_bytes)
+    low = max(1, 1 + (config.memory_bytes - one.predicted_peak_bytes) // slope)
+    while low > 1 and fits(low) is None:
+        low -= 1
+    while fits(low + 1) is not None:
+        low += 1
+    chosen = capped if capped is not None else fits(min(low, config.max_batch))
     assert chosen is not None
     return BatchPlan(
         chosen.batch,
-        largest,
+        low,
         chosen.schedule,
         chosen.chain,
         chosen.fixed_bytes,
