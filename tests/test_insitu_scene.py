@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def test_appearance_departs_from_the_canonical_view_more_the_further_off_axis() 
         mask = view(1, (200, 100, 50), angle, 0.5, 40.0)[1] > 0.5
         overlap.append((canonical & mask).sum() / (canonical | mask).sum())
     assert overlap[0] == 1.0
-    assert all(later < earlier for earlier, later in zip(overlap, overlap[1:], strict=False))
+    assert all(later < earlier for earlier, later in itertools.pairwise(overlap))
 
 
 def test_background_subtraction_and_tracking_follow_each_object_as_one_track() -> None:
@@ -57,7 +58,8 @@ def test_background_subtraction_and_tracking_follow_each_object_as_one_track() -
                 pairs.append((t.track, best.object_id))
     assert total > 200 and matched / total > 0.95
     by_track = Counter(pairs)
-    purity = sum(max(n for (t2, _), n in by_track.items() if t2 == t) for t in {t for t, _ in pairs})
+    tracks = {t for t, _ in pairs}
+    purity = sum(max(n for (t2, _), n in by_track.items() if t2 == t) for t in tracks)
     assert purity / len(pairs) > 0.97  # a track follows one object
 
 
