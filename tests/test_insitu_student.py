@@ -18,7 +18,7 @@ from edgetrain.errors import CorruptFile, InfeasibleBudget
 from edgetrain.insitu.files import load_state
 from edgetrain.insitu.network import INPUT, classifier
 from edgetrain.insitu.store import Store, StoreError
-from edgetrain.insitu.student import CHECKPOINT, TrainConfig, _plan_at, plan_batch, train_student
+from edgetrain.insitu.student import CHECKPOINT, TrainConfig, plan_at, plan_batch, train_student
 from tests.insitu_helpers import CLASSES, TEST_CONFIG, fill, teacher_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_batch_is_the_largest_whose_planned_step_fits_the_budget() -> None:
     model = classifier(CLASSES)
-    budget = _plan_at(model, 37, TrainConfig()).predicted_peak_bytes + 1
+    budget = plan_at(model, 37, TrainConfig()).predicted_peak_bytes + 1
     config = TrainConfig(memory_bytes=budget, max_batch=10_000)
     chosen = plan_batch(model, config, find_largest=True)
     assert chosen.batch == 37 == chosen.largest_fitting
     assert chosen.predicted_peak_bytes <= budget
-    assert _plan_at(model, 38, config).predicted_peak_bytes > budget
+    assert plan_at(model, 38, config).predicted_peak_bytes > budget
     assert chosen.recompute_factor <= config.recompute + 1e-9
 
 

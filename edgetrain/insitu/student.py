@@ -103,7 +103,8 @@ class TrainResult:
         return self.step >= self.total_steps
 
 
-def _plan_at(model: nn.Sequential, batch: int, config: TrainConfig) -> BatchPlan:
+def plan_at(model: nn.Sequential, batch: int, config: TrainConfig) -> BatchPlan:
+    """The plan within ρ for ``batch`` and what the whole step costs (from shapes alone)."""
     sample = torch.empty(batch, 3, INPUT, INPUT, device="meta")
     chain = edgetrain.analytic_chain(model, sample)
     fixed = fixed_training_bytes(chain, OPTIMIZER)
@@ -124,14 +125,14 @@ def plan_batch(
     """
 
     def fits(b: int) -> BatchPlan | None:
-        p = _plan_at(model, b, config)
+        p = plan_at(model, b, config)
         return p if p.predicted_peak_bytes <= config.memory_bytes else None
 
     capped = fits(config.max_batch)
     if capped is not None and not find_largest:
         return capped
     if fits(1) is None:
-        need = _plan_at(model, 1, config).predicted_peak_bytes
+        need = plan_at(model, 1, config).predicted_peak_bytes
         raise InfeasibleBudget(
             f"the student needs {format_bytes(need)} for a batch of 1 at recompute factor "
             f"{config.recompute}; give more --memory",
@@ -139,7 +140,7 @@ def plan_batch(
         )
     # The step's bytes are affine in the batch (every activation scales with it): start from
     # the line through batches 1 and 2, then check the neighbours with the planner itself.
-    one, two = _plan_at(model, 1, config), _plan_at(model, 2, config)
+    one, two = plan_at(model, 1, config), plan_at(model, 2, config)
     slope = max(1, two.predicted_peak_bytes - one.predicted_peak_bytes)
     low = max(1, 1 + (config.memory_bytes - one.predicted_peak_bytes) // slope)
     while low > 1 and fits(low) is None:
@@ -299,7 +300,7 @@ def train_student(
     plan = plan_batch(model, config)
     batch = min(plan.batch, len(ids))
     if batch != plan.batch:
-        plan = _plan_at(model, batch, config)
+        plan = plan_at(model, batch, config)
     per_epoch = max(1, len(ids) // batch)
     total = per_epoch * config.epochs
     state_bytes = fixed_training_bytes(plan.chain, OPTIMIZER) - fixed_training_bytes(plan.chain)
@@ -421,6 +422,7 @@ __all__ = [
     "TrainResult",
     "load_student",
     "lower_priority",
+    "plan_at",
     "plan_batch",
     "train_student",
 ]
