@@ -66,7 +66,7 @@ def accuracy(store_dir: Path) -> dict[str, Any]:
     with store:
         if store.get("capture_done") is None:
             capture(scene, store, teacher, LabelRule())
-        config = TrainConfig(threads=2, idle_threshold=1.0, epochs=3)
+        config = TrainConfig(threads=2, idle_threshold=1.0, epochs=3, low_priority=False)
         result = train_student(store, CLASSES, teacher.model.state_dict(), config)
         student, state = load_student(store_dir, CLASSES)
         report = evaluate(

@@ -216,6 +216,16 @@ def run_command(
                     deadline=deadline,
                     on_step=on_step,
                 )
+        if not progress.finished:
+            notes.append(
+                f"time ran out at frame {progress.frames} of {len(source)}; run again to resume"
+            )
+        if result is not None and not result.finished:
+            notes.append(
+                f"the student has trained {result.step} of {result.total_steps} steps (paused "
+                f"{result.paused_seconds:.0f} s while other processes kept the CPU busy); run "
+                "again to resume, or pass --idle-threshold 1 to train regardless of load"
+            )
         report = _evaluate(store, teacher, classes, meta)
         picture_path = store.directory / "insitu.png"
         picture(report, store, source if isinstance(source, SyntheticScene) else None, picture_path)
