@@ -198,7 +198,8 @@ def picture(report: Report, store: Store, scene: SyntheticScene | None, path: Pa
     draw = ImageDraw.Draw(chart)
     draw.text((10, 8), "accuracy on held-out frames by off-axis angle", fill="black")
     draw.text((10, 22), "grey: teacher   blue: student", fill="black")
-    top, bottom = 50, chart.height - 40
+    draw.text((10, 34), "frames: green label right, red wrong, grey track dropped", fill="black")
+    top, bottom = 64, chart.height - 40
     if report.by_angle:
         slot = (chart.width - 40) / len(report.by_angle)
         for k, b in enumerate(report.by_angle):
