@@ -194,7 +194,12 @@ class IdleGate:
 
     def _sample(self) -> tuple[float, float, float]:
         cpu = psutil.cpu_times()
-        busy = sum(cpu) - cpu.idle - getattr(cpu, "iowait", 0.0)
+        # Linux counts guest time inside user time: leave guest fields out of the sum.
+        busy = (
+            cpu.user
+            + cpu.system
+            + sum(getattr(cpu, name, 0.0) for name in ("nice", "irq", "softirq", "steal"))
+        )
         mine = self.me.cpu_times()
         return time.monotonic(), busy, mine.user + mine.system
 
