@@ -163,6 +163,8 @@ def idle_gate(store_dir: Path) -> dict[str, Any]:
     resumed_at = next((t for t, p in events if not p and t > free_at), None)
     worker.join()
     shutil.rmtree(work)
+    if paused_before:  # the machine was already busy: no pause the benchmark caused to time
+        paused_at = None
     return {
         "paused_before_load": paused_before,
         "pause_seconds": None if paused_at is None else paused_at - load_at,
