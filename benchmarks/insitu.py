@@ -53,7 +53,7 @@ from edgetrain.insitu.student import (
 from edgetrain.insitu.teacher import LabelRule, load_teacher
 
 CLASSES = 4
-KILL_FRAMES = 400
+KILL_FRAMES = 1000
 KILL_CONFIG = TrainConfig(
     max_batch=16, epochs=2, checkpoint_every=3, threads=1, idle_threshold=1.0, low_priority=False
 )
@@ -201,7 +201,7 @@ def kills(count: int, seed: int = 1) -> dict[str, Any]:
         child = _child(["capture", str(capture_dir)])
         assert child.stdout is not None
         child.stdout.readline()  # "ready": imports done
-        time.sleep(rng.uniform(0.5, 8.0))
+        time.sleep(rng.uniform(0.5, 4.0))
         if child.poll() is None:
             child.send_signal(signal.SIGKILL)
             results["store_kills"] += 1
@@ -258,11 +258,20 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=None, help="a store from `insitu run`")
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only-kills", action="store_true", help="just the kill -9 part")
     parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.child:
         child(args.child[0], Path(args.child[1]))
+        return
+    if args.only_kills:
+        emit(
+            "kill -9 during store writes and training",
+            ["what", "value"],
+            [{"what": k, "value": v} for k, v in kills(args.kills).items()],
+            args.json,
+        )
         return
     store = args.store or Path(tempfile.mkdtemp(prefix="insitu-bench-")) / "store"
     report = accuracy(store)
