@@ -220,6 +220,11 @@ def run_command(
             notes.append(
                 f"time ran out at frame {progress.frames} of {len(source)}; run again to resume"
             )
+        if result is not None and result.skipped_images:
+            notes.append(
+                f"{result.skipped_images} stored images were unreadable or failed their checksum "
+                "and were skipped, not trained on"
+            )
         if result is not None and not result.finished:
             notes.append(
                 f"the student has trained {result.step} of {result.total_steps} steps (paused "
