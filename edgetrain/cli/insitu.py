@@ -338,6 +338,7 @@ def _print_report(report: Report, extra: dict[str, Any]) -> None:
                     f"{format_bytes(extra['predicted_peak_bytes'])}",
                 ]
             )
+    if "picture" in extra:
         facts.append(["picture", extra["picture"]])
     console.print(table("in-situ store", ["", "value"], facts))
     for note in extra.get("notes", []):
