@@ -45,6 +45,7 @@ FORMAT = "edgetrain-graph-v1"
 POET_FORMAT = "poet-instance-v1"
 
 _COSTS = (
+    "workspace_bytes",
     "compute_seconds",
     "compute_joules",
     "output_bytes",
@@ -71,6 +72,9 @@ class Node:
         pageout_joules: energy of that write (joules).
         stage: for a graph made from a chain, the chain stage the node belongs to (the loss: -1);
             None otherwise.
+        workspace_bytes: transient memory while the node runs, above its inputs and output, freed
+            when it finishes (bytes; e.g. weight gradients a backward allocates). Counted by the
+            ``edgetrain`` accounting; POET has no such term.
     """
 
     name: str
@@ -83,6 +87,7 @@ class Node:
     pageout_seconds: float = 0.0
     pageout_joules: float = 0.0
     stage: int | None = None
+    workspace_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -231,7 +236,7 @@ def from_dict(data: Any) -> TrainingGraph:
     ``edgetrain-graph-v1``: ``{"format": "edgetrain-graph-v1", "name": str, "device": str,
     "held_bytes": bytes, "held_from": stage, "retains": [[v, u], ...], "nodes": [{"name",
     "backward", "compute_seconds", "compute_joules", "output_bytes", "pagein_seconds",
-    "pagein_joules", "pageout_seconds", "pageout_joules", "stage"}, ...],
+    "pagein_joules", "pageout_seconds", "pageout_joules", "stage", "workspace_bytes"}, ...],
     "edges": [[u, v], ...]}``; nodes in topological order (every edge ``u < v``), the paging
     fields optional (0). Raises :class:`CorruptFile` for a wrong format tag or a missing or
     mistyped field, :class:`InvalidInput` for a cycle, a missing node or a negative value.
@@ -256,6 +261,7 @@ def from_dict(data: Any) -> TrainingGraph:
                 pageout_seconds=_number(raw.get("pageout_seconds", 0.0)),
                 pageout_joules=_number(raw.get("pageout_joules", 0.0)),
                 stage=None if raw.get("stage") is None else int(raw["stage"]),
+                workspace_bytes=_number(raw.get("workspace_bytes", 0.0)),
             )
             for i, raw in enumerate(data["nodes"])
         )
@@ -375,7 +381,10 @@ def from_chain(
 
     Sizes: ``F(k)`` outputs ``output_bytes + saved_bytes`` (what a forward with grad keeps),
     ``B(k)`` the gradient of ``a[k]``, ``loss`` the gradient of the output. The output itself stays
-    held by the caller during the backward pass (``held_bytes``).
+    held by the caller during the backward pass (``held_bytes``). A stage's measured transient
+    peaks (forward with grad, backward) beyond the node's output become its ``workspace_bytes``,
+    so the ``edgetrain`` accounting of the keep-everything plan is
+    :func:`edgetrain.schedule.simulate`'s peak.
 
     Costs: a stage's seconds are turned into floating-point operations at
     ``chain_flops_per_second`` (the speed the chain was timed or estimated at:
@@ -386,7 +395,9 @@ def from_chain(
     if chain_flops_per_second <= 0:
         raise InvalidInput("chain_flops_per_second must be positive")
 
-    def node(name: str, backward: bool, seconds: float, size: float, stage: int) -> Node:
+    def node(
+        name: str, backward: bool, seconds: float, size: float, stage: int, peak: float = 0.0
+    ) -> Node:
         flop = seconds * chain_flops_per_second
         return Node(
             name=name,
@@ -399,10 +410,18 @@ def from_chain(
             pageout_seconds=device.pageout_seconds(size),
             pageout_joules=device.pageout_joules(size),
             stage=stage,
+            workspace_bytes=max(0.0, float(peak) - size),
         )
 
     nodes = [
-        node(f"F{k}:{s.name}", False, s.forward_seconds, s.output_bytes + s.saved_bytes, k)
+        node(
+            f"F{k}:{s.name}",
+            False,
+            s.forward_seconds,
+            s.output_bytes + s.saved_bytes,
+            k,
+            s.forward_grad_peak_bytes,
+        )
         for k, s in enumerate(chain.stages)
     ]
     nodes.append(node("loss", True, 0.0, chain.gradient_of_activation_bytes(n), -1))
@@ -410,7 +429,12 @@ def from_chain(
         s = chain.stages[k]
         nodes.append(
             node(
-                f"B{k}:{s.name}", True, s.backward_seconds, chain.gradient_of_activation_bytes(k), k
+                f"B{k}:{s.name}",
+                True,
+                s.backward_seconds,
+                chain.gradient_of_activation_bytes(k),
+                k,
+                s.backward_peak_bytes,
             )
         )
 

@@ -118,3 +118,19 @@ def test_this_profile_measures_a_directory(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # probe files deleted
     with pytest.raises(InvalidInput, match="writable"):
         energy.measure_this(tmp_path / "missing", compute_watts=5.0)
+
+
+def test_chain_graph_keep_everything_peak_is_simulates_peak() -> None:
+    from edgetrain.planners import poet_check
+    from edgetrain.planners.optimal import store_all
+    from edgetrain.profile import model_chain
+    from edgetrain.schedule import simulate
+
+    chain = model_chain("resnet18", 2, 32)
+    graph = G.from_chain(chain, energy.get("rpi4"))
+    plan = poet_check.store_all(graph)
+    cost = poet_check.evaluate(graph, plan, "edgetrain")
+    assert cost.peak_ram_bytes == simulate(chain, store_all(chain)).peak_bytes
+    assert cost.runtime_seconds == pytest.approx(
+        energy.get("rpi4").compute_seconds(1e9 * (chain.forward_seconds + chain.backward_seconds))
+    )

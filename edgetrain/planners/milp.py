@@ -180,6 +180,7 @@ def _build(
     t_count = len(graph)
     nodes = graph.nodes
     size = np.array([n.output_bytes for n in nodes])
+    work = np.array([n.workspace_bytes for n in nodes])
     mem_scale = max(float(size.max()), 1.0) / 100.0  # memory rows in units of 1 % of the largest
     lower = graph.compute_joules
     obj_scale = OBJECTIVE_SCALE / lower if lower > 0 else OBJECTIVE_SCALE
@@ -307,7 +308,7 @@ def _build(
             after = [model.col(0.0, inf, integer=False) for _ in range(t + 1)]
             previous: list[tuple[int, float]] = [(c, w) for c, w in base]
             for k in range(t + 1):
-                during = [*previous, (r[t, k], size[k] / mem_scale)]
+                during = [*previous, (r[t, k], (size[k] + work[k]) / mem_scale)]
                 if budget_col >= 0:
                     model.row([*during, (budget_col, -1.0)], -inf, -held)
                 else:

@@ -132,15 +132,17 @@ def memory(
     ``U[t][k] = U[t][k-1] + R[t][k]·m_k − Σ_{edges (i, k-1)} m_i·Free[t](i, k-1)``: the inputs of
     node ``k-1`` leave when node ``k`` is added (edges repeated as listed).
 
-    ``edgetrain``: the level while node ``k`` runs, its inputs and its output held at once:
-    ``during[t][k] = after[t][k-1] + R[t][k]·m_k``, ``after[t][k] = during[t][k] − Σ_{edges (i, k)}
-    m_i·Free[t](i, k)`` (each edge once), starting from ``S_ram[t]``, the values paged in during
-    ``t`` and the graph's ``held_bytes`` from stage ``held_from``.
+    ``edgetrain``: the level while node ``k`` runs, its inputs, its output and its transient
+    ``workspace_bytes`` held at once: ``during[t][k] = after[t][k-1] + R[t][k]·(m_k + w_k)``,
+    ``after[t][k] = after[t][k-1] + R[t][k]·m_k − Σ_{edges (i, k)} m_i·Free[t](i, k)`` (each edge
+    once), starting from ``S_ram[t]``, the values paged in during ``t`` and the graph's
+    ``held_bytes`` from stage ``held_from``.
     """
     t_count = len(graph)
     m = _arrays(plan, t_count)
     r, s_ram = m["R"], m["S_ram"]
     size = np.array([n.output_bytes for n in graph.nodes], dtype=np.float64)
+    work = np.array([n.workspace_bytes for n in graph.nodes], dtype=np.float64)
     poet = accounting == "poet"
     edges = graph.edges if poet else graph.unique_edges
     incoming: list[list[int]] = [[] for _ in range(t_count)]
@@ -166,7 +168,7 @@ def memory(
             if t >= graph.held_from:
                 base += graph.held_bytes
         level = base + r[t, 0] * size[0]
-        u[t, 0] = level
+        u[t, 0] = level + (0.0 if poet else r[t, 0] * work[0])
         if not poet:
             level -= freed(t, 0)
         for k in range(1, t_count):
@@ -175,7 +177,7 @@ def memory(
                 u[t, k] = level
             else:
                 level += r[t, k] * size[k]
-                u[t, k] = level
+                u[t, k] = level + r[t, k] * work[k]
                 level -= freed(t, k)
     return u
 
