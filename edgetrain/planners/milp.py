@@ -340,7 +340,7 @@ def _run(
     threads: int,
     progress: Progress | None,
     obj_scale: float,
-    start: np.ndarray | None = None,
+    start: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[Any, Any, np.ndarray | None, float, float | None, float]:
     """Solve; returns (model status, highspy, solution or None, objective, dual bound, seconds)."""
     import highspy
@@ -373,7 +373,8 @@ def _run(
     ]
     h.passModel(lp)
     if start is not None:
-        _set_start(h, start)
+        # A partial start (the integer columns of a known plan): HiGHS completes the rest.
+        h.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
     if progress is not None:
         last = [0.0]
 
@@ -406,13 +407,21 @@ def _run(
     return status, highspy, solution, float(info.objective_function_value), dual_bound, seconds
 
 
-def _set_start(h: Any, start: np.ndarray) -> None:
-    import highspy
-
-    sol = highspy.HighsSolution()
-    sol.col_value = list(map(float, start))
-    sol.value_valid = True
-    h.setSolution(sol)
+def _start_from(plan: dict[str, np.ndarray], v: _Vars) -> tuple[np.ndarray, np.ndarray]:
+    """The integer columns of ``plan`` as (column indices, values) for a MIP start."""
+    cols: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    for key, index in (
+        ("R", v.r),
+        ("S_ram", v.s_ram),
+        ("S_flash", v.s_flash),
+        ("page_in", v.page_in),
+        ("page_out", v.page_out),
+    ):
+        mask = index >= 0
+        cols.append(index[mask])
+        values.append(plan[key][mask].astype(np.float64))
+    return np.concatenate(cols), np.concatenate(values)
 
 
 def _plan_from(values: np.ndarray, v: _Vars) -> dict[str, np.ndarray]:
@@ -443,6 +452,7 @@ def solve(
     threads: int = 1,
     progress: Progress | None = None,
     find_smallest_ram: bool = True,
+    warm_start: bool = True,
 ) -> MilpResult:
     """The least-energy plan for ``graph`` within ``ram_bytes`` of RAM and a runtime of
     ``runtime_factor`` times the every-node-once compute time (POET's multiplier).
@@ -497,9 +507,37 @@ def solve(
             **common,
         )
 
+    start = None
+    warm = ""
+    if mode == "hybrid" and warm_start:
+        # Paging-only and remat-only are much smaller searches; the better of their plans is a
+        # hybrid plan too, and HiGHS starts from it instead of hunting for a first incumbent.
+        best: MilpResult | None = None
+        for sub_mode in ("paging", "remat"):
+            sub = solve(
+                graph,
+                ram_bytes=ram_bytes,
+                runtime_factor=runtime_factor,
+                mode=sub_mode,
+                accounting=accounting,
+                time_limit=max(min(0.15 * time_limit, 30.0), 0.5),
+                rel_gap=rel_gap,
+                threads=threads,
+                find_smallest_ram=False,
+            )
+            if sub.energy_joules is not None and (
+                best is None or sub.energy_joules < best.energy_joules  # type: ignore[operator]
+            ):
+                best = sub
+        if best is not None and best.plan is not None:
+            start_plan = best.plan
+            warm = f"; started from the {best.mode}-only plan ({best.energy_joules:.6g} J)"
     model, variables, obj_scale, _ = _build(graph, ram_bytes, runtime, mode, accounting)
+    if warm:
+        start = _start_from(start_plan, variables)
+    left = max(time_limit - (time.perf_counter() - began), 0.5)
     status, highspy, values, _objective, dual, seconds = _run(
-        model, time_limit, rel_gap, threads, progress, obj_scale
+        model, left, rel_gap, threads, progress, obj_scale, start
     )
     size: dict[str, Any] = {"variables": model.num_cols, "constraints": model.num_rows}
     ms = highspy.HighsModelStatus
@@ -523,7 +561,7 @@ def solve(
             solve_seconds=time.perf_counter() - began,
             evaluation=result,
             plan=plan,
-            message=f"HiGHS: {_status_text(status)} in {seconds:.2f} s",
+            message=f"HiGHS: {_status_text(status)} in {seconds:.2f} s{warm}",
             **size,
             **common,
         )

@@ -1,0 +1,114 @@
+"""POET's MILP on HiGHS: status, energy, gap and solve time at 100 %, 50 % and 30 % of the
+keep-everything peak, for hybrid, remat-only and paging-only plans.
+
+Graph: edgetrain's own ResNet-18 chain at CIFAR size (32x32; batch 2, because with batch 1 the
+last 1x1 feature map leaves BatchNorm one value per channel, which training rejects), analytic
+costs (FLOP counts) on the Cortex-M0+, Cortex-M4F and Cortex-A72 profiles. Both accountings:
+``poet`` (POET's problem: node outputs only, paging time free) and ``edgetrain`` (transient peaks
+and what autograd retains, paging time counted). Also POET's own linear-m0 instance, whose optima
+are known. ``python benchmarks/poet.py [--json] [--time-limit 60] [--runtime FACTOR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit
+
+from edgetrain import graph as graphs
+from edgetrain.devices import energy
+from edgetrain.planners import milp, poet_check
+from edgetrain.profile import NOMINAL_FLOPS, model_chain
+
+DEVICES = ("m0", "m4f", "rpi4")
+FRACTIONS = (1.0, 0.5, 0.3)
+LINEAR = Path(__file__).resolve().parent.parent / "tests" / "data" / "poet_linear_m0.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--runtime", type=float, default=None, help="runtime factor (none)")
+    args = parser.parse_args()
+    chain = model_chain("resnet18", 2, 32)
+    rows = []
+    for device in DEVICES:
+        graph = graphs.from_chain(chain, energy.get(device), chain_flops_per_second=NOMINAL_FLOPS)
+        for accounting in ("poet", "edgetrain"):
+            peak = poet_check.evaluate(
+                graph, poet_check.store_all(graph), accounting
+            ).peak_ram_bytes
+            for fraction in FRACTIONS:
+                for mode in milp.MODES:
+                    result = milp.solve(
+                        graph,
+                        ram_bytes=peak * fraction,
+                        runtime_factor=args.runtime,
+                        mode=mode,
+                        accounting=accounting,
+                        time_limit=args.time_limit,
+                    )
+                    ev = result.evaluation
+                    rows.append(
+                        {
+                            "graph": f"resnet18@{device}",
+                            "accounting": accounting,
+                            "budget": f"{100 * fraction:.0f}%",
+                            "mode": mode,
+                            "status": result.status,
+                            "energy_J": result.energy_joules,
+                            "over_min_%": None
+                            if result.energy_joules is None
+                            else 100 * (result.energy_joules / graph.compute_joules - 1),
+                            "gap_%": None if result.gap is None else 100 * result.gap,
+                            "solve_s": result.solve_seconds,
+                            "recomputed": None if ev is None else ev.recomputed,
+                            "paged_out": None if ev is None else ev.paged_out,
+                            "smallest_ram_%": None
+                            if result.smallest_ram_bytes is None
+                            else 100 * result.smallest_ram_bytes / peak,
+                        }
+                    )
+    linear = graphs.load(LINEAR)
+    for ram in (None, 5000, 4000, 3500, 3000):
+        result = milp.solve(linear, ram_bytes=ram, runtime_factor=2.0, accounting="poet")
+        rows.append(
+            {
+                "graph": "POET linear@m0",
+                "accounting": "poet",
+                "budget": "none" if ram is None else f"{ram} B",
+                "mode": "hybrid",
+                "status": result.status,
+                "energy_J": result.energy_joules,
+                "over_min_%": None
+                if result.energy_joules is None
+                else 100 * (result.energy_joules / linear.compute_joules - 1),
+                "gap_%": None if result.gap is None else 100 * result.gap,
+                "solve_s": result.solve_seconds,
+                "recomputed": None if result.evaluation is None else result.evaluation.recomputed,
+                "paged_out": None if result.evaluation is None else result.evaluation.paged_out,
+                "smallest_ram_%": None
+                if result.smallest_ram_bytes is None
+                else 100 * result.smallest_ram_bytes / 7416,
+            }
+        )
+    columns = list(rows[0])
+    emit(
+        "POET MILP on HiGHS (budgets as % of the keep-everything peak under each accounting)",
+        columns,
+        rows,
+        args.json,
+        extra={
+            "time_limit_s": args.time_limit,
+            "runtime_factor": args.runtime,
+            "paging_executor": "not measured: plans that run (issue 10, item 4) are not built yet",
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
