@@ -26,6 +26,10 @@ from edgetrain.profile import NOMINAL_FLOPS, model_chain
 DEVICES = ("m0", "m4f", "rpi4")
 FRACTIONS = (1.0, 0.5, 0.3)
 LINEAR = Path(__file__).resolve().parent.parent / "tests" / "data" / "poet_linear_m0.json"
+DATA = Path(__file__).resolve().parent / "data"
+# POET's own instances, exported with POET's builder (commit 6e63098, batch 1) in the
+# poet-instance-v1 format; see the README for how.
+POET_INSTANCES = ("resnet18_cifar_a72", "vgg16_cifar_a72")
 
 
 def main() -> None:
@@ -96,6 +100,40 @@ def main() -> None:
                 else 100 * result.smallest_ram_bytes / 7416,
             }
         )
+    for name in POET_INSTANCES:
+        instance = graphs.load(DATA / f"{name}.json")
+        peak = poet_check.evaluate(instance, poet_check.store_all(instance), "poet").peak_ram_bytes
+        budgets = [("3 MB", 3e6)] if name.startswith("resnet") else []
+        budgets += [("50%", 0.5 * peak), ("30%", 0.3 * peak)]
+        for label, ram in budgets:
+            result = milp.solve(
+                instance,
+                ram_bytes=ram,
+                runtime_factor=7.6,
+                accounting="poet",
+                time_limit=args.time_limit,
+            )
+            ev = result.evaluation
+            rows.append(
+                {
+                    "graph": f"POET {name}",
+                    "accounting": "poet",
+                    "budget": label,
+                    "mode": "hybrid",
+                    "status": result.status,
+                    "energy_J": result.energy_joules,
+                    "over_min_%": None
+                    if result.energy_joules is None
+                    else 100 * (result.energy_joules / instance.compute_joules - 1),
+                    "gap_%": None if result.gap is None else 100 * result.gap,
+                    "solve_s": result.solve_seconds,
+                    "recomputed": None if ev is None else ev.recomputed,
+                    "paged_out": None if ev is None else ev.paged_out,
+                    "smallest_ram_%": None
+                    if result.smallest_ram_bytes is None
+                    else 100 * result.smallest_ram_bytes / peak,
+                }
+            )
     columns = list(rows[0])
     emit(
         "POET MILP on HiGHS (budgets as % of the keep-everything peak under each accounting)",
