@@ -436,7 +436,9 @@ class _ScheduleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, run: _Run, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, run: _Run, count: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         net = run.net
         schedule = net.schedule
         end = schedule.forward_phase_end
@@ -492,10 +494,7 @@ class _ScheduleFunction(torch.autograd.Function):
         run.wanted_params = {i for i, want in zip(param_index, needed[count:], strict=True) if want}
         # Gradients that exist, watched by no hook, which the caller's backward accumulates:
         # add to them in place as plain autograd does, and hand autograd nothing for them.
-        accumulate = [
-            _accumulates(ctx.next_functions[count + j][0])
-            for j in range(len(trainable))
-        ]
+        accumulate = [_accumulates(ctx.next_functions[count + j][0]) for j in range(len(trainable))]
         run.in_place = {
             i: p.grad
             for i, p, acc in zip(param_index, trainable, accumulate, strict=True)

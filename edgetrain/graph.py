@@ -99,11 +99,10 @@ class TrainingGraph:
         edges: ``(u, v)`` pairs, ``v`` reads ``u``'s output, ``u < v``; parallel edges allowed.
         name: a label.
         device: the name of the device profile the costs are for ("" if unknown).
-        held_bytes: bytes the caller holds from stage ``held_from`` to the end of the step that no
-            node accounts for (for a chain: the model's output, which the loss keeps after the last
-            stage's backward has freed that stage's forward node); counted by the ``edgetrain``
-            accounting, ignored by the ``poet`` accounting.
-        held_from: the first stage in which ``held_bytes`` are held.
+        held: ``(stage, bytes)`` pairs: bytes held from the start of that stage to the end of the
+            step that no node accounts for (for a chain: the model's output, which the caller
+            keeps, its gradient during the backward pass, and the parameter gradients each backward
+            leaves). Counted by the ``edgetrain`` accounting, ignored by the ``poet`` accounting.
         retains: ``(v, u)`` pairs: while ``v``'s output is held, ``u``'s output is held too
             (autograd's record of ``v`` saved ``u``, e.g. a convolution's input): ``v`` cannot be
             kept without ``u``. Respected by the ``edgetrain`` accounting; POET ignores it.
@@ -113,8 +112,7 @@ class TrainingGraph:
     edges: tuple[tuple[int, int], ...]
     name: str = ""
     device: str = ""
-    held_bytes: float = 0.0
-    held_from: int = 0
+    held: tuple[tuple[int, float], ...] = ()
     retains: tuple[tuple[int, int], ...] = ()
     _preds: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
     _succs: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
@@ -131,8 +129,11 @@ class TrainingGraph:
                         f"node {i} ({node.name!r}) has {name} {value!r}; "
                         "sizes, times and energies must be finite numbers >= 0"
                     )
-        if self.held_bytes < 0:
-            raise InvalidInput(f"held_bytes {self.held_bytes} is negative; give bytes >= 0")
+        for stage, size in self.held:
+            if size < 0 or not 0 <= stage < n:
+                raise InvalidInput(
+                    f"held ({stage}, {size}) needs a stage in 0..{n - 1} and bytes >= 0"
+                )
         for u, v in self.edges:
             if not (0 <= u < n and 0 <= v < n):
                 raise InvalidInput(f"edge ({u}, {v}) names a missing node; ids run 0..{n - 1}")
@@ -192,8 +193,7 @@ class TrainingGraph:
             "format": FORMAT,
             "name": self.name,
             "device": self.device,
-            "held_bytes": self.held_bytes,
-            "held_from": self.held_from,
+            "held": [[stage, size] for stage, size in self.held],
             "retains": [list(p) for p in self.retains],
             "nodes": [asdict(n) for n in self.nodes],
             "edges": [list(e) for e in self.edges],
@@ -234,7 +234,7 @@ def from_dict(data: Any) -> TrainingGraph:
     """A graph from a parsed JSON object: ``edgetrain-graph-v1`` or ``poet-instance-v1``.
 
     ``edgetrain-graph-v1``: ``{"format": "edgetrain-graph-v1", "name": str, "device": str,
-    "held_bytes": bytes, "held_from": stage, "retains": [[v, u], ...], "nodes": [{"name",
+    "held": [[stage, bytes], ...], "retains": [[v, u], ...], "nodes": [{"name",
     "backward", "compute_seconds", "compute_joules", "output_bytes", "pagein_seconds",
     "pagein_joules", "pageout_seconds", "pageout_joules", "stage", "workspace_bytes"}, ...],
     "edges": [[u, v], ...]}``; nodes in topological order (every edge ``u < v``), the paging
@@ -266,8 +266,7 @@ def from_dict(data: Any) -> TrainingGraph:
             for i, raw in enumerate(data["nodes"])
         )
         edges = _edges(data["edges"])
-        held = _number(data.get("held_bytes", 0.0))
-        held_from = int(data.get("held_from", 0))
+        held = tuple((int(a), _number(b)) for a, b in data.get("held", []))
         retains = _edges(data.get("retains", []))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptFile(
@@ -279,7 +278,6 @@ def from_dict(data: Any) -> TrainingGraph:
         str(data.get("name", "")),
         str(data.get("device", "")),
         held,
-        held_from,
         retains,
     )
 
@@ -380,8 +378,10 @@ def from_chain(
     ``F(L-1) -> loss``. The chain's input ``a[0]`` is held by the caller and is no node.
 
     Sizes: ``F(k)`` outputs ``output_bytes + saved_bytes`` (what a forward with grad keeps),
-    ``B(k)`` the gradient of ``a[k]``, ``loss`` the gradient of the output. The output itself stays
-    held by the caller during the backward pass (``held_bytes``). A stage's measured transient
+    ``B(k)`` the gradient of ``a[k]``; ``loss`` is a marker of no size. ``held``: the output's
+    gradient from the first backward on, the output (kept by the caller) once the last stage's
+    forward node is freed, and each backward's parameter gradients after it, as
+    :func:`edgetrain.schedule.simulate` counts them. A stage's measured transient
     peaks (forward with grad, backward) beyond the node's output become its ``workspace_bytes``,
     so the ``edgetrain`` accounting of the keep-everything plan is
     :func:`edgetrain.schedule.simulate`'s peak.
@@ -424,7 +424,7 @@ def from_chain(
         )
         for k, s in enumerate(chain.stages)
     ]
-    nodes.append(node("loss", True, 0.0, chain.gradient_of_activation_bytes(n), -1))
+    nodes.append(node("loss", True, 0.0, 0.0, -1))
     for k in reversed(range(n)):
         s = chain.stages[k]
         nodes.append(
@@ -452,12 +452,21 @@ def from_chain(
     edges.append((n - 1, n))
     edges.sort()
     retains = tuple((k, k - 1) for k in range(1, n) if chain.stages[k].saves_input)
+    # The output's gradient from the first backward on; the output itself once its forward node
+    # is gone (the caller keeps it); each backward's parameter gradients after it.
+    held = [(bwd(n - 1), float(chain.gradient_of_activation_bytes(n)))]
+    if bwd(n - 1) + 1 < 2 * n + 1:
+        held.append((bwd(n - 1) + 1, float(chain.activation_bytes(n))))
+    held += [
+        (bwd(k) + 1, float(chain.stages[k].gradient_bytes))
+        for k in range(1, n)
+        if chain.stages[k].gradient_bytes
+    ]
     return TrainingGraph(
         tuple(nodes),
         tuple(edges),
         chain.name or "chain",
         device.name,
-        held_bytes=float(chain.activation_bytes(n)),
-        held_from=bwd(n - 1) + 1,
+        held=tuple(held),
         retains=retains,
     )

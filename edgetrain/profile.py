@@ -164,7 +164,10 @@ def _profile(
                 # The twin's parameters all got gradients, or none did: so do this one's.
                 trainable = {id(p) for p in module.parameters() if p.requires_grad}
                 result = _Measured(
-                    **{**known.__dict__, "param_grad_ids": trainable if known.param_grad_ids else set()}
+                    **{
+                        **known.__dict__,
+                        "param_grad_ids": trainable if known.param_grad_ids else set(),
+                    }
                 )
                 x = _empty_like(out)
             else:

@@ -271,9 +271,7 @@ def _storages(value: Any) -> set[int]:
 
 def _detached(value: Any) -> Any:
     flat, spec = tree_flatten(value)
-    return tree_unflatten(
-        [t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
-    )
+    return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
 def _empty_like(value: Any) -> Any:

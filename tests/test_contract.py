@@ -61,7 +61,12 @@ def same_grads(a, b, exact=True):
 def user_mlp():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 8), nn.Tanh(),
+        nn.Linear(6, 8),
+        nn.GELU(),
+        nn.Linear(8, 8),
+        nn.SiLU(),
+        nn.Linear(8, 8),
+        nn.Tanh(),
         nn.Linear(8, 4),
     ).to(F64)
 
@@ -69,9 +74,13 @@ def user_mlp():
 # -- item 1: a module used twice ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("strategy", "budget", "schedule"), plans_with_tightest(
-    nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).to(F64), torch.randn(3, 4, dtype=F64)
-))
+@pytest.mark.parametrize(
+    ("strategy", "budget", "schedule"),
+    plans_with_tightest(
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).to(F64),
+        torch.randn(3, 4, dtype=F64),
+    ),
+)
 def test_a_layer_used_twice_trains_like_plain_autograd(strategy, budget, schedule):
     torch.manual_seed(1)
     lin = nn.Linear(4, 4).to(F64)
@@ -123,8 +132,15 @@ def gradient_stop(how):
     return nn.Sequential(nn.Linear(5, 5), nn.Tanh(), Stop(how), nn.GELU(), nn.Linear(5, 2)).to(F64)
 
 
-@pytest.mark.parametrize("make", [frozen_first, dropout_first, lambda: gradient_stop("detach"),
-                                  lambda: gradient_stop("no_grad")])
+@pytest.mark.parametrize(
+    "make",
+    [
+        frozen_first,
+        dropout_first,
+        lambda: gradient_stop("detach"),
+        lambda: gradient_stop("no_grad"),
+    ],
+)
 @pytest.mark.parametrize(("strategy", "budget"), PLANS)
 @pytest.mark.parametrize("input_grad", [False, True])
 def test_stages_without_gradients_give_plain_autograds_result(make, strategy, budget, input_grad):
@@ -298,7 +314,9 @@ def test_hooks_on_the_wrapped_sequential_and_a_custom_forward_are_refused():
 @pytest.mark.parametrize(("strategy", "budget"), PLANS)
 def test_autocast_recomputes_in_the_forwards_precision(strategy, budget):
     torch.manual_seed(9)
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
     plain = copy.deepcopy(model)
     x = torch.randn(5, 8)
     net = checkpointed(model, x, strategy, budget, None)
@@ -344,8 +362,11 @@ def test_dict_inputs_and_activations_work(strategy, budget):
     torch.manual_seed(10)
     model = nn.Sequential(DictIn(), nn.Identity(), DictOut()).to(F64)
     plain = copy.deepcopy(model)
-    batch = {"x": torch.randn(3, 4, dtype=F64), "y": torch.randn(3, 3, dtype=F64),
-             "n": torch.tensor(2.0, dtype=F64)}
+    batch = {
+        "x": torch.randn(3, 4, dtype=F64),
+        "y": torch.randn(3, 3, dtype=F64),
+        "n": torch.tensor(2.0, dtype=F64),
+    }
     net = checkpointed(model, batch, strategy, budget, None)
     assert torch.equal(step(net, batch), step(plain, batch))
     same_grads(plain, model)

@@ -120,7 +120,10 @@ def test_this_profile_measures_a_directory(tmp_path: Path) -> None:
         energy.measure_this(tmp_path / "missing", compute_watts=5.0)
 
 
-def test_chain_graph_keep_everything_peak_is_simulates_peak() -> None:
+def test_chain_graph_keep_everything_peak_is_simulates_peak_or_one_activation_above() -> None:
+    """A forward node is the stage's output and saved tensors together; a stage that does not save
+    its output (ResNet's stem) keeps it counted until its backward: at most one activation more.
+    """
     from edgetrain.planners import poet_check
     from edgetrain.planners.optimal import store_all
     from edgetrain.profile import model_chain
@@ -130,7 +133,8 @@ def test_chain_graph_keep_everything_peak_is_simulates_peak() -> None:
     graph = G.from_chain(chain, energy.get("rpi4"))
     plan = poet_check.store_all(graph)
     cost = poet_check.evaluate(graph, plan, "edgetrain")
-    assert cost.peak_ram_bytes == simulate(chain, store_all(chain)).peak_bytes
+    exact = simulate(chain, store_all(chain)).peak_bytes
+    assert exact <= cost.peak_ram_bytes <= exact + max(s.output_bytes for s in chain.stages)
     assert cost.runtime_seconds == pytest.approx(
         energy.get("rpi4").compute_seconds(1e9 * (chain.forward_seconds + chain.backward_seconds))
     )

@@ -165,6 +165,7 @@ def _chain(rng: random.Random, length: int, saves_input: bool) -> Chain:
                 output_bytes=size,
                 saved_bytes=0,
                 saves_input=saves_input,
+                saves_output=True,
                 forward_peak_bytes=size,
                 forward_grad_peak_bytes=size,
                 backward_peak_bytes=before if k > 0 else 0,
@@ -191,9 +192,9 @@ def test_milp_without_paging_matches_the_optimal_chain_dp(seed: int) -> None:
     """On chains where the two memory models coincide, the MILP is never slower than the DP,
     both find the same budgets feasible, and they agree at most budgets.
 
-    They coincide on chains whose stages keep only their output for backward (no saved tensors,
-    input not saved): a forward's output is then both the checkpoint and the graph, as in the
-    MILP's one-output nodes, and simulate's memory (transient peaks = outputs) is the MILP's
+    They coincide on chains whose stages keep only their output for backward (``saves_output``,
+    no saved tensors, input not saved): a forward's output is then both the checkpoint and the
+    graph, as in the MILP's one-output nodes, and simulate's memory (transient peaks = outputs) is the MILP's
     ``edgetrain`` accounting (keep-everything peaks are asserted equal). The MILP may be faster:
     the DP keeps every checkpoint until its sub-chain is done (persistent plans), the MILP may drop
     one at the peak and recompute it later. At least half of the feasible budgets must agree,
@@ -221,7 +222,7 @@ def test_milp_without_paging_matches_the_optimal_chain_dp(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(3))
 def test_milp_brackets_the_chain_dp_when_stages_save_their_input(seed: int) -> None:
-    """With saved inputs the one-output node model cannot tell a no-grad checkpoint from a graph.
+    """With saved inputs (and outputs), one-output nodes cannot tell a checkpoint from a graph.
 
     Ignoring what a graph retains (``retains`` dropped) makes the MILP optimistic, honouring it
     for every forward makes it pessimistic; the DP's optimum lies in between.

@@ -284,7 +284,7 @@ def _build(
         held = 0.0
         if accounting == "edgetrain":
             base += [(p_in[t, i], size[i] / mem_scale) for i in range(t)]
-            held = graph.held_bytes / mem_scale if t >= graph.held_from else 0.0
+            held = sum(size for stage, size in graph.held if stage <= t) / mem_scale
         cap = ram_limit - held if accounting == "edgetrain" else ram_limit
         if accounting == "poet":
             # U[t][0..min(t+1, T-1)]; later levels equal U[t][t+1].

@@ -314,9 +314,7 @@ def _fastest_within(
     return Schedule(schedule.length, schedule.kinds, schedule.indices, "optimal", params)
 
 
-def minimum_memory(
-    chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
-) -> float:
+def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False) -> float:
     """The smallest activation budget (bytes) with which :func:`optimal` finds a plan.
 
     A table at the resolution of the store-everything peak gives an upper bound; a second one at

@@ -12,7 +12,7 @@ its energy split, under either accounting:
     next stage.
 ``edgetrain``
     runtime also counts paging time; a value paged in during stage ``t`` occupies RAM during ``t``;
-    parallel edges free once; the graph's ``held_bytes`` count from stage ``held_from``.
+    parallel edges free once; the graph's ``held`` bytes count from their stages on.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def memory(
     ``edgetrain``: the level while node ``k`` runs, its inputs, its output and its transient
     ``workspace_bytes`` held at once: ``during[t][k] = after[t][k-1] + R[t][k]·(m_k + w_k)``,
     ``after[t][k] = after[t][k-1] + R[t][k]·m_k − Σ_{edges (i, k)} m_i·Free[t](i, k)`` (each edge
-    once), starting from ``S_ram[t]``, the values paged in during ``t`` and the graph's
-    ``held_bytes`` from stage ``held_from``.
+    once), starting from ``S_ram[t]``, the values paged in during ``t`` and the graph's ``held``
+    bytes whose stage is ``<= t``.
     """
     t_count = len(graph)
     m = _arrays(plan, t_count)
@@ -165,8 +165,7 @@ def memory(
         base = float(s_ram[t] @ size)
         if not poet:
             base += float(m["page_in"][t] @ size)
-            if t >= graph.held_from:
-                base += graph.held_bytes
+            base += sum(size for stage, size in graph.held if stage <= t)
         level = base + r[t, 0] * size[0]
         u[t, 0] = level + (0.0 if poet else r[t, 0] * work[0])
         if not poet:
