@@ -194,8 +194,9 @@ def test_milp_without_paging_matches_the_optimal_chain_dp(seed: int) -> None:
 
     They coincide on chains whose stages keep only their output for backward (``saves_output``,
     no saved tensors, input not saved): a forward's output is then both the checkpoint and the
-    graph, as in the MILP's one-output nodes, and simulate's memory (transient peaks = outputs) is the MILP's
-    ``edgetrain`` accounting (keep-everything peaks are asserted equal). The MILP may be faster:
+    graph, as in the MILP's one-output nodes, and simulate's memory (transient peaks = outputs)
+    is the MILP's ``edgetrain`` accounting (keep-everything peaks are asserted equal). The MILP may
+    be faster:
     the DP keeps every checkpoint until its sub-chain is done (persistent plans), the MILP may drop
     one at the peak and recompute it later. At least half of the feasible budgets must agree,
     and wherever they differ the MILP's time is lower, never higher.
