@@ -1,10 +1,11 @@
 """PageStore: tensors paged out to files in a directory (the "SD card") and back, safely.
 
-The store a paging plan needs (issue 10, item 4; the executor does not use it yet):
+The store :class:`~edgetrain.execute.Checkpointed` pages activations to (``Po``/``Pi`` operations):
 
-* :meth:`PageStore.put` hands a tensor to a background writer thread and returns at once, so the
-  write overlaps compute; the writer copies it to a temporary file, fsyncs it and renames it into
-  place (a crash leaves no half-written page under a page's name);
+* :meth:`PageStore.put` hands a tensor (or a tuple, list or dict of them) to a background writer
+  thread and returns at once, so the write overlaps compute; the writer serialises it into a
+  temporary file, fsyncs it and renames it into place (a crash leaves no half-written page under
+  a page's name), then drops its reference;
 * every page carries the SHA-256 of its bytes; :meth:`PageStore.take` waits for the write, reads
   the file back, checks the checksum, loads it with ``torch.load(weights_only=True)`` and deletes
   the file — a page is used once;
@@ -50,7 +51,7 @@ class PageStore:
             raise InvalidInput(f"cannot write to paging directory {path}; name a writable one")
         self.directory = path
         self.bytes_written = 0
-        self._queue: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._checksums: dict[str, str] = {}
         self._done: dict[str, threading.Event] = {}
         self._error: BaseException | None = None
@@ -62,20 +63,16 @@ class PageStore:
 
     # -- public ------------------------------------------------------------------------------------
 
-    def put(self, key: str, tensor: torch.Tensor) -> None:
-        """Page ``tensor`` out under ``key``; returns before the write finishes."""
+    def put(self, key: str, value: Any) -> None:
+        """Page ``value`` (tensors, detached) out under ``key``; returns before the write ends."""
         self._raise_pending()
         if key in self._done:
             raise InvalidInput(f"page {key!r} is already stored; take it before storing it again")
-        buffer = io.BytesIO()
-        torch.save(tensor.detach().cpu(), buffer)
-        data = buffer.getvalue()
         with self._lock:
-            self._checksums[key] = hashlib.sha256(data).hexdigest()
             self._done[key] = threading.Event()
-        self._queue.put((key, data))
+        self._queue.put((key, value))
 
-    def take(self, key: str) -> torch.Tensor:
+    def take(self, key: str) -> Any:
         """Page ``key`` back in: wait for its write, verify its checksum, delete the file."""
         event = self._done.get(key)
         if event is None:
@@ -91,13 +88,11 @@ class PageStore:
             ) from exc
         if hashlib.sha256(data).hexdigest() != self._checksums[key]:
             raise CorruptFile(f"page file {path} fails its checksum; the storage corrupted it")
-        tensor = torch.load(io.BytesIO(data), weights_only=True)
+        value = torch.load(io.BytesIO(data), weights_only=True)
         path.unlink(missing_ok=True)
         with self._lock:
             del self._done[key], self._checksums[key]
-        if not isinstance(tensor, torch.Tensor):
-            raise CorruptFile(f"page file {path} does not hold a tensor")
-        return tensor
+        return value
 
     def flush(self) -> None:
         """Wait until every page handed to :meth:`put` is on disk."""
@@ -136,14 +131,24 @@ class PageStore:
             item = self._queue.get()
             if item is None:
                 return
-            key, data = item
+            key, value = item
+            del item
             try:
                 if self._error is None:
+                    buffer = io.BytesIO()
+                    torch.save(value, buffer)
+                    del value  # the page is serialised: the tensor may go
+                    data = buffer.getvalue()
+                    del buffer
+                    with self._lock:
+                        self._checksums[key] = hashlib.sha256(data).hexdigest()
                     self._write(self._path(key), data)
                     self.bytes_written += len(data)
+                    del data
             except OSError as exc:
                 self._error = exc
             finally:
+                value = None
                 self._done[key].set()
 
     def _write(self, path: Path, data: bytes) -> None:
