@@ -178,10 +178,10 @@ def test_a_paging_plan_needs_a_page_directory(tmp_path: Path) -> None:
 
 
 def test_the_simulator_refuses_paging_what_a_graph_holds() -> None:
+    from dataclasses import replace
+
     from edgetrain.chain import uniform_chain
     from edgetrain.errors import InvalidSchedule
-
-    from dataclasses import replace
 
     plain = uniform_chain(3, 10)
     tanh = replace(plain.stages[0], saves_output=True)  # its graph keeps a[1]
