@@ -58,6 +58,12 @@ class Stage:
             returns a view of its input or overwrites it in place is merged with its neighbour).
         output_requires_grad: whether the output needs a gradient (False for leading stages
             without trainable parameters when the input needs none: they have no backward).
+        leaf_bytes: for an output of several tensors (a cut inside a residual block carries the
+            trunk and the skip), the storage bytes of each; empty for one tensor.
+        carried: ``(output tensor, input tensor)`` pairs: tensors passed through unchanged (the
+            same storage in the input and the output).
+        saved_inputs, saved_outputs: which input and output tensors the graph holds, when
+            only some of them (None: all of them or none, as ``saves_input``/``saves_output``).
     """
 
     name: str
@@ -76,6 +82,22 @@ class Stage:
     span: int = 1
     saves_output: bool = False
     output_requires_grad: bool = True
+    leaf_bytes: tuple[int, ...] = ()
+    carried: tuple[tuple[int, int], ...] = ()
+    saved_inputs: tuple[int, ...] | None = None
+    saved_outputs: tuple[int, ...] | None = None
+
+    @property
+    def output_leaves(self) -> int:
+        """How many tensors the output has (1 unless ``leaf_bytes`` says otherwise)."""
+        return len(self.leaf_bytes) or 1
+
+    @property
+    def saves_whole_output(self) -> bool:
+        """Whether the graph holds every tensor of the output."""
+        if self.saved_outputs is None:
+            return self.saves_output
+        return len(set(self.saved_outputs)) == self.output_leaves
 
     def renamed(self, name: str) -> Stage:
         """The same costs under another name."""
@@ -186,6 +208,10 @@ class Chain:
                 s.gradient_bytes,
                 s.output_requires_grad,
                 s.span,
+                list(s.leaf_bytes),
+                [list(c) for c in s.carried],
+                s.saved_inputs,
+                s.saved_outputs,
             ]
             for s in self.stages
         ]
@@ -204,7 +230,7 @@ class Chain:
     def from_dict(cls, data: dict[str, Any]) -> Chain:
         """Rebuild a chain from :meth:`to_dict` output; raises :class:`CorruptFile` if malformed."""
         try:
-            stages = tuple(Stage(**s) for s in data["stages"])
+            stages = tuple(Stage(**_tuples(s)) for s in data["stages"])
             return cls(
                 stages=stages,
                 input_bytes=int(data["input_bytes"]),
@@ -232,6 +258,17 @@ class Chain:
         if not isinstance(data, dict):
             raise CorruptFile("not a chain description; write it with Chain.to_json")
         return cls.from_dict(data)
+
+
+def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists back to the tuples a Stage holds."""
+    out = dict(fields)
+    for key in ("leaf_bytes", "saved_inputs", "saved_outputs"):
+        if isinstance(out.get(key), list):
+            out[key] = tuple(int(v) for v in out[key])
+    if isinstance(out.get("carried"), list):
+        out["carried"] = tuple((int(a), int(b)) for a, b in out["carried"])
+    return out
 
 
 def uniform_chain(

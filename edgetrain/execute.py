@@ -30,8 +30,8 @@ What is refused with one clear error (before any gradient, buffer or RNG state c
 * a second backward through the same step (``retain_graph``) and double backward
   (``create_graph=True``, e.g. gradient penalties): run those without checkpointing;
 * an input or parameter changed in place between the forward and the backward, as autograd does;
-* hooks registered on the wrapped ``nn.Sequential`` itself (register them on ``Checkpointed`` or
-  on the children) and ``nn.Sequential`` subclasses with their own ``forward``;
+* hooks registered on the wrapped model itself (register them on ``Checkpointed`` or on its
+  children), and models torch.fx cannot trace (control flow on tensor values);
 * a saved plan made for another model, batch or input size.
 
 Memory: what the step holds above what it started with (weights, buffers, input, and gradients if
@@ -82,7 +82,8 @@ class Checkpointed(nn.Module):
     """Train an ``nn.Sequential`` within a memory budget by running a checkpointing plan.
 
     Args:
-        model: the ``nn.Sequential`` to train (its entries are the stages).
+        model: the model to train: an ``nn.Sequential`` (its entries are the stages) or any
+            module torch.fx can trace (cut between the blocks that a single tensor leaves).
         sample_input: an input of the shape training will use; profiled on this device.
         memory_budget: bytes (or "512MB") the step may use for weights, gradients, buffers,
             the input and activations together; the plan is the fastest that fits.
@@ -119,18 +120,17 @@ class Checkpointed(nn.Module):
         page_dir: str | Path | None = None,
     ) -> None:
         super().__init__()
-        _check_model(model)
         _refuse_hooks(model)
         if on_new_shape not in _NEW_SHAPE:
             raise InvalidInput(f"on_new_shape must be one of {', '.join(_NEW_SHAPE)}")
-        assert isinstance(model, nn.Sequential)
-        self.model = model
+        self.module = model
+        self.model = as_stages(model, sample_input)
         self.strategy = strategy
         self.on_new_shape = on_new_shape
         self.reserve_bytes = 0 if reserve_bytes in (0, "0") else parse_bytes(reserve_bytes)
         self._device = None if memory_budget is None else parse_bytes(memory_budget)
         self._max_recompute = max_recompute
-        self._params = list(model.parameters())
+        self._params = list(self.model.parameters())
         self._grads_exist: bool | None = None
         self.page_dir = None if page_dir is None else Path(page_dir)
         if self.page_dir is not None:
@@ -215,17 +215,19 @@ class Checkpointed(nn.Module):
     # -- running -------------------------------------------------------------------------------------
 
     def forward(self, x: Any) -> Any:
-        _refuse_hooks(self.model)
+        _refuse_hooks(self.module)
         params = [p for p in self._params if p.requires_grad]
         inputs = leaves(x)
         if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or params):
-            return self.model(x)
+            return self.module(x)
         if signature(x) != self._signature:
             if self.on_new_shape == "error":
                 raise InvalidInput(
                     f"Checkpointed was planned for an input of {self._signature}, called with "
                     f"{signature(x)}; plan for this input (or pass on_new_shape='replan')"
                 )
+            if self.model is not self.module:
+                self.model = as_stages(self.module, x)
             self._plan(x, None, None)
         run = _Run(self, x)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
@@ -237,6 +239,21 @@ class Checkpointed(nn.Module):
             f"strategy={self.schedule.strategy!r}, stages={self.chain.length}, "
             f"peak_bytes={self.cost.peak_bytes}, recompute_factor={self.cost.recompute_factor:.3f}"
         )
+
+
+def as_stages(model: nn.Module, sample: Any) -> nn.Sequential:
+    """The stages edgetrain plans over: a plain ``nn.Sequential`` as it is; any other module
+    captured with torch.fx (:mod:`edgetrain.capture`) and cut between its blocks (where a single
+    tensor crosses) and twice inside each (where the trunk and the skip cross, see
+    :func:`~edgetrain.capture.block_cuts`), each piece an ``fx.GraphModule`` running the
+    model's own modules."""
+    if isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward:
+        _check_model(model)
+        return model
+    from edgetrain.capture import block_cuts, capture, segments
+
+    captured = capture(model, sample)
+    return segments(captured, block_cuts(captured))
 
 
 def _kept(params: Any) -> bool:
@@ -478,9 +495,7 @@ class _ScheduleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx: Any, run: _Run, count: int, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, run: _Run, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         net = run.net
         schedule = net.schedule
         end = schedule.forward_phase_end
@@ -536,7 +551,10 @@ class _ScheduleFunction(torch.autograd.Function):
         run.wanted_params = {i for i, want in zip(param_index, needed[count:], strict=True) if want}
         # Gradients that exist, watched by no hook, which the caller's backward accumulates:
         # add to them in place as plain autograd does, and hand autograd nothing for them.
-        accumulate = [_accumulates(ctx.next_functions[count + j][0]) for j in range(len(trainable))]
+        accumulate = [
+            _accumulates(ctx.next_functions[count + j][0])
+            for j in range(len(trainable))
+        ]
         run.in_place = {
             i: p.grad
             for i, p, acc in zip(param_index, trainable, accumulate, strict=True)

@@ -164,10 +164,7 @@ def _profile(
                 # The twin's parameters all got gradients, or none did: so do this one's.
                 trainable = {id(p) for p in module.parameters() if p.requires_grad}
                 result = _Measured(
-                    **{
-                        **known.__dict__,
-                        "param_grad_ids": trainable if known.param_grad_ids else set(),
-                    }
+                    **{**known.__dict__, "param_grad_ids": trainable if known.param_grad_ids else set()}
                 )
                 x = _empty_like(out)
             else:
@@ -222,6 +219,10 @@ class _Measured:
         self.layer_output_bytes: int = values["layer_output_bytes"]
         self.output_requires_grad: bool = values["output_requires_grad"]
         self.param_grad_ids: set[int] = values["param_grad_ids"]
+        self.leaf_bytes: tuple[int, ...] = values.get("leaf_bytes", ())
+        self.carried: tuple[tuple[int, int], ...] = values.get("carried", ())
+        self.saved_inputs: tuple[int, ...] | None = values.get("saved_inputs")
+        self.saved_outputs: tuple[int, ...] | None = values.get("saved_outputs")
 
 
 def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage]:
@@ -257,6 +258,10 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             buffer_bytes=buffers[k],
             span=span,
             output_requires_grad=r.output_requires_grad,
+            leaf_bytes=r.leaf_bytes,
+            carried=r.carried,
+            saved_inputs=r.saved_inputs,
+            saved_outputs=r.saved_outputs,
         )
         for k, (name, _, span, r) in enumerate(measured)
     ]
@@ -288,7 +293,8 @@ def _profile_stage(
         with layer_outputs:
             out = run_forward(module, x, stage=index, name=name)
         forward_peak = counter.peak_bytes - base
-        output_bytes = counter.live_bytes - base
+        # What the forward made, and the tensors it passed through (held before it, shared).
+        output_bytes = counter.live_bytes - base + _passed_through_bytes(x, out)
 
         saved: set[int] = set()
 
@@ -302,12 +308,21 @@ def _profile_stage(
                 module, x, needs_input_grad=needs_grad, params=params, stage=index, name=name
             )
         forward_grad_peak = counter.peak_bytes - base
-        out_keys = {storage_key(t) for t in leaves(y)}
-        out_bytes = storage_bytes(leaves(y))
+        in_keys = [storage_key(t) for t in leaves(x)]
+        out_keys = [storage_key(t) for t in leaves(y)]
+        # Output tensors passed through unchanged: the same storage as an input tensor.
+        carried = tuple(
+            (i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys
+        )
+        new_out = [t for i, t in enumerate(leaves(y)) if i not in dict(carried)]
+        new_saved_bytes = storage_bytes([t for t in new_out if storage_key(t) in saved])
+        leaf_bytes = tuple(int(t.untyped_storage().nbytes()) for t in leaves(y))
         output_requires_grad = any(t.requires_grad for t in leaves(y))
-        del y
+        del y, new_out
         kept = counter.live_bytes - base
-        saves_output = bool(out_keys & saved)
+        saved_out_leaves = tuple(i for i, key in enumerate(out_keys) if key in saved)
+        saved_in_leaves = tuple(j for j, key in enumerate(in_keys) if key in saved)
+        saves_output = bool(saved_out_leaves)
         grad_out = [
             None
             if edge is None
@@ -317,7 +332,8 @@ def _profile_stage(
         base = counter.reset_peak()
         _, param_grads = run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
-    saves_input = bool({storage_key(t) for t in leaves(x)} & saved)
+    saves_input = bool(saved_in_leaves)
+    several_in, several_out = len(in_keys) > 1, len(out_keys) > 1
     grad_ids = {id(p) for _, (i, p) in params.items() if i in param_grads}
     del graph, grad_out, param_grads
 
@@ -333,9 +349,13 @@ def _profile_stage(
         backward_seconds = (backward_flops + 2 * elements) / flops_per_second
     result = _Measured(
         output_bytes=output_bytes,
-        saved_bytes=kept - (out_bytes if saves_output else 0),
+        saved_bytes=kept - new_saved_bytes,
         saves_input=saves_input,
         saves_output=saves_output,
+        leaf_bytes=leaf_bytes if several_out or carried else (),
+        carried=carried,
+        saved_inputs=saved_in_leaves if several_in else None,
+        saved_outputs=saved_out_leaves if several_out or carried else None,
         forward_peak_bytes=forward_peak,
         forward_grad_peak_bytes=forward_grad_peak,
         backward_peak_bytes=backward_peak,
@@ -346,6 +366,11 @@ def _profile_stage(
         param_grad_ids=grad_ids,
     )
     return result, out
+
+
+def _passed_through_bytes(x: Any, out: Any) -> int:
+    inputs = {storage_key(t) for t in leaves(x)}
+    return storage_bytes([t for t in leaves(out) if storage_key(t) in inputs])
 
 
 def _grad_outputs(graph: Any, out: Any) -> list[torch.Tensor | None]:

@@ -293,15 +293,33 @@ def _replay(
             f"schedule is for a chain of {schedule.length} stages, this chain has {n}; re-plan it"
         )
     stages = chain.stages
-    act = [0] + [s.output_bytes for s in stages]  # a[0] is held by the caller: not counted
     grad = [chain.gradient_of_activation_bytes(k) for k in range(n + 1)]
-    # Who refers to activation k: our reference (plain), graph k (saves its input), graph k-1
-    # (saves its output). Its storage is held while anyone does, and counted once.
-    refs = [0] * (n + 1)
+    # An activation is one tensor or several (a cut inside a residual block carries the trunk
+    # and the skip); each tensor's storage is a *piece*, and a tensor passed through a stage
+    # unchanged is the same piece in its input and its output. Piece 0: the input, which the
+    # caller holds (never counted).
+    sizes = [0]
+    pieces: list[list[int]] = [[0]]
+    for stage in stages:
+        before = pieces[-1]
+        carried = dict(stage.carried)
+        own: list[int] = []
+        for leaf in range(stage.output_leaves):
+            if leaf in carried:
+                j = carried[leaf]
+                own.append(before[j] if j < len(before) else 0)
+            else:
+                sizes.append(stage.leaf_bytes[leaf] if stage.leaf_bytes else stage.output_bytes)
+                own.append(len(sizes) - 1)
+        pieces.append(own)
+    saved_in = [_held(st.saved_inputs, st.saves_input, pieces[k]) for k, st in enumerate(stages)]
+    saved_out = [
+        _held(st.saved_outputs, st.saves_output, pieces[k + 1]) for k, st in enumerate(stages)
+    ]
+    refs = [0] * len(sizes)
     plain = [False] * (n + 1)
     graph = [False] * n
     plain[0] = True
-    refs[0] = 1
     held = 0
     next_backward = n - 1  # the backward phase goes n-1 .. 0
     in_backward = False
@@ -319,13 +337,21 @@ def _replay(
     def fail(i: int, kind: Op, k: int, why: str) -> InvalidSchedule:
         return InvalidSchedule(f"operation {i} ({kind.code}{k}) {why}")
 
-    def take(k: int) -> int:
-        refs[k] += 1
-        return act[k] if refs[k] == 1 else 0
+    def take(ids: list[int]) -> int:
+        """Refer to these pieces; returns the bytes that became held."""
+        added = 0
+        for piece in ids:
+            refs[piece] += 1
+            added += sizes[piece] if refs[piece] == 1 else 0
+        return added
 
-    def drop(k: int) -> int:
-        refs[k] -= 1
-        return act[k] if refs[k] == 0 else 0
+    def drop(ids: list[int]) -> int:
+        """Stop referring to these pieces; returns the bytes freed."""
+        freed = 0
+        for piece in ids:
+            refs[piece] -= 1
+            freed += sizes[piece] if refs[piece] == 0 else 0
+        return freed
 
     def release(k: int) -> int:
         """Drop our reference to a[k] (the input and the caller's output are never dropped)."""
@@ -334,7 +360,7 @@ def _replay(
             return 0
         plain[k] = False
         checkpoints -= 1
-        return drop(k)
+        return drop(pieces[k])
 
     for i, (code, k) in enumerate(
         zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True)
@@ -345,20 +371,20 @@ def _replay(
         if kind is Op.PAGE_OUT:
             if not 0 < k < n or not plain[k]:
                 raise fail(i, kind, k, "pages out an activation that is not held")
-            if refs[k] != 1:
+            if any(refs[piece] != 1 for piece in pieces[k]):
                 raise fail(i, kind, k, f"pages out a[{k}], which a graph still holds")
             paged[k] = True
             writing = release(k)  # still held, by the writer, until the next operation ends
             pages_out += 1
-            paged_bytes += act[k]
+            paged_bytes += sum(sizes[piece] for piece in pieces[k])
             during = before
         elif kind is Op.PAGE_IN:
-            if not paged[k] or plain[k] or refs[k]:
+            if not paged[k] or plain[k] or any(refs[piece] for piece in pieces[k]):
                 raise fail(i, kind, k, f"pages in a[{k}], which is not (only) in a page file")
             paged[k] = False
             plain[k] = True
             checkpoints += 1
-            held += take(k)
+            held += take(pieces[k])
             pages_in += 1
             during = held
         elif kind is Op.DISCARD:
@@ -383,10 +409,7 @@ def _replay(
             graph[k] = False
             # The output's gradient is autograd's to free, after the whole backward.
             held -= stage.saved_bytes + (grad[k + 1] if k + 1 < n else 0)
-            if stage.saves_input:
-                held -= drop(k)
-            if stage.saves_output:
-                held -= drop(k + 1)
+            held -= drop(saved_in[k]) + drop(saved_out[k])
             held += grad[k] + (0 if grads_exist else stage.gradient_bytes)
             next_backward -= 1
             seconds += stage.backward_seconds
@@ -397,7 +420,7 @@ def _replay(
                 raise fail(i, kind, k, f"needs a[{k}], which is not held")
             if in_backward and k > next_backward:
                 raise fail(i, kind, k, "recomputes a stage whose backward is already done")
-            if refs[k + 1] or graph[k]:
+            if plain[k + 1] or graph[k] or _holds(graph, saved_in, k + 1):
                 # A second copy of a[k+1] (or of its graph): discard the first one before.
                 raise fail(i, kind, k, f"recomputes a[{k + 1}], which is already in memory")
             stage = stages[k]
@@ -407,16 +430,13 @@ def _replay(
             if kind is Op.FORWARD_ALL:
                 during = held + stage.forward_grad_peak_bytes
                 graph[k] = True
-                held += take(k + 1) + stage.saved_bytes
-                if stage.saves_output:
-                    take(k + 1)
-                if stage.saves_input:
-                    take(k)
+                held += take(pieces[k + 1]) + stage.saved_bytes
+                held += take(saved_out[k]) + take(saved_in[k])
                 held -= release(k)
                 forward_all += 1
             else:
                 during = held + stage.forward_peak_bytes
-                held += take(k + 1)
+                held += take(pieces[k + 1])
                 if kind is Op.FORWARD_NOSAVE:
                     held -= release(k)
                 forward_steps += 1
@@ -444,3 +464,16 @@ def _replay(
         pages_in=pages_in,
         paged_bytes=paged_bytes,
     )
+
+
+def _held(which: tuple[int, ...] | None, whole: bool, ids: list[int]) -> list[int]:
+    """The pieces of an activation a graph holds: the listed tensors, or all or none."""
+    if which is None:
+        return list(ids) if whole else []
+    return [ids[j] for j in which if j < len(ids)]
+
+
+def _holds(graph: list[bool], saved_in: list[list[int]], k: int) -> bool:
+    """Whether the graph of stage ``k`` holds part of ``a[k]`` (its input), so that computing
+    ``a[k]`` again would make a second copy."""
+    return k < len(graph) and graph[k] and bool(saved_in[k])

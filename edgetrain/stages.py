@@ -239,7 +239,11 @@ def group_children(model: nn.Sequential, sample: Any) -> list[tuple[str, nn.Modu
                     "check that the layers' sizes and dtypes chain"
                 ) from exc
             in_place = [t._version for t in leaves(x)] != versions
-            aliased = bool(_storages(out) & _storages(x))
+            # A view of the input (not a tensor passed through whole, as a skip is).
+            passed = {id(t) for t in leaves(x)}
+            aliased = bool(
+                {storage_key(t) for t in leaves(out) if id(t) not in passed} & _storages(x)
+            )
             seen[key] = (in_place, aliased, out)
         if groups and (in_place or aliased or open_group):
             groups[-1].append((name, child))
@@ -251,7 +255,10 @@ def group_children(model: nn.Sequential, sample: Any) -> list[tuple[str, nn.Modu
         else:
             groups.append([(name, child)])
             group_input = _storages(x)
-        open_group = bool(_storages(out) & group_input)
+        passed = {id(t) for t in leaves(x)}
+        open_group = bool(
+            {storage_key(t) for t in leaves(out) if id(t) not in passed} & group_input
+        )
         x = out
     if open_group and len(groups) > 1:
         groups[-2].extend(groups.pop())
@@ -271,7 +278,9 @@ def _storages(value: Any) -> set[int]:
 
 def _detached(value: Any) -> Any:
     flat, spec = tree_flatten(value)
-    return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
+    return tree_unflatten(
+        [t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
+    )
 
 
 def _empty_like(value: Any) -> Any:

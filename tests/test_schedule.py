@@ -102,9 +102,10 @@ def test_a_stage_that_saves_neither_end_frees_its_input_and_output():
     cost = simulate(chain, store_all(chain))
     # After the forward: three graphs of 2 bytes and the output a3 (10) held by the caller.
     assert memory_trace(chain, store_all(chain))[2][2] == 3 * 2 + 10
-    # The loss adds the output gradient (10), the first backward its transient peak (10); graphs
-    # that held their outputs would have added a1 and a2 (20) on top.
-    assert cost.peak_bytes == 16 + 10 + 10
+    # The loss adds the output gradient (10, held until the backward ends), B2 its input
+    # gradient (10) for B1, whose transient peak adds 10 more; graphs that held their outputs
+    # would have added a1 and a2 (20) on top.
+    assert cost.peak_bytes == 16 - 2 + 10 + 10 + 10
 
 
 @settings(max_examples=60, deadline=None)

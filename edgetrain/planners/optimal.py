@@ -16,7 +16,9 @@ Memory is counted exactly as :func:`edgetrain.schedule.simulate` counts it (a gr
 autograd saves: its input, its output or neither; shared storages once; transient peaks per
 operation; the output held by the caller after the loss; parameter gradients held from the backward
 that creates them to the end of the step), with every size rounded *up* to whole slots, so a plan
-that fits in the table fits in reality. The table is filled one span at a time, vectorised with
+that fits in the table fits in reality; :func:`optimal` also tries the table's plans for budgets
+a little above the one asked for, which rounding may have priced out, checking each with the
+simulator. The table is filled one span at a time, vectorised with
 numpy over every sub-chain of that span, every split point and every memory size.
 
 The work is about ``L**3 / 3 * slots`` operations, so long chains get fewer slots (never fewer than
@@ -57,7 +59,8 @@ class _Sizes:
     grad: np.ndarray  # gradient of a[k]
     extra: np.ndarray  # saved_bytes of stage k
     saves_input: np.ndarray  # bool
-    saves_output: np.ndarray  # bool
+    saves_output: np.ndarray  # bool: the graph holds some of the output
+    pins_output: np.ndarray  # bool: the graph holds all of the output
     fwd_peak: np.ndarray  # forward without grad
     fwd_grad_peak: np.ndarray  # forward with grad
     bwd_peak: np.ndarray
@@ -80,6 +83,7 @@ def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool) -> _Sizes:
         extra=up([s.saved_bytes for s in stages]),
         saves_input=np.array([s.saves_input for s in stages], dtype=bool),
         saves_output=np.array([s.saves_output for s in stages], dtype=bool),
+        pins_output=np.array([s.saves_whole_output for s in stages], dtype=bool),
         fwd_peak=up([s.forward_peak_bytes for s in stages]),
         fwd_grad_peak=up([s.forward_grad_peak_bytes for s in stages]),
         bwd_peak=up([s.backward_peak_bytes for s in stages]),
@@ -126,8 +130,8 @@ class OptimalTable:
         size = self.slots + 1
         m = np.arange(size)
         prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
-        # a[k] + the peak of the forward that starts from it, for the walk to a checkpoint.
-        step = np.concatenate([[0], z.act[1:n]]) + z.fwd_peak
+        # Reaching a[k+1] from a[k]: a[k] + the forward's peak, and a[k+1] once it is done.
+        step = np.maximum(np.concatenate([[0], z.act[1:n]]) + z.fwd_peak, z.act[1:])
         for span in range(n):
             s = np.arange(n - span)
             t = s + span
@@ -139,15 +143,21 @@ class OptimalTable:
             for pin in (0, 1):
                 own = np.zeros_like(s) if pin else z.act[s]
                 graph = z.extra[s] + np.where(z.saves_input[s] & (pin == 0), z.act[s], 0)
-                peak_f = own + entry_rest + z.fwd_grad_peak[s]
+                # Each operation's peak, and what it leaves held (the simulator takes the larger).
+                peak_f = np.maximum(
+                    own + entry_rest + z.fwd_grad_peak[s], entry_rest + graph + z.act[s + 1]
+                )
                 out = np.where(z.saves_output[s] | (s + 1 == n), z.act[s + 1], 0)
                 peak_b = graph + out + z.grad[s + 1] + z.held_grads[s + 1] + z.bwd_peak[s]
+                if span > 0:
+                    peak_b = peak_b + after  # the caller's output and its gradient, if top
+                left_b = z.grad[s] + z.held_grads[s] + after
                 base = z.fwd_time[s] + z.bwd_time[s]
+                peak_b = np.maximum(peak_b, left_b)
                 if span == 0:
                     best = np.where(m >= np.maximum(peak_f, peak_b)[:, None], base[:, None], np.inf)
                 else:
-                    peak_b = peak_b + after
-                    pinned = z.saves_output[s].astype(np.int64)
+                    pinned = z.pins_output[s].astype(np.int64)
                     shift = graph + pinned * z.act[s + 1]
                     inner = np.where(
                         pinned[:, None] == 1, self._time[1, s + 1, t], self._time[0, s + 1, t]
@@ -162,7 +172,7 @@ class OptimalTable:
                     walk = np.maximum.accumulate(
                         np.concatenate(
                             [
-                                z.fwd_peak[s][:, None],
+                                np.maximum(z.fwd_peak[s], z.act[s + 1])[:, None],
                                 step[np.minimum(s[:, None] + q[None, :-1], n - 1)],
                             ],
                             axis=1,
@@ -221,7 +231,7 @@ class OptimalTable:
             after = act_out + int(z.grad[n]) if t == n - 1 else 0
             if j == -1:
                 graph = int(z.extra[s] + (0 if pin else z.saves_input[s] * z.act[s]))
-                pinned = int(z.saves_output[s])
+                pinned = int(z.pins_output[s])
                 todo: list[tuple[object, ...]] = [("emit", Op.FORWARD_ALL, s)]
                 if t > s:
                     todo.append(("solve", pinned, s + 1, t, m - graph - pinned * int(z.act[s + 1])))
@@ -262,12 +272,14 @@ def _shift_each(values: np.ndarray, offset: np.ndarray) -> np.ndarray:
 def optimal(
     chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
 ) -> Schedule:
-    """The fastest plan whose peak stays within ``memory_bytes`` (see :class:`~edgetrain.schedule.Cost`).
+    """The fastest plan whose simulated peak stays within ``memory_bytes`` (see
+    :class:`~edgetrain.schedule.Cost`).
 
-    One table: the budget is cut into at most ``slots`` slots (fewer for long chains, see
-    :func:`max_slots`; exactly the chain's common size unit when that needs no more) and sizes are
-    rounded up, so the plan always fits. Raises :class:`InfeasibleBudget` with the smallest budget
-    that works when no plan fits.
+    One table for the budget (at most ``slots`` slots, fewer for long chains, see
+    :func:`max_slots`; exactly the chain's common size unit when that needs no more): the plans it
+    gives for budgets at and below ``memory_bytes`` are checked with the simulator, fastest
+    first, and the first that fits is returned. Raises :class:`InfeasibleBudget` with the
+    smallest budget that works (:func:`minimum_memory`) when no plan fits.
     """
     if memory_bytes <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
@@ -295,6 +307,11 @@ def resolution(chain: Chain, budget_bytes: float, slots: int = DEFAULT_SLOTS) ->
     return budget_bytes / slots, slots
 
 
+_MARGIN = 0.04
+"""Budgets a little above the one asked for are tabled too: rounding may price a fitting plan
+there."""
+
+
 def _fastest_within(
     chain: Chain, memory_bytes: float, slots: int, grads_exist: bool
 ) -> Schedule | None:
@@ -304,38 +321,65 @@ def _fastest_within(
         schedule = everything  # nothing is faster than storing everything
     else:
         slot_bytes, count = resolution(chain, memory_bytes, slots)
-        if count < 1:
+        top = min(count + max(1, int(count * _MARGIN)), max_slots(chain.length))
+        top = max(top, count)
+        table = OptimalTable(chain, slot_bytes, top, grads_exist=grads_exist)
+        found = _fastest_fitting(table, memory_bytes, top)
+        if found is None:
+            # Coarse rounding can hide the smallest plans: the least-memory table has them.
+            found = _fastest_fitting(_least_memory_table(chain, slots, grads_exist), memory_bytes)
+        if found is None:
             return None
-        table = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
-        if not np.isfinite(table.time(count)):
-            return None
-        schedule = table.schedule(count)
+        schedule = found
     params = {**schedule.params, "budget_bytes": int(memory_bytes)}
     return Schedule(schedule.length, schedule.kinds, schedule.indices, "optimal", params)
 
 
-def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False) -> float:
-    """The smallest activation budget (bytes) with which :func:`optimal` finds a plan.
-
-    A table at the resolution of the store-everything peak gives an upper bound; a second one at
-    the resolution of that bound refines it; the answer is checked with :func:`optimal`'s own
-    search (and raised a slot at a time until it passes), so it is always usable.
-    """
-    everything = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
-    best = everything
-    for _ in range(2):
-        slot_bytes, count = resolution(chain, best, slots)
-        table = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
-        fewest = table.smallest_feasible_slots()
-        if fewest is None:
+def _fastest_fitting(
+    table: OptimalTable, memory_bytes: float, top: int | None = None
+) -> Schedule | None:
+    """The fastest of the table's plans (budgets ``top`` down to 0) whose exact peak fits."""
+    times = table.times()[: (table.slots if top is None else top) + 1]
+    tried: set[float] = set()
+    for m in np.argsort(times, kind="stable"):
+        value = float(times[m])
+        if not np.isfinite(value):
             break
-        best = min(best, fewest * slot_bytes)
-    step = resolution(chain, best, slots)[0]
-    for _ in range(8):
-        if _fastest_within(chain, best, slots, grads_exist) is not None:
-            return best
-        best += step
-    return everything
+        if value in tried:
+            continue  # the same plan as a larger budget's
+        tried.add(value)
+        schedule = table.schedule(int(m))
+        if simulate(table.chain, schedule, grads_exist=table.grads_exist).peak_bytes <= memory_bytes:
+            return schedule
+    return None
+
+
+def _least_memory_table(chain: Chain, slots: int, grads_exist: bool) -> OptimalTable:
+    """A table at the resolution of the least memory any plan needs (estimated at the
+    resolution of the store-everything peak)."""
+    everything = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
+    slot_bytes, count = resolution(chain, max(everything, 1), slots)
+    coarse = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
+    fewest = coarse.smallest_feasible_slots()
+    if fewest is None:
+        return coarse
+    budget = max(1.0, (fewest + 1) * slot_bytes * (1 + _MARGIN))
+    slot_bytes, count = resolution(chain, budget, slots)
+    return OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
+
+
+def minimum_memory(
+    chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
+) -> float:
+    """The smallest activation budget (bytes) with which :func:`optimal` finds a plan: the least
+    simulated peak of the plans of the least-memory table (and of storing everything)."""
+    best = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
+    table = _least_memory_table(chain, slots, grads_exist)
+    times = table.times()
+    for m in np.flatnonzero(np.isfinite(times))[:64]:
+        peak = simulate(chain, table.schedule(int(m)), grads_exist=grads_exist).peak_bytes
+        best = min(best, float(peak))
+    return best
 
 
 def common_unit(chain: Chain) -> int:
