@@ -206,9 +206,9 @@ def poet_command(
     from edgetrain.planners import milp
     from edgetrain.schedule import atomic_write_text
 
-    if time_limit <= 0:
+    if not 0 < time_limit < float("inf"):
         raise InvalidInput("--time-limit must be positive seconds, e.g. 60")
-    if runtime is not None and runtime <= 0:
+    if runtime is not None and not 0 < runtime < float("inf"):
         raise InvalidInput("--runtime must be a positive factor, e.g. 1.5")
     graph = load_graph(model_name, batch, image, graph_path, device, page_dir, watts)
     budget = ram_budget(ram, graph, accounting)

@@ -266,8 +266,8 @@ def measure_this(
     """
     import numpy as np
 
-    if compute_watts <= 0:
-        raise InvalidInput("give the machine's power under load, e.g. --watts 5")
+    if not compute_watts > 0 or compute_watts == float("inf"):
+        raise InvalidInput("give the machine's power under load in watts, e.g. --watts 5")
     path = Path(directory)
     if not path.is_dir() or not os.access(path, os.W_OK):
         raise InvalidInput(f"cannot write to {path}; name an existing writable directory")
