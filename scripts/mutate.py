@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PLANNER_TESTS = ("tests/test_strength.py", "tests/test_planners.py")
 MEMORY_TESTS = ("tests/test_strength.py", "tests/test_memory.py", "tests/test_execute.py")
-EXECUTOR_TESTS = ("tests/test_execute.py", "tests/test_strength.py")
-SIMULATOR_TESTS = ("tests/test_schedule.py", "tests/test_planners.py", "tests/test_strength.py")
+EXECUTOR_TESTS = ("tests/test_strength.py", "tests/test_execute.py")
+SIMULATOR_TESTS = ("tests/test_strength.py", "tests/test_schedule.py", "tests/test_planners.py")
 TILE_TESTS = ("tests/test_tiles_geometry.py", "tests/test_tiles_exact.py")
 
 
@@ -276,7 +276,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "edgetrain/profile.py",
         "saved_bytes=kept - output_bytes,",
         "saved_bytes=kept,",
-        ("tests/test_profile.py", "tests/test_execute.py", "tests/test_strength.py"),
+        ("tests/test_strength.py", "tests/test_profile.py", "tests/test_execute.py"),
         "profiling counts a stage's output twice (once more as saved tensors)",
     ),
 )
@@ -466,8 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     for mutation in chosen:
         result = run_mutation(ROOT, mutation, args.full, args.timeout)
         results.append(result)
-        if not args.json:
-            print(f"{result.name}: {result.status} ({result.seconds:.0f} s)", file=sys.stderr)
+        print(f"{result.name}: {result.status} ({result.seconds:.0f} s)", file=sys.stderr)
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=1))
     else:
