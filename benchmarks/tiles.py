@@ -10,10 +10,13 @@ launch is warm-up and left out):
   storage counts, not RSS);
 * halo bytes: what gloo carried against what the geometry predicts, per rank;
 * groupings on 2x2: one group, per layer, and the cost model's optimum;
+* image sizes torch floors (200 px, whose fourth pooling drops row 24 of 25, and a 180x240
+  frame, 45 -> 22 rows): exact against one process in float64, halo bytes against the geometry;
 * the cost model's prediction for Raspberry Pi 3 clusters of 1-6 devices beside the paper's
   reported speedups.
 
-Usage: ``python benchmarks/tiles.py [--image 416] [--steps 4] [--rounds 2] [--json]``.
+Usage: ``python benchmarks/tiles.py [--image 416] [--steps 4] [--rounds 2] [--sections ...]
+[--json]``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices import CLUSTERS
+from edgetrain.distributed.check import max_relative_difference, reference
 from edgetrain.distributed.grouping import (
     grid_for,
     optimise,
@@ -35,7 +39,15 @@ from edgetrain.distributed.grouping import (
 )
 from edgetrain.distributed.launch import run_local
 from edgetrain.distributed.layers import describe
-from edgetrain.distributed.tiling import Grid, Grouping, format_grouping, parse_groups, plan
+from edgetrain.distributed.tiling import (
+    Grid,
+    Grouping,
+    format_grouping,
+    parse_grid,
+    parse_groups,
+    parse_image,
+    plan,
+)
 from edgetrain.distributed.worker import RankResult, TileJob
 from edgetrain.models import build
 from edgetrain.units import format_bytes
@@ -129,6 +141,40 @@ def memory_and_halos(model: Any, image: int, groupings: dict[str, Grouping]) -> 
     return {"one_device_peak_bytes": one_device, "rows": rows}
 
 
+ODD_SIZES = (("200", "3x2"), ("180x240", "2x2"))
+"""(image, grid) pairs of the odd-size check: the issue's 200 px and a 4:3 camera frame."""
+
+
+def odd_sizes(model: Any) -> list[dict]:
+    """Sizes torch floors, float64, two steps, optimised groups: the largest relative difference
+    from one process, halo bytes measured against predicted, and peak bytes per rank."""
+    rows = []
+    for image_text, grid_text in ODD_SIZES:
+        image, grid = parse_image(image_text), parse_grid(grid_text)
+        net = describe(model, 3, *image)
+        grouping = optimise(net, grid, CLUSTERS["pi3-ethernet"]).grouping
+        job = TileJob(model, image, 1, grid, grouping, steps=2, dtype="float64", collect=True)
+        ranks = run_local([job])[0]
+        tiles = plan(net, grid, grouping)
+        predicted = [job.steps * tiles.halo_bytes_sent(r.rank, 1, 8) for r in ranks]
+        measured = [r.halo_bytes for r in ranks]
+        rows.append(
+            {
+                "image": list(image),
+                "grid": str(grid),
+                "output": list(net.sizes[-1]),
+                "groups": format_grouping(grouping),
+                "max_rel_diff": max_relative_difference(job, ranks, reference(job)),
+                "halo_bytes_measured": measured,
+                "halo_bytes_predicted": predicted,
+                "halo_bytes_equal": measured == predicted,
+                "peak_bytes_per_rank": max(r.peak_bytes for r in ranks),
+                "redundant_compute": tiles.redundant_macs / net.macs(),
+            }
+        )
+    return rows
+
+
 def pi3_predictions(model: Any, image: int = 416) -> list[dict]:
     """Predicted step time and speedup over one Pi 3 core for 1-6 devices, both links.
 
@@ -166,17 +212,21 @@ def main() -> None:
     parser.add_argument(
         "--batches", default="1,4", help="batch sizes of the speed runs (comma-separated)"
     )
+    parser.add_argument(
+        "--sections", default="speed,memory,odd,pi3", help="which measurements (comma-separated)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     torch.manual_seed(0)
     model = build("yolov2-16")
     net = describe(model, 3, args.image, args.image)
     auto2 = optimise(net, Grid(1, 2), CLUSTERS["pi3-ethernet"]).grouping
     auto4 = optimise(net, Grid(2, 2), CLUSTERS["pi3-ethernet"]).grouping
     n = len(model)
-    result = {
-        "image": args.image,
-        "speed": [
+    result: dict[str, Any] = {"image": args.image, "paper": PAPER, "targets": TARGETS}
+    if "speed" in sections:
+        result["speed"] = [
             speed(
                 model,
                 args.image,
@@ -186,8 +236,9 @@ def main() -> None:
                 {"per-layer": parse_groups("per-layer", n), "optimised": auto2},
             )
             for batch in args.batches.split(",")
-        ],
-        "memory": memory_and_halos(
+        ]
+    if "memory" in sections:
+        result["memory"] = memory_and_halos(
             model,
             args.image,
             {
@@ -195,11 +246,11 @@ def main() -> None:
                 "per-layer": parse_groups("per-layer", n),
                 "optimised": auto4,
             },
-        ),
-        "pi3": pi3_predictions(model),
-        "paper": PAPER,
-        "targets": TARGETS,
-    }
+        )
+    if "odd" in sections:
+        result["odd_sizes"] = odd_sizes(model)
+    if "pi3" in sections:
+        result["pi3"] = pi3_predictions(model)
     if args.json:
         emit_json(result)
     else:
@@ -207,7 +258,7 @@ def main() -> None:
 
 
 def _print(result: dict) -> None:
-    for s in result["speed"]:
+    for s in result.get("speed", []):
         console.print(
             table(
                 f"Speed, yolov2-16 at {result['image']} px, batch {s['batch']}, 1 thread per "
@@ -223,7 +274,41 @@ def _print(result: dict) -> None:
                 ),
             )
         )
-    m = result["memory"]
+    if "memory" in result:
+        _print_memory(result["memory"])
+    if "odd_sizes" in result:
+        _print_odd(result["odd_sizes"])
+    if "pi3" in result:
+        _print_pi3(result["pi3"])
+
+
+def _print_odd(rows: list[dict]) -> None:
+    console.print(
+        table(
+            "Image sizes torch floors: yolov2-16, float64, 2 steps, optimised groups",
+            ("image", "grid", "output", "max_rel_diff", "halo bytes (measured = predicted)",
+             "peak/rank", "redundant", "groups"),
+            [
+                (
+                    "x".join(map(str, r["image"])),
+                    r["grid"],
+                    "x".join(map(str, r["output"])),
+                    f"{r['max_rel_diff']:.1e}",
+                    f"{format_bytes(sum(r['halo_bytes_measured']))} "
+                    f"({'yes' if r['halo_bytes_equal'] else 'NO'})",
+                    format_bytes(r["peak_bytes_per_rank"]),
+                    f"{100 * r['redundant_compute']:.1f}%",
+                    r["groups"],
+                )
+                for r in rows
+            ],
+            caption="max_rel_diff: output, input gradient, every weight gradient, weights and "
+            "batch-norm statistics against one process; halo bytes summed over ranks",
+        )
+    )  # fmt: skip
+
+
+def _print_memory(m: dict) -> None:
     console.print(
         table(
             f"2x2 grid against one device ({format_bytes(m['one_device_peak_bytes'])} peak)",
@@ -247,6 +332,9 @@ def _print(result: dict) -> None:
             caption=f"target ratio <= {TARGETS['memory_ratio']}; paper: {PAPER['memory']}",
         )
     )  # fmt: skip
+
+
+def _print_pi3(pi3: list[dict]) -> None:
     console.print(
         table(
             "Cost model: Raspberry Pi 3 clusters, yolov2-16 at 416 px, batch 1 (optimised groups)",
@@ -261,10 +349,10 @@ def _print(result: dict) -> None:
                     f"{r['speedup_without_weight_sync']:.1f}x",
                     r["groups"],
                 )
-                for r in result["pi3"]
+                for r in pi3
             ],
             caption=(
-                f"paper: {PAPER['speedup']}; one core: {result['pi3'][0]['one_core_seconds']:.1f} s"
+                f"paper: {PAPER['speedup']}; one core: {pi3[0]['one_core_seconds']:.1f} s"
                 " per step. 'no weight sync' leaves out the weight-gradient all-reduce, which the"
                 " paper's prototype did not perform (its weight update was commented out)."
             ),

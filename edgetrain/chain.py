@@ -9,12 +9,19 @@ Memory conventions (all in bytes, tensor storages deduplicated, measured the sam
 
 * a *peak* is the most memory allocated during a call above what was allocated just before it, so
   it includes what the call leaves behind (its output, what autograd saves);
-* autograd's record of a stage run with grad (its *graph*) holds the stage's output, ``saved_bytes``
-  of other tensors, and the stage's input when ``saves_input``.
+* autograd's record of a stage run with grad (its *graph*) holds ``saved_bytes`` of tensors of its
+  own, the stage's input when ``saves_input`` and its output when ``saves_output``: exactly what
+  autograd keeps for the backward, nothing more (a ``Linear`` saves its input, a ``Tanh`` its output,
+  a ``BatchNorm`` its input and statistics);
+* parameter gradients are created by the backward: ``gradient_bytes`` of a stage are the gradients
+  first created by its backward (a parameter shared by several stages is counted at the last of
+  them, whose backward runs first), and ``weight_bytes`` the parameters first used by it, so sums
+  over a chain count a tied parameter once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
@@ -33,12 +40,15 @@ class Stage:
         saved_bytes: what autograd keeps for backward when the stage runs with grad, other than the
             stage's own input and output storages.
         saves_input: whether autograd also keeps the stage's input alive (a convolution does).
+        saves_output: whether autograd keeps the stage's output alive (Tanh, Sigmoid, in-place ReLU).
         forward_peak_bytes: peak of a forward without grad, above what existed before it.
         forward_grad_peak_bytes: peak of a forward with grad (building the graph), likewise.
         backward_peak_bytes: peak of the stage's backward above what existed before it (the
-            graph and the output gradient); includes the input gradient it leaves behind.
-        weight_bytes: parameters of the stage.
-        gradient_bytes: gradients of the trainable parameters.
+            graph and the output gradient); includes the input gradient and the parameter
+            gradients it leaves behind.
+        weight_bytes: parameters the stage is the first to use.
+        gradient_bytes: gradients its backward creates (trainable parameters whose gradient no
+            later stage's backward created first).
         forward_seconds: one forward (median of several runs when measured; 1.0 for unit chains).
         backward_seconds: one backward, likewise.
         layer_output_bytes: outputs of the stage's convolution, normalisation, activation and linear
@@ -46,6 +56,14 @@ class Stage:
         buffer_bytes: non-parameter state (BatchNorm running statistics).
         span: how many consecutive children of the ``nn.Sequential`` the stage runs (a child that
             returns a view of its input or overwrites it in place is merged with its neighbour).
+        output_requires_grad: whether the output needs a gradient (False for leading stages
+            without trainable parameters when the input needs none: they have no backward).
+        leaf_bytes: for an output of several tensors (a cut inside a residual block carries the
+            trunk and the skip), the storage bytes of each; empty for one tensor.
+        carried: ``(output tensor, input tensor)`` pairs: tensors passed through unchanged (the
+            same storage in the input and the output).
+        saved_inputs, saved_outputs: which input and output tensors the graph holds, when
+            only some of them (None: all of them or none, as ``saves_input``/``saves_output``).
     """
 
     name: str
@@ -62,6 +80,24 @@ class Stage:
     layer_output_bytes: int = 0
     buffer_bytes: int = 0
     span: int = 1
+    saves_output: bool = False
+    output_requires_grad: bool = True
+    leaf_bytes: tuple[int, ...] = ()
+    carried: tuple[tuple[int, int], ...] = ()
+    saved_inputs: tuple[int, ...] | None = None
+    saved_outputs: tuple[int, ...] | None = None
+
+    @property
+    def output_leaves(self) -> int:
+        """How many tensors the output has (1 unless ``leaf_bytes`` says otherwise)."""
+        return len(self.leaf_bytes) or 1
+
+    @property
+    def saves_whole_output(self) -> bool:
+        """Whether the graph holds every tensor of the output."""
+        if self.saved_outputs is None:
+            return self.saves_output
+        return len(set(self.saved_outputs)) == self.output_leaves
 
     def renamed(self, name: str) -> Stage:
         """The same costs under another name."""
@@ -69,7 +105,7 @@ class Stage:
 
     @property
     def graph_bytes(self) -> int:
-        """What a forward with grad leaves held besides the input: output plus saved tensors."""
+        """What a forward with grad leaves held besides its input: the output and saved tensors."""
         return self.output_bytes + self.saved_bytes
 
 
@@ -116,11 +152,13 @@ class Chain:
         """Size of ``a[k]``: the input for ``k == 0``, else the output of stage ``k - 1``."""
         return self.input_bytes if k == 0 else self.stages[k - 1].output_bytes
 
+    def requires_grad(self, k: int) -> bool:
+        """Whether ``a[k]`` needs a gradient (the input: as given; an output: as profiled)."""
+        return self.input_requires_grad if k == 0 else self.stages[k - 1].output_requires_grad
+
     def gradient_of_activation_bytes(self, k: int) -> int:
-        """Size of the gradient of ``a[k]`` (0 for the input when it needs none)."""
-        if k == 0:
-            return self.input_bytes if self.input_requires_grad else 0
-        return self.stages[k - 1].output_bytes
+        """Size of the gradient of ``a[k]`` (0 when it needs none)."""
+        return self.activation_bytes(k) if self.requires_grad(k) else 0
 
     @property
     def weight_bytes(self) -> int:
@@ -152,6 +190,33 @@ class Chain:
         """The paper's activation count for this batch (see :attr:`Stage.layer_output_bytes`)."""
         return sum(s.layer_output_bytes for s in self.stages)
 
+    def fingerprint(self) -> str:
+        """A hash of everything a plan depends on: every byte count and flag, not names or times.
+
+        A chain measured on one device and its analytic twin share it; another model, batch,
+        image size or dtype changes it.
+        """
+        data = [self.input_bytes, self.input_requires_grad] + [
+            [
+                s.output_bytes,
+                s.saved_bytes,
+                s.saves_input,
+                s.saves_output,
+                s.forward_peak_bytes,
+                s.forward_grad_peak_bytes,
+                s.backward_peak_bytes,
+                s.gradient_bytes,
+                s.output_requires_grad,
+                s.span,
+                list(s.leaf_bytes),
+                [list(c) for c in s.carried],
+                s.saved_inputs,
+                s.saved_outputs,
+            ]
+            for s in self.stages
+        ]
+        return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (see :meth:`from_dict`)."""
         return {
@@ -165,7 +230,7 @@ class Chain:
     def from_dict(cls, data: dict[str, Any]) -> Chain:
         """Rebuild a chain from :meth:`to_dict` output; raises :class:`CorruptFile` if malformed."""
         try:
-            stages = tuple(Stage(**s) for s in data["stages"])
+            stages = tuple(Stage(**_tuples(s)) for s in data["stages"])
             return cls(
                 stages=stages,
                 input_bytes=int(data["input_bytes"]),
@@ -195,6 +260,17 @@ class Chain:
         return cls.from_dict(data)
 
 
+def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists back to the tuples a Stage holds."""
+    out = dict(fields)
+    for key in ("leaf_bytes", "saved_inputs", "saved_outputs"):
+        if isinstance(out.get(key), list):
+            out[key] = tuple(int(v) for v in out[key])
+    if isinstance(out.get("carried"), list):
+        out["carried"] = tuple((int(a), int(b)) for a, b in out["carried"])
+    return out
+
+
 def uniform_chain(
     length: int,
     activation_bytes: int = 1,
@@ -217,6 +293,7 @@ def uniform_chain(
         output_bytes=activation_bytes,
         saved_bytes=0,
         saves_input=True,
+        saves_output=False,
         forward_peak_bytes=activation_bytes,
         forward_grad_peak_bytes=activation_bytes,
         backward_peak_bytes=activation_bytes,

@@ -4,51 +4,84 @@
     loss = criterion(net(x), target)
     loss.backward()              # runs the plan's backward phase; gradients land in .grad
 
-Contract (compare ``torch.utils.checkpoint``):
+Contract (compare ``torch.utils.checkpoint``). What is the same as plain autograd on the same
+inputs and random-number state:
 
-* The forward runs the plan's forward phase (every operation before its first backward); the
-  output's backward runs the rest. Gradients equal plain autograd's on the same inputs.
-* Every stage is run once in the forward phase, exactly as in plain autograd. A recomputation
-  replays the random-number state the stage saw the first time (dropout masks are the same) and
-  restores the stage's buffers afterwards, so BatchNorm running statistics and
-  ``num_batches_tracked`` end exactly as without checkpointing.
-* Memory: what the step holds above the weights, gradients and input is the plan's
-  ``Cost.peak_bytes`` (for the sample input's shape), as counted by
-  :class:`~edgetrain.measure.StorageCounter`. Gradients are assumed to exist before the step
-  (``zero_grad(set_to_none=False)``, or any step after the first); if they are created during
-  backward, each stage's also stays held once its backward has run.
-* When grad is off (``torch.no_grad()``) or nothing needs a gradient, the model just runs.
-* A step's backward can run once (no ``retain_graph``, no double backward).
+* outputs, input gradients and parameter gradients (bitwise, in practice: the same kernels run);
+* what the caller's backward asks for: ``loss.backward()`` fills every ``.grad``;
+  ``torch.autograd.grad(loss, x)`` and ``loss.backward(inputs=[x])`` touch no parameter's
+  ``.grad``; ``torch.autograd.grad(loss, params)`` returns the parameters' gradients. Parameter
+  gradients reach autograd once per step, summed over every stage that uses the parameter (tied
+  and reused layers), so tensor hooks and post-accumulate-grad hooks run once, as without
+  checkpointing; frozen parameters get none; a gradient stopped inside a stage (``detach``,
+  ``torch.no_grad()``) leaves the gradients before it ``None``;
+* random numbers: every stage runs once in the forward pass; a recomputation replays the
+  random-number state the stage saw first (dropout masks are the same), and the caller's stream
+  goes on as usual;
+* buffers: a recomputation runs on copies of the stage's buffers, so BatchNorm running statistics
+  and ``num_batches_tracked`` end exactly as without checkpointing;
+* autocast: recomputations and the backward run under the autocast state of the forward;
+* inputs may be a tensor or a tuple, list or dict of tensors (only floating-point tensors carry
+  gradients); stages may pass such structures between them;
+* under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs.
+
+What is refused with one clear error (before any gradient, buffer or RNG state changes):
+
+* a second backward through the same step (``retain_graph``) and double backward
+  (``create_graph=True``, e.g. gradient penalties): run those without checkpointing;
+* an input or parameter changed in place between the forward and the backward, as autograd does;
+* hooks registered on the wrapped model itself (register them on ``Checkpointed`` or on its
+  children), and models torch.fx cannot trace (control flow on tensor values);
+* a saved plan made for another model, batch or input size.
+
+Memory: what the step holds above what it started with (weights, buffers, input, and gradients if
+they exist) is the plan's ``Cost.peak_bytes`` for the sample input's shape, as counted by
+:class:`~edgetrain.measure.StorageCounter`, in both training loops (``zero_grad()`` setting
+gradients to ``None``, PyTorch's default, or keeping them): the parameter gradients a step creates
+are handed to autograd at the end of its backward. An input of another shape is planned for anew
+(``on_new_shape="replan"``, the default) or refused (``"error"``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from edgetrain.chain import Chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.memory import fixed_training_bytes
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
-from edgetrain.profile import profile
+from edgetrain.profile import _check_model, profile
 from edgetrain.schedule import Cost, Op, Schedule, simulate
-from edgetrain.stages import run_backward, run_forward, run_forward_with_grad
+from edgetrain.stages import (
+    StageGraph,
+    differentiable,
+    leaves,
+    run_backward,
+    run_forward,
+    run_forward_with_grad,
+    signature,
+    stage_params,
+)
 from edgetrain.units import format_bytes, parse_bytes
 
 _RngState = tuple[torch.Tensor, list[torch.Tensor]]  # CPU generator state, CUDA states
+_NEW_SHAPE = ("replan", "error")
 
 
 class Checkpointed(nn.Module):
     """Train an ``nn.Sequential`` within a memory budget by running a checkpointing plan.
 
     Args:
-        model: the ``nn.Sequential`` to train (its children are the stages).
+        model: the model to train: an ``nn.Sequential`` (its entries are the stages) or any
+            module torch.fx can trace (cut between the blocks that a single tensor leaves).
         sample_input: an input of the shape training will use; profiled on this device.
         memory_budget: bytes (or "512MB") the step may use for weights, gradients, buffers,
             the input and activations together; the plan is the fastest that fits.
@@ -56,82 +89,137 @@ class Checkpointed(nn.Module):
             >= 1); the plan then uses the least memory that keeps to it.
         strategy: "optimal" (dynamic program), "revolve" or "sequential".
         reserve_bytes: memory to leave for other things (optimizer state ...) out of
-            ``memory_budget``.
+            ``memory_budget`` (bytes or a size such as "64MB").
         chain: a chain to plan on instead of profiling ``model`` (e.g. an analytic one).
-        schedule: a ready plan (e.g. ``Schedule.load(path)``) instead of planning.
+        schedule: a ready plan (e.g. ``Schedule.load(path)``) instead of planning; refused if it
+            was made for another model or input size.
+        on_new_shape: "replan" (profile and plan again for an input of another shape) or "error".
 
     Attributes:
-        chain: the profiled chain. schedule: the plan. cost: its simulated cost (peak bytes of
-        activations above weights, gradients and input; seconds; recompute factor).
+        chain: the profiled chain. schedule: the plan. cost: its simulated cost (``peak_bytes``:
+        the most the step holds above what it starts with; seconds; recompute factor).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        sample_input: torch.Tensor,
+        sample_input: Any,
         *,
         memory_budget: int | float | str | None = None,
         max_recompute: float | None = None,
         strategy: str = "optimal",
-        reserve_bytes: int = 0,
+        reserve_bytes: int | float | str = 0,
         chain: Chain | None = None,
         schedule: Schedule | None = None,
+        on_new_shape: str = "replan",
     ) -> None:
         super().__init__()
-        if not isinstance(model, nn.Sequential):
-            raise InvalidInput(
-                f"Checkpointed needs an nn.Sequential, got {type(model).__name__}; "
-                "wrap the model's blocks in nn.Sequential(...)"
-            )
-        self.model = model
-        self.chain = chain if chain is not None else profile(model, sample_input)
-        self.reserve_bytes = int(reserve_bytes)
-        device = None if memory_budget is None else parse_bytes(memory_budget)
+        _refuse_hooks(model)
+        if on_new_shape not in _NEW_SHAPE:
+            raise InvalidInput(f"on_new_shape must be one of {', '.join(_NEW_SHAPE)}")
+        self.module = model
+        self.model = as_stages(model, sample_input)
+        self.strategy = strategy
+        self.on_new_shape = on_new_shape
+        self.reserve_bytes = 0 if reserve_bytes in (0, "0") else parse_bytes(reserve_bytes)
+        self._device = None if memory_budget is None else parse_bytes(memory_budget)
+        self._max_recompute = max_recompute
+        self._params = list(self.model.parameters())
+        self._grads_exist: bool | None = None
+        self._plan(sample_input, chain, schedule)
+
+    # -- planning ------------------------------------------------------------------------------------
+
+    def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
+        self.chain = chain if chain is not None else profile(self.model, sample)
+        self._signature = signature(sample)
         if schedule is None:
             schedule = plan_for_device(
                 self.chain,
-                strategy,
-                device_bytes=device,
-                fixed_bytes=self.fixed_bytes + self.reserve_bytes,
-                recompute=max_recompute,
+                self.strategy,
+                device_bytes=self._device,
+                fixed_bytes=fixed_training_bytes(self.chain) + self.reserve_bytes,
+                recompute=self._max_recompute,
+                grads_exist=self.grads_exist,
             )
+        else:
+            _check_made_for(schedule, self.chain)
         self.schedule = schedule
         try:
-            self.cost: Cost = simulate(self.chain, schedule)
+            self._costs = {
+                exist: simulate(self.chain, schedule, grads_exist=exist) for exist in (False, True)
+            }
         except InvalidSchedule as exc:
             raise InvalidSchedule(f"the plan does not fit this model: {exc}") from exc
-        if device is not None:
-            limit = device - self.reserve_bytes
-            if self.predicted_peak_bytes > limit:
+        if self._device is not None:
+            limit = self._device - self.reserve_bytes
+            worst = self.fixed_bytes + self._costs[True].peak_bytes
+            if worst > limit:
                 raise InfeasibleBudget(
-                    f"the given plan needs {format_bytes(self.predicted_peak_bytes)}, more than "
+                    f"the given plan needs {format_bytes(worst)}, more than "
                     f"the budget {format_bytes(limit)}; re-plan for this budget",
-                    self.predicted_peak_bytes,
+                    worst,
                 )
-        self._stages = _stage_modules(model, self.chain)
+        self._stages = _stage_modules(self.model, self.chain)
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._stage_params = [stage_params(m, index_of) for m in self._stages]
+
+    @property
+    def grads_exist(self) -> bool:
+        """Whether the training loop keeps gradients between steps (the last step found them all
+        and added to them in place); before the first step, whether they exist now."""
+        if self._grads_exist is None:
+            return _kept(p for p in self._params if p.requires_grad)
+        return self._grads_exist
+
+    @property
+    def cost(self) -> Cost:
+        """The plan's simulated cost in this training loop (see :attr:`grads_exist`)."""
+        return self._costs[self.grads_exist]
 
     @property
     def fixed_bytes(self) -> int:
-        """Weights, gradients, buffers and the input: what the step holds before it starts."""
-        return fixed_training_bytes(self.chain)
+        """Weights, buffers and the input, and the gradients when the loop keeps them: what a
+        step starts with."""
+        grads = self.chain.gradient_bytes if self.grads_exist else 0
+        return fixed_training_bytes(self.chain) - self.chain.gradient_bytes + grads
+
+    @property
+    def plain_cost(self) -> Cost:
+        """Plain autograd's step as a plan (everything stored), on the same basis as ``cost``."""
+        return simulate(self.chain, store_all(self.chain), grads_exist=self.grads_exist)
 
     @property
     def plain_peak_bytes(self) -> int:
-        """Predicted peak of the whole step under plain autograd (storing everything)."""
-        return self.fixed_bytes + simulate(self.chain, store_all(self.chain)).peak_bytes
+        """Predicted peak of the whole step under plain autograd: fixed + its activation peak."""
+        return self.fixed_bytes + self.plain_cost.peak_bytes
 
     @property
     def predicted_peak_bytes(self) -> int:
-        """Predicted peak of the whole step: :attr:`fixed_bytes` + the plan's activation peak."""
+        """Predicted peak of the whole step: :attr:`fixed_bytes` + the plan's ``peak_bytes``."""
         return self.fixed_bytes + self.cost.peak_bytes
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = tuple(p for p in self.model.parameters() if p.requires_grad)
-        if not torch.is_grad_enabled() or not (x.requires_grad or params):
-            return self.model(x)
-        run = _Run(self.schedule, self._stages)
-        out: torch.Tensor = _ScheduleFunction.apply(run, x, *params)
-        return out
+    # -- running -------------------------------------------------------------------------------------
+
+    def forward(self, x: Any) -> Any:
+        _refuse_hooks(self.module)
+        params = [p for p in self._params if p.requires_grad]
+        inputs = leaves(x)
+        if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or params):
+            return self.module(x)
+        if signature(x) != self._signature:
+            if self.on_new_shape == "error":
+                raise InvalidInput(
+                    f"Checkpointed was planned for an input of {self._signature}, called with "
+                    f"{signature(x)}; plan for this input (or pass on_new_shape='replan')"
+                )
+            if self.model is not self.module:
+                self.model = as_stages(self.module, x)
+            self._plan(x, None, None)
+        run = _Run(self, x)
+        views = [t.view_as(t) if t.requires_grad else t for t in inputs]
+        outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
+        return run.output(outs)
 
     def extra_repr(self) -> str:
         return (
@@ -140,8 +228,57 @@ class Checkpointed(nn.Module):
         )
 
 
+def as_stages(model: nn.Module, sample: Any) -> nn.Sequential:
+    """The stages edgetrain plans over: a plain ``nn.Sequential`` as it is; any other module
+    captured with torch.fx (:mod:`edgetrain.capture`) and cut between its blocks (where a single
+    tensor crosses) and twice inside each (where the trunk and the skip cross, see
+    :func:`~edgetrain.capture.block_cuts`), each piece an ``fx.GraphModule`` running the
+    model's own modules."""
+    if isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward:
+        _check_model(model)
+        return model
+    from edgetrain.capture import block_cuts, capture, segments
+
+    captured = capture(model, sample)
+    return segments(captured, block_cuts(captured))
+
+
+def _kept(params: Any) -> bool:
+    """Whether gradients can be added to in place: they exist and no hook must see them."""
+    return all(
+        p.grad is not None and not p._backward_hooks and not p._post_accumulate_grad_hooks
+        for p in params
+    )
+
+
+def _refuse_hooks(model: nn.Module) -> None:
+    hooks = (
+        model._forward_hooks,
+        model._forward_pre_hooks,
+        model._backward_hooks,
+        model._backward_pre_hooks,
+    )
+    if any(hooks):
+        raise InvalidInput(
+            "the wrapped nn.Sequential has hooks of its own, which Checkpointed would not run; "
+            "register them on the Checkpointed module or on the model's children instead"
+        )
+
+
+def _check_made_for(schedule: Schedule, chain: Chain) -> None:
+    made_for = schedule.params.get("made_for")
+    if not isinstance(made_for, dict):
+        return  # a plan written by hand: simulate() checks that it runs on this chain
+    if made_for.get("chain") != chain.fingerprint():
+        raise InvalidSchedule(
+            f"this plan was made for {made_for.get('model') or 'another model'} with an input of "
+            f"{made_for.get('input_bytes')} bytes, not for this model with {chain.input_bytes} "
+            "(another model, batch, image size or dtype); re-plan it for this one"
+        )
+
+
 def _stage_modules(model: nn.Sequential, chain: Chain) -> list[nn.Module]:
-    children = list(model.children())
+    children = [m for m in model._modules.values() if m is not None]
     if sum(stage.span for stage in chain.stages) != len(children):
         raise InvalidInput(
             f"the chain covers {sum(s.span for s in chain.stages)} children but the model has "
@@ -158,21 +295,29 @@ def _stage_modules(model: nn.Sequential, chain: Chain) -> list[nn.Module]:
 
 @dataclass
 class _Run:
-    """The state of one training step: what the plan holds between operations."""
+    """The state of one training step: exactly what the plan holds between operations."""
 
-    schedule: Schedule
-    stages: list[nn.Module]
-    plain: dict[int, torch.Tensor] = field(default_factory=dict)
-    graphs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    net: Checkpointed
+    sample: Any
+    plain: dict[int, Any] = field(default_factory=dict)
+    graphs: dict[int, StageGraph] = field(default_factory=dict)
+    grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    param_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     rng: dict[int, _RngState] = field(default_factory=dict)
-    input_requires_grad: bool = False
+    wanted_params: set[int] = field(default_factory=set)
+    in_place: dict[int, torch.Tensor] = field(default_factory=dict)  # index -> its .grad
+    want_input: bool = True
+    autocast: list[tuple[str, torch.dtype, bool]] = field(default_factory=list)
+    out_spec: Any = None
+    out_flat: list[Any] = field(default_factory=list)
     done: bool = False
 
-    def value(self, k: int) -> torch.Tensor:
-        if k in self.plain:
-            return self.plain[k]
-        return self.graphs[k - 1][1]
+    def output(self, outs: tuple[torch.Tensor, ...]) -> Any:
+        """The caller's output: the function's tensors in the structure the model returned."""
+        got = iter(outs)
+        flat = [next(got) if isinstance(t, torch.Tensor) else t for t in self.out_flat]
+        self.out_flat = []
+        return tree_unflatten(flat, self.out_spec)
 
     def execute(self, ops: list[tuple[int, int]]) -> None:
         for code, k in ops:
@@ -180,27 +325,54 @@ class _Run:
             if kind is Op.DISCARD:
                 del self.plain[k]
             elif kind is Op.BACKWARD:
-                leaf, out = self.graphs.pop(k)
-                grad = self.grads.pop(k + 1)
-                grad_input = run_backward(leaf, out, grad)
-                if grad_input is not None:  # None for an input that needs no gradient
-                    self.grads[k] = grad_input
-                del leaf, out, grad, grad_input
+                self._backward(k)
             else:
                 self._forward(kind, k)
 
     def _forward(self, kind: Op, k: int) -> None:
-        x = self.value(k)
-        module = self.stages[k]
-        with self._replay(k, module):
+        x = self.plain[k]
+        module = self.net._stages[k]
+        with self._replay(k, module), self._autocast():
             if kind is Op.FORWARD_ALL:
-                needs = k > 0 or self.input_requires_grad
-                self.graphs[k] = run_forward_with_grad(module, x, needs_input_grad=needs, stage=k)
+                needs: list[bool] = (
+                    [t.requires_grad for t in leaves(self.sample)]
+                    if k == 0
+                    else [self.net.chain.requires_grad(k) and differentiable(t) for t in leaves(x)]
+                )
+                out, self.graphs[k] = run_forward_with_grad(
+                    module,
+                    x,
+                    needs_input_grad=needs,
+                    params=self.net._stage_params[k],
+                    stage=k,
+                )
             else:
-                self.plain[k + 1] = run_forward(module, x, stage=k)
+                out = run_forward(module, x, stage=k)
         del x
-        if kind is Op.FORWARD_NOSAVE and k > 0:
-            self.plain.pop(k, None)
+        self.plain[k + 1] = out
+        del out
+        if kind is not Op.FORWARD_CHECKPOINT and k > 0:
+            del self.plain[k]
+
+    def _backward(self, k: int) -> None:
+        graph = self.graphs.pop(k)
+        grad_out = self.grads.pop(k + 1)
+        if k == 0 and not self.want_input:
+            graph.inputs = [None] * len(graph.inputs)
+        graph.params = {i: e for i, e in graph.params.items() if i in self.wanted_params}
+        input_grads, param_grads = run_backward(graph, grad_out)
+        del graph, grad_out
+        for index, grad in param_grads.items():
+            if index in self.in_place:
+                with torch.no_grad():
+                    self.in_place[index].add_(grad)
+                continue
+            known = self.param_grads.get(index)
+            # A parameter used by several stages: sum out of place (the first may alias another
+            # gradient that is still in use).
+            self.param_grads[index] = grad if known is None else known + grad
+        del param_grads
+        self.grads[k] = input_grads
 
     def _replay(self, k: int, module: nn.Module) -> AbstractContextManager[None]:
         """First run of stage k: remember its RNG state. Later runs: replay it, keep buffers."""
@@ -208,6 +380,22 @@ class _Run:
             self.rng[k] = _rng_state()
             return nullcontext()
         return _recomputing(self.rng[k], module)
+
+    @contextmanager
+    def _autocast(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            for device, dtype, enabled in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            yield
+
+
+def _autocast_state() -> list[tuple[str, torch.dtype, bool]]:
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [
+        (d, torch.get_autocast_dtype(d), torch.is_autocast_enabled(d))
+        for d in devices
+        if torch.is_autocast_enabled(d)
+    ]
 
 
 @contextmanager
@@ -244,36 +432,103 @@ def _set_rng_state(state: _RngState) -> None:
         torch.cuda.set_rng_state_all(state[1])
 
 
+def _accumulates(view_node: Any) -> bool:
+    """Whether the caller's backward writes this parameter's ``.grad`` (``loss.backward()``),
+    rather than returning its gradient (``torch.autograd.grad``) or skipping it."""
+    if view_node is None:
+        return False
+    accumulator = view_node.next_functions[0][0]
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:  # autograd.grad(): the gradient is returned, not accumulated
+        return False
+
+
 class _ScheduleFunction(torch.autograd.Function):
-    """Forward: the plan's forward phase. Backward: the rest of the plan."""
+    """Forward: the plan's forward phase. Backward: the rest of the plan.
+
+    Its inputs are the input's tensors and the trainable parameters (as views, so that the
+    backward can ask autograd which of them the caller's backward needs); its outputs the
+    model's output tensors.
+    """
 
     @staticmethod
-    def forward(ctx: Any, run: _Run, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        schedule = run.schedule
+    def forward(ctx: Any, run: _Run, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        net = run.net
+        schedule = net.schedule
         end = schedule.forward_phase_end
         ops = list(zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True))
-        run.input_requires_grad = x.requires_grad
-        run.plain[0] = x
+        flat, spec = tree_flatten(run.sample)
+        given = iter(tensors[:count])
+        run.plain[0] = tree_unflatten(
+            [next(given).detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
+        )
+        run.autocast = _autocast_state()
         run.execute(ops[:end])
+        out = run.plain.pop(schedule.length)  # the caller's from now on
+        run.out_flat, run.out_spec = tree_flatten(out)
+        del out
         ctx.run = run
         ctx.backward_ops = ops[end:]
-        ctx.num_params = len(params)
-        return run.graphs[schedule.length - 1][1].detach()
+        ctx.count = count
+        ctx.watched = [(t, t._version) for t in tensors]
+        ctx.set_materialize_grads(False)
+        results = tuple(t.detach() for t in run.out_flat if isinstance(t, torch.Tensor))
+        ctx.mark_non_differentiable(*(t for t in results if not differentiable(t)))
+        return results
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         run: _Run = ctx.run
         if run.done:
             raise RuntimeError(
                 "Checkpointed: backward through the same step twice; its saved state is freed "
                 "after the first backward (retain_graph is not supported)"
             )
-        run.grads[run.schedule.length] = grad_output
-        del grad_output
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "Checkpointed does not support double backward (create_graph=True, e.g. a "
+                "gradient penalty); compute it on the model without Checkpointed"
+            )
+        for tensor, version in ctx.watched:
+            if tensor._version != version:
+                raise RuntimeError(
+                    "Checkpointed: an input or parameter of this step was modified in place "
+                    "between its forward and its backward (e.g. optimizer.step() before "
+                    "backward); run the backward first, or clone the tensor before changing it"
+                )
+        count = ctx.count
+        needed = [
+            node is not None and torch._C._will_engine_execute_node(node)
+            for node, _ in ctx.next_functions
+        ]
+        run.want_input = any(needed[:count])
+        trainable = [p for p in run.net._params if p.requires_grad]
+        index_of = {id(p): i for i, p in enumerate(run.net._params)}
+        param_index = [index_of[id(p)] for p in trainable]
+        run.wanted_params = {i for i, want in zip(param_index, needed[count:], strict=True) if want}
+        # Gradients that exist, watched by no hook, which the caller's backward accumulates:
+        # add to them in place as plain autograd does, and hand autograd nothing for them.
+        accumulate = [
+            _accumulates(ctx.next_functions[count + j][0])
+            for j in range(len(trainable))
+        ]
+        run.in_place = {
+            i: p.grad
+            for i, p, acc in zip(param_index, trainable, accumulate, strict=True)
+            if acc and i in run.wanted_params and _kept([p]) and p.grad is not None
+        }
+        run.net._grads_exist = len(run.in_place) == len(run.wanted_params)
+        run.grads[run.net.schedule.length] = list(grad_outputs)
+        del grad_outputs
         run.execute(ctx.backward_ops)
-        grad_input = run.grads.pop(0, None)
+        input_grads = run.grads.pop(0, None) or [None] * count
+        results = [run.param_grads.pop(i, None) for i in param_index]
+        run.in_place.clear()
         run.plain.clear()
         run.graphs.clear()
         run.grads.clear()
+        run.param_grads.clear()
         run.done = True
-        return (None, grad_input, *([None] * ctx.num_params))
+        ctx.watched = []
+        return (None, None, *input_grads, *results)

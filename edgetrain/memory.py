@@ -108,8 +108,10 @@ def paper_estimate(chain: Chain) -> MemoryEstimate:
 
 
 def autograd_estimate(chain: Chain, optimizer: str = "adam") -> MemoryEstimate:
-    """What plain autograd holds at its peak, by the chain's measured or analytic costs."""
-    peak = simulate(chain, sequential(chain, 1)).peak_bytes
+    """What plain autograd holds at its peak, by the chain's measured or analytic costs, in a step
+    after the first whose gradients exist (``zero_grad(set_to_none=False)``; with PyTorch's
+    default ``zero_grad()`` the gradients are created during the step, which needs no more)."""
+    peak = simulate(chain, sequential(chain, 1), grads_exist=True).peak_bytes
     return MemoryEstimate(
         weights_bytes=chain.weight_bytes,
         gradients_bytes=chain.gradient_bytes,

@@ -20,15 +20,25 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
-from edgetrain.measure import StorageCounter, module_bytes, storage_key
-from edgetrain.stages import group_children, run_backward, run_forward, run_forward_with_grad
+from edgetrain.measure import StorageCounter, storage_bytes, storage_key
+from edgetrain.stages import (
+    group_children,
+    leaves,
+    run_backward,
+    run_forward,
+    run_forward_with_grad,
+    signature,
+    stage_params,
+)
 
 NOMINAL_FLOPS = 1e9
 """Speed (floating-point operations per second) that turns analytic op counts into seconds."""
@@ -53,7 +63,7 @@ LAYER_TYPES: tuple[type[nn.Module], ...] = (
 """Layers whose outputs the paper's memory model counts as activations (no pooling, no reshapes)."""
 
 
-def profile(model: nn.Module, sample_input: torch.Tensor, *, repeats: int = 3) -> Chain:
+def profile(model: nn.Module, sample_input: Any, *, repeats: int = 3) -> Chain:
     """Measure ``model`` (an ``nn.Sequential``) on ``sample_input`` on this device.
 
     Each child is one stage (children that return a view of their input or change it in place are
@@ -64,7 +74,7 @@ def profile(model: nn.Module, sample_input: torch.Tensor, *, repeats: int = 3) -
 
 
 def analytic_chain(
-    model: nn.Module, sample_input: torch.Tensor, *, flops_per_second: float = NOMINAL_FLOPS
+    model: nn.Module, sample_input: Any, *, flops_per_second: float = NOMINAL_FLOPS
 ) -> Chain:
     """The chain of ``model`` from shapes alone, on meta tensors: no data, no timing.
 
@@ -74,9 +84,14 @@ def analytic_chain(
     """
     _check_model(model)
     meta_model = model if _on_meta(model) else copy.deepcopy(model).to("meta")
-    x = torch.empty(sample_input.shape, dtype=sample_input.dtype, device="meta")
-    x.requires_grad_(sample_input.requires_grad)
+    flat, spec = tree_flatten(sample_input)
+    x = tree_unflatten([_meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
     return _profile(meta_model, x, timer=None, flops_per_second=flops_per_second)
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return out.requires_grad_(t.requires_grad)
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -89,6 +104,11 @@ def _check_model(model: object) -> None:
         raise InvalidInput(
             f"edgetrain plans over the children of an nn.Sequential, got {type(model).__name__}; "
             "wrap the model's blocks in nn.Sequential(...)"
+        )
+    if type(model).forward is not nn.Sequential.forward:
+        raise InvalidInput(
+            f"{type(model).__name__} overrides nn.Sequential.forward, which edgetrain would not "
+            "run (it runs the children in order); pass a plain nn.Sequential of the blocks"
         )
     if len(model) == 0:
         raise InvalidInput("the nn.Sequential has no children; give a model with layers")
@@ -108,12 +128,6 @@ def _preserved(model: nn.Module) -> Iterator[None]:
     grads = [(p, p.grad) for p in model.parameters()]
     rng = torch.get_rng_state()
     try:
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.requires_grad:
-                    # Backward adds into existing gradients in place, as in a training loop
-                    # after its first step; profile in that regime.
-                    p.grad = torch.zeros_like(p)
         yield
     finally:
         with torch.no_grad():
@@ -126,7 +140,7 @@ def _preserved(model: nn.Module) -> Iterator[None]:
 
 def _profile(
     model: nn.Module,
-    sample_input: torch.Tensor,
+    sample_input: Any,
     *,
     timer: _Timer | None,
     flops_per_second: float = NOMINAL_FLOPS,
@@ -134,51 +148,144 @@ def _profile(
 ) -> Chain:
     _check_model(model)
     assert isinstance(model, nn.Sequential)
-    stages: list[Stage] = []
+    measured: list[tuple[str, nn.Module, int, _Measured]] = []
     # On meta tensors a stage's costs follow from its structure and input shape alone, so
     # identical stages (the repeated blocks of a ResNet) are profiled once.
-    memo: dict[tuple[str, tuple[int, ...], torch.dtype, bool], tuple[Stage, torch.Tensor]] = {}
+    memo: dict[tuple[str, str, bool], tuple[_Measured, Any]] = {}
+    index_of = {id(p): i for i, p in enumerate(model.parameters())}
     with _preserved(model):
         groups = group_children(model, sample_input)
-        x = sample_input.detach()
+        x = sample_input
+        needs_grad = any(t.requires_grad for t in leaves(sample_input))
         for index, (name, module, span) in enumerate(groups):
-            needs_grad = index > 0 or sample_input.requires_grad
-            key = (repr(module), tuple(x.shape), x.dtype, needs_grad)
-            if timer is None and key in memo:
+            key = (repr(module), signature(x), needs_grad)
+            if timer is None and key in memo and not _shares_parameters(module, measured):
                 known, out = memo[key]
-                stage, x = known.renamed(name), torch.empty_like(out)
+                # The twin's parameters all got gradients, or none did: so do this one's.
+                trainable = {id(p) for p in module.parameters() if p.requires_grad}
+                result = _Measured(
+                    **{**known.__dict__, "param_grad_ids": trainable if known.param_grad_ids else set()}
+                )
+                x = _empty_like(out)
             else:
-                stage, x = _profile_stage(
+                result, x = _profile_stage(
                     name,
                     module,
-                    span,
                     x,
                     needs_grad,
                     timer,
                     flops_per_second if flops else 0.0,
                     index,
+                    stage_params(module, index_of),
                 )
                 if timer is None:
-                    memo[key] = (stage, x)
-            stages.append(stage)
+                    memo[key] = (result, x)
+            measured.append((name, module, span, result))
+            needs_grad = result.output_requires_grad
+    stages = _stages(measured)
     return Chain(
         stages=tuple(stages),
-        input_bytes=sample_input.numel() * sample_input.element_size(),
-        input_requires_grad=sample_input.requires_grad,
+        input_bytes=storage_bytes(leaves(sample_input)),
+        input_requires_grad=any(t.requires_grad for t in leaves(sample_input)),
         name=type(model).__name__,
     )
+
+
+def _shares_parameters(module: nn.Module, measured: list[tuple[str, nn.Module, int, Any]]) -> bool:
+    mine = {id(p) for p in module.parameters()}
+    return any(mine & {id(p) for p in m.parameters()} for _, m, _, _ in measured)
+
+
+def _empty_like(value: Any) -> Any:
+    flat, spec = tree_flatten(value)
+    return tree_unflatten(
+        [torch.empty_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec
+    )
+
+
+class _Measured:
+    """One stage's measured costs, before parameters shared between stages are sorted out."""
+
+    def __init__(self, **values: Any) -> None:
+        self.output_bytes: int = values["output_bytes"]
+        self.saved_bytes: int = values["saved_bytes"]
+        self.saves_input: bool = values["saves_input"]
+        self.saves_output: bool = values["saves_output"]
+        self.forward_peak_bytes: int = values["forward_peak_bytes"]
+        self.forward_grad_peak_bytes: int = values["forward_grad_peak_bytes"]
+        self.backward_peak_bytes: int = values["backward_peak_bytes"]
+        self.forward_seconds: float = values["forward_seconds"]
+        self.backward_seconds: float = values["backward_seconds"]
+        self.layer_output_bytes: int = values["layer_output_bytes"]
+        self.output_requires_grad: bool = values["output_requires_grad"]
+        self.param_grad_ids: set[int] = values["param_grad_ids"]
+        self.leaf_bytes: tuple[int, ...] = values.get("leaf_bytes", ())
+        self.carried: tuple[tuple[int, int], ...] = values.get("carried", ())
+        self.saved_inputs: tuple[int, ...] | None = values.get("saved_inputs")
+        self.saved_outputs: tuple[int, ...] | None = values.get("saved_outputs")
+
+
+def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage]:
+    """Stages with weights counted where first used and gradients where first created."""
+    weights_seen: set[int] = set()
+    buffers_seen: set[int] = set()
+    weights: list[int] = []
+    buffers: list[int] = []
+    for _, module, _, _ in measured:
+        weights.append(_new_bytes(module.parameters(), weights_seen))
+        buffers.append(_new_bytes(module.buffers(), buffers_seen))
+    grads_seen: set[int] = set()
+    created = [0] * len(measured)
+    for k in reversed(range(len(measured))):
+        _, module, _, result = measured[k]
+        fresh = [p for p in module.parameters() if id(p) in result.param_grad_ids]
+        created[k] = _new_bytes(iter(fresh), grads_seen)
+    return [
+        Stage(
+            name=name,
+            output_bytes=r.output_bytes,
+            saved_bytes=r.saved_bytes,
+            saves_input=r.saves_input,
+            saves_output=r.saves_output,
+            forward_peak_bytes=r.forward_peak_bytes,
+            forward_grad_peak_bytes=r.forward_grad_peak_bytes,
+            backward_peak_bytes=r.backward_peak_bytes,
+            weight_bytes=weights[k],
+            gradient_bytes=created[k],
+            forward_seconds=r.forward_seconds,
+            backward_seconds=r.backward_seconds,
+            layer_output_bytes=r.layer_output_bytes,
+            buffer_bytes=buffers[k],
+            span=span,
+            output_requires_grad=r.output_requires_grad,
+            leaf_bytes=r.leaf_bytes,
+            carried=r.carried,
+            saved_inputs=r.saved_inputs,
+            saved_outputs=r.saved_outputs,
+        )
+        for k, (name, _, span, r) in enumerate(measured)
+    ]
+
+
+def _new_bytes(tensors: Iterator[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def _profile_stage(
     name: str,
     module: nn.Module,
-    span: int,
-    x: torch.Tensor,
+    x: Any,
     needs_grad: bool,
     timer: _Timer | None,
     flops_per_second: float,
     index: int,
-) -> tuple[Stage, torch.Tensor]:
+    params: dict[str, tuple[int, nn.Parameter]],
+) -> tuple[_Measured, Any]:
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
     with counter:
@@ -186,7 +293,8 @@ def _profile_stage(
         with layer_outputs:
             out = run_forward(module, x, stage=index, name=name)
         forward_peak = counter.peak_bytes - base
-        output_bytes = counter.live_bytes - base
+        # What the forward made, and the tensors it passed through (held before it, shared).
+        output_bytes = counter.live_bytes - base + _passed_through_bytes(x, out)
 
         saved: set[int] = set()
 
@@ -196,77 +304,124 @@ def _profile_stage(
 
         base = counter.reset_peak()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            leaf, y = run_forward_with_grad(
-                module, x, needs_input_grad=needs_grad, stage=index, name=name
+            y, graph = run_forward_with_grad(
+                module, x, needs_input_grad=needs_grad, params=params, stage=index, name=name
             )
         forward_grad_peak = counter.peak_bytes - base
+        in_keys = [storage_key(t) for t in leaves(x)]
+        out_keys = [storage_key(t) for t in leaves(y)]
+        # Output tensors passed through unchanged: the same storage as an input tensor.
+        carried = tuple(
+            (i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys
+        )
+        new_out = [t for i, t in enumerate(leaves(y)) if i not in dict(carried)]
+        new_saved_bytes = storage_bytes([t for t in new_out if storage_key(t) in saved])
+        leaf_bytes = tuple(int(t.untyped_storage().nbytes()) for t in leaves(y))
+        output_requires_grad = any(t.requires_grad for t in leaves(y))
+        del y, new_out
         kept = counter.live_bytes - base
-        grad_out = torch.ones_like(y) if y.device.type == "meta" else torch.randn_like(y)
+        saved_out_leaves = tuple(i for i, key in enumerate(out_keys) if key in saved)
+        saved_in_leaves = tuple(j for j, key in enumerate(in_keys) if key in saved)
+        saves_output = bool(saved_out_leaves)
+        grad_out = [
+            None
+            if edge is None
+            else (torch.ones_like(t) if t.device.type == "meta" else torch.randn_like(t))
+            for edge, t in zip(graph.outputs, leaves(out), strict=True)
+        ]
         base = counter.reset_peak()
-        run_backward(leaf, y, grad_out)
+        _, param_grads = run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
-    saves_input = storage_key(x) in saved
-    del leaf, y, grad_out
+    saves_input = bool(saved_in_leaves)
+    several_in, several_out = len(in_keys) > 1, len(out_keys) > 1
+    grad_ids = {id(p) for _, (i, p) in params.items() if i in param_grads}
+    del graph, grad_out, param_grads
 
     forward_seconds = backward_seconds = 0.0
     if timer is not None:
-        forward_seconds, backward_seconds = _time_stage(module, x, needs_grad, timer, index, name)
+        forward_seconds, backward_seconds = _time_stage(
+            module, x, needs_grad, timer, index, name, params
+        )
     elif flops_per_second > 0:
-        forward_flops, backward_flops = _count_flops(module, x, needs_grad, index, name)
-        elements = out.numel()
+        forward_flops, backward_flops = _count_flops(module, x, needs_grad, index, name, params)
+        elements = sum(t.numel() for t in leaves(out))
         forward_seconds = (forward_flops + elements) / flops_per_second
         backward_seconds = (backward_flops + 2 * elements) / flops_per_second
-    params, grads, buffers = module_bytes(module)
-    stage = Stage(
-        name=name,
+    result = _Measured(
         output_bytes=output_bytes,
-        saved_bytes=kept - output_bytes,
+        saved_bytes=kept - new_saved_bytes,
         saves_input=saves_input,
+        saves_output=saves_output,
+        leaf_bytes=leaf_bytes if several_out or carried else (),
+        carried=carried,
+        saved_inputs=saved_in_leaves if several_in else None,
+        saved_outputs=saved_out_leaves if several_out or carried else None,
         forward_peak_bytes=forward_peak,
         forward_grad_peak_bytes=forward_grad_peak,
         backward_peak_bytes=backward_peak,
-        weight_bytes=params,
-        gradient_bytes=grads,
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
         layer_output_bytes=layer_outputs.bytes,
-        buffer_bytes=buffers,
-        span=span,
+        output_requires_grad=output_requires_grad,
+        param_grad_ids=grad_ids,
     )
-    return stage, out
+    return result, out
+
+
+def _passed_through_bytes(x: Any, out: Any) -> int:
+    inputs = {storage_key(t) for t in leaves(x)}
+    return storage_bytes([t for t in leaves(out) if storage_key(t) in inputs])
+
+
+def _grad_outputs(graph: Any, out: Any) -> list[torch.Tensor | None]:
+    return [
+        None if edge is None else torch.ones_like(t)
+        for edge, t in zip(graph.outputs, leaves(out), strict=True)
+    ]
 
 
 def _time_stage(
-    module: nn.Module, x: torch.Tensor, needs_grad: bool, timer: _Timer, index: int, name: str
+    module: nn.Module,
+    x: Any,
+    needs_grad: bool,
+    timer: _Timer,
+    index: int,
+    name: str,
+    params: dict[str, tuple[int, nn.Parameter]],
 ) -> tuple[float, float]:
     forward: list[float] = []
     backward: list[float] = []
     for _ in range(timer.repeats):
         start = time.perf_counter()
-        leaf, y = run_forward_with_grad(
-            module, x, needs_input_grad=needs_grad, stage=index, name=name
+        y, graph = run_forward_with_grad(
+            module, x, needs_input_grad=needs_grad, params=params, stage=index, name=name
         )
         middle = time.perf_counter()
-        run_backward(leaf, y, torch.ones_like(y))
+        run_backward(graph, _grad_outputs(graph, y))
         end = time.perf_counter()
         forward.append(middle - start)
         backward.append(end - middle)
-        del leaf, y
+        del y, graph
     return statistics.median(forward), statistics.median(backward)
 
 
 def _count_flops(
-    module: nn.Module, x: torch.Tensor, needs_grad: bool, index: int, name: str
+    module: nn.Module,
+    x: Any,
+    needs_grad: bool,
+    index: int,
+    name: str,
+    params: dict[str, tuple[int, nn.Parameter]],
 ) -> tuple[int, int]:
     counter = FlopCounterMode(display=False)
     with counter:
-        leaf, y = run_forward_with_grad(
-            module, x, needs_input_grad=needs_grad, stage=index, name=name
+        y, graph = run_forward_with_grad(
+            module, x, needs_input_grad=needs_grad, params=params, stage=index, name=name
         )
     forward = counter.get_total_flops()
     counter = FlopCounterMode(display=False)
     with counter:
-        run_backward(leaf, y, torch.ones_like(y))
+        run_backward(graph, _grad_outputs(graph, y))
     return forward, counter.get_total_flops()
 
 
@@ -279,8 +434,7 @@ class _LayerOutputs:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def _hook(self, _module: nn.Module, _inputs: object, output: object) -> None:
-        if isinstance(output, torch.Tensor):
-            self.bytes += output.numel() * output.element_size()
+        self.bytes += sum(t.numel() * t.element_size() for t in leaves(output))
 
     def __enter__(self) -> _LayerOutputs:
         self._handles = [

@@ -7,21 +7,26 @@ activations are ``a[0]`` (the input) .. ``a[L]`` (the output):
 ``Fn k``            forward stage ``k`` without grad; ``a[k+1]`` is kept, our reference to
                     ``a[k]`` is dropped (forward *without saving*)
 ``Fc k``            forward stage ``k`` without grad, keeping ``a[k]`` as a checkpoint
-``Fa k``            forward stage ``k`` with grad, keeping all that autograd needs (its graph)
+``Fa k``            forward stage ``k`` with grad, building its graph (what autograd saves);
+                    ``a[k+1]`` is kept, our reference to ``a[k]`` is dropped
 ``B k``             backward of stage ``k``: needs the graph of ``k`` and the gradient of
-                    ``a[k+1]``; leaves the gradient of ``a[k]`` and frees the graph
-``D k``             discard our reference to the checkpoint ``a[k]``
+                    ``a[k+1]``; leaves the gradient of ``a[k]`` and the parameter gradients it
+                    creates, and frees the graph
+``D k``             discard our reference to ``a[k]``
 ==================  =====================================================================
 
 The *forward phase* is everything before the first ``B``; it must have built the graph of the last
 stage, whose output is handed to the caller, who holds it until the step ends and computes the
-loss. The backward phase must run ``B L-1``, ``B L-2`` .. ``B 0`` in that order.
+loss; the output's gradient, handed back by autograd, is held until the backward ends. The backward phase must run ``B L-1``, ``B L-2`` .. ``B 0`` in that order.
 
 :func:`simulate` replays a schedule on a chain and returns its :class:`Cost`. Memory is counted the
-way autograd holds it: every value refers to tensor storages, a storage is counted once however
-many values refer to it (a graph shares its output with the activation it produced, and its input
-when the stage saves it), and each operation adds its measured transient peak. The input ``a[0]``,
-the weights and the gradients are held before the step and are not counted.
+way the executor (:mod:`edgetrain.execute`) and autograd hold it: an activation's storage is held
+while our reference, a graph that saved it as its input, or a graph that saved it as its output
+refers to it, and is counted once; a graph holds only what autograd saved; each operation adds its
+measured transient peak; parameter gradients appear as the backward creates them and stay until
+the step ends (unless ``grads_exist``: then they were held before the step and are added to in
+place). The input ``a[0]``, the weights and the buffers are held before the step and are not
+counted.
 
 Recompute factor convention: ``recompute_factor = seconds / (forward_seconds + backward_seconds)``
 of the chain, i.e. the time of the schedule over the time of one plain forward and backward. On a
@@ -224,9 +229,9 @@ class Cost:
     """What a schedule costs on a chain.
 
     Attributes:
-        peak_bytes: most memory held by the step's activations, graphs and gradients at any moment,
-            transient peaks of operations included, above what was held before the step (weights,
-            gradients, the input).
+        peak_bytes: most memory the step holds at any moment above what was held before it
+            (weights, buffers, input, existing gradients): activations, graphs, activation
+            gradients, the parameter gradients it creates, transient peaks included.
         seconds: the schedule's compute time: the sum of its operations' stage times.
         recompute_factor: ``seconds`` over the time of one plain forward and backward.
         forward_steps: forwards without grad (``Fn`` + ``Fc``).
@@ -244,37 +249,65 @@ class Cost:
     peak_op: int
 
 
-def simulate(chain: Chain, schedule: Schedule) -> Cost:
+def simulate(chain: Chain, schedule: Schedule, *, grads_exist: bool = False) -> Cost:
     """Replay ``schedule`` on ``chain``: validate it and return its :class:`Cost`.
 
-    Raises :class:`InvalidSchedule` naming the first operation that cannot run (a forward whose
-    input is gone, a stage run twice with grad, a backward out of order, ...).
+    ``grads_exist``: the parameters' gradients exist before the step and are added to in place
+    (``zero_grad(set_to_none=False)``); by default they do not (PyTorch's ``zero_grad()``) and the
+    backward creates them. Raises :class:`InvalidSchedule` naming the first operation that cannot
+    run (a forward whose input is gone, a stage run twice with grad, a backward out of order, ...).
     """
-    return _replay(chain, schedule, trace=None)
+    return _replay(chain, schedule, None, grads_exist)
 
 
-def memory_trace(chain: Chain, schedule: Schedule) -> list[tuple[int, int, int]]:
+def memory_trace(
+    chain: Chain, schedule: Schedule, *, grads_exist: bool = False
+) -> list[tuple[int, int, int]]:
     """Per operation: bytes held before it, peak bytes during it, bytes held after it."""
     trace: list[tuple[int, int, int]] = []
-    _replay(chain, schedule, trace=trace)
+    _replay(chain, schedule, trace, grads_exist)
     return trace
 
 
-def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] | None) -> Cost:
+def _replay(
+    chain: Chain,
+    schedule: Schedule,
+    trace: list[tuple[int, int, int]] | None,
+    grads_exist: bool,
+) -> Cost:
     n = chain.length
     if schedule.length != n:
         raise InvalidSchedule(
             f"schedule is for a chain of {schedule.length} stages, this chain has {n}; re-plan it"
         )
     stages = chain.stages
-    act = [0] + [s.output_bytes for s in stages]  # a[0] is held by the caller: not counted
     grad = [chain.gradient_of_activation_bytes(k) for k in range(n + 1)]
-    # Reference counts of the storages: activation k, extra saved tensors of stage k.
-    act_refs = [0] * (n + 1)
-    plain = [False] * (n + 1)  # our own reference to a[k] (a checkpoint or a forward's output)
-    graph = [False] * n  # graph of stage k held
+    # An activation is one tensor or several (a cut inside a residual block carries the trunk
+    # and the skip); each tensor's storage is a *piece*, and a tensor passed through a stage
+    # unchanged is the same piece in its input and its output. Piece 0: the input, which the
+    # caller holds (never counted).
+    sizes = [0]
+    pieces: list[list[int]] = [[0]]
+    for stage in stages:
+        before = pieces[-1]
+        carried = dict(stage.carried)
+        own: list[int] = []
+        for leaf in range(stage.output_leaves):
+            if leaf in carried:
+                j = carried[leaf]
+                own.append(before[j] if j < len(before) else 0)
+            else:
+                sizes.append(stage.leaf_bytes[leaf] if stage.leaf_bytes else stage.output_bytes)
+                own.append(len(sizes) - 1)
+        pieces.append(own)
+    saved_in = [_held(st.saved_inputs, st.saves_input, pieces[k]) for k, st in enumerate(stages)]
+    saved_out = [
+        _held(st.saved_outputs, st.saves_output, pieces[k + 1]) for k, st in enumerate(stages)
+    ]
+    refs = [0] * len(sizes)
+    plain = [False] * (n + 1)
+    graph = [False] * n
     plain[0] = True
-    act_refs[0] = 1
     held = 0
     next_backward = n - 1  # the backward phase goes n-1 .. 0
     in_backward = False
@@ -289,13 +322,30 @@ def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] 
     def fail(i: int, kind: Op, k: int, why: str) -> InvalidSchedule:
         return InvalidSchedule(f"operation {i} ({kind.code}{k}) {why}")
 
-    def take(k: int) -> int:
-        act_refs[k] += 1
-        return act[k] if act_refs[k] == 1 else 0
+    def take(ids: list[int]) -> int:
+        """Refer to these pieces; returns the bytes that became held."""
+        added = 0
+        for piece in ids:
+            refs[piece] += 1
+            added += sizes[piece] if refs[piece] == 1 else 0
+        return added
 
-    def drop(k: int) -> int:
-        act_refs[k] -= 1
-        return act[k] if act_refs[k] == 0 else 0
+    def drop(ids: list[int]) -> int:
+        """Stop referring to these pieces; returns the bytes freed."""
+        freed = 0
+        for piece in ids:
+            refs[piece] -= 1
+            freed += sizes[piece] if refs[piece] == 0 else 0
+        return freed
+
+    def release(k: int) -> int:
+        """Drop our reference to a[k] (the input and the caller's output are never dropped)."""
+        nonlocal checkpoints
+        if k == 0 or k == n or not plain[k]:
+            return 0
+        plain[k] = False
+        checkpoints -= 1
+        return drop(pieces[k])
 
     for i, (code, k) in enumerate(
         zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True)
@@ -303,11 +353,9 @@ def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] 
         kind = Op(code)
         before = held
         if kind is Op.DISCARD:
-            if not 0 < k <= n or not plain[k]:
-                raise fail(i, kind, k, "discards an activation that is not a checkpoint")
-            plain[k] = False
-            checkpoints -= 1
-            held -= drop(k)
+            if not 0 < k < n or not plain[k]:
+                raise fail(i, kind, k, "discards an activation that is not held")
+            held -= release(k)
             during = before
         elif kind is Op.BACKWARD:
             if k != next_backward:
@@ -320,48 +368,42 @@ def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] 
             if not in_backward:
                 # The loss: the caller holds the output and hands us its gradient.
                 in_backward = True
-                held += take(n) + grad[n]
+                held += grad[n]
                 before = held
             during = held + stage.backward_peak_bytes
             graph[k] = False
-            held -= drop(k + 1) + stage.saved_bytes + grad[k + 1]
-            if stage.saves_input:
-                held -= drop(k)
-            held += grad[k]
+            # The output's gradient is autograd's to free, after the whole backward.
+            held -= stage.saved_bytes + (grad[k + 1] if k + 1 < n else 0)
+            held -= drop(saved_in[k]) + drop(saved_out[k])
+            held += grad[k] + (0 if grads_exist else stage.gradient_bytes)
             next_backward -= 1
             seconds += stage.backward_seconds
         else:
             if not 0 <= k < n:
                 raise fail(i, kind, k, f"names a stage outside 0..{n - 1}")
-            if act_refs[k] == 0:
-                raise fail(i, kind, k, f"needs a[{k}], which is not in memory")
-            if in_backward and k >= next_backward + 1:
+            if not plain[k]:
+                raise fail(i, kind, k, f"needs a[{k}], which is not held")
+            if in_backward and k > next_backward:
                 raise fail(i, kind, k, "recomputes a stage whose backward is already done")
+            if plain[k + 1] or graph[k] or _holds(graph, saved_in, k + 1):
+                # A second copy of a[k+1] (or of its graph): discard the first one before.
+                raise fail(i, kind, k, f"recomputes a[{k + 1}], which is already in memory")
             stage = stages[k]
             seconds += stage.forward_seconds
+            plain[k + 1] = True
+            checkpoints += k + 1 < n
             if kind is Op.FORWARD_ALL:
-                if graph[k]:
-                    raise fail(i, kind, k, "runs the stage with grad while its graph is held")
-                if plain[k + 1]:
-                    # The graph's output would be a second copy of a[k+1]; discard it first.
-                    raise fail(i, kind, k, f"recomputes a[{k + 1}], which is already in memory")
                 during = held + stage.forward_grad_peak_bytes
                 graph[k] = True
-                held += take(k + 1) + stage.saved_bytes
-                if stage.saves_input:
-                    held += take(k)
+                held += take(pieces[k + 1]) + stage.saved_bytes
+                held += take(saved_out[k]) + take(saved_in[k])
+                held -= release(k)
                 forward_all += 1
             else:
-                if plain[k + 1] or graph[k]:
-                    raise fail(i, kind, k, f"recomputes a[{k + 1}], which is already in memory")
                 during = held + stage.forward_peak_bytes
-                plain[k + 1] = True
-                checkpoints += 1
-                held += take(k + 1)
-                if kind is Op.FORWARD_NOSAVE and plain[k] and k > 0:
-                    plain[k] = False
-                    checkpoints -= 1
-                    held -= drop(k)
+                held += take(pieces[k + 1])
+                if kind is Op.FORWARD_NOSAVE:
+                    held -= release(k)
                 forward_steps += 1
         during = max(during, held)
         max_checkpoints = max(max_checkpoints, checkpoints)
@@ -383,3 +425,16 @@ def _replay(chain: Chain, schedule: Schedule, trace: list[tuple[int, int, int]] 
         max_checkpoints=max_checkpoints,
         peak_op=peak_op,
     )
+
+
+def _held(which: tuple[int, ...] | None, whole: bool, ids: list[int]) -> list[int]:
+    """The pieces of an activation a graph holds: the listed tensors, or all or none."""
+    if which is None:
+        return list(ids) if whole else []
+    return [ids[j] for j in which if j < len(ids)]
+
+
+def _holds(graph: list[bool], saved_in: list[list[int]], k: int) -> bool:
+    """Whether the graph of stage ``k`` holds part of ``a[k]`` (its input), so that computing
+    ``a[k]`` again would make a second copy."""
+    return k < len(graph) and graph[k] and bool(saved_in[k])

@@ -1,7 +1,21 @@
 """How a stage runs: the primitives shared by the profiler and the executor.
 
 Profiling and execution must run a stage the same way, or the measured costs would not predict
-the run: both go through :func:`run_forward` and :func:`run_backward`.
+the run: both go through :func:`run_forward`, :func:`run_forward_with_grad` and
+:func:`run_backward`.
+
+A stage run with grad keeps exactly what autograd saves and nothing else. Its input enters through
+a *tap*: a view of the input made by an autograd function that saves nothing, so the input's
+storage stays alive only if the stage's own operations save it. Its trainable parameters enter the
+same way (through :func:`torch.func.functional_call`), so their gradients are returned to the
+caller instead of being written to ``.grad`` and no parameter hook runs here: the executor hands
+the gradients to autograd once, as plain autograd would. Of the stage's output the graph keeps only
+the gradient edges (:class:`torch.autograd.graph.GradientEdge`), not the tensors: the output's
+storage too stays alive only if autograd saved it.
+
+Activations are tensors, or tuples, lists and dicts of tensors (any pytree); only floating-point
+tensors carry gradients.
+
 :func:`group_children` decides what a stage is: normally one child of the ``nn.Sequential``; a
 child that returns a view of its input (``Flatten``) or overwrites it in place
 (``ReLU(inplace=True)``) is merged into the stage before it, because a stage's input must stay
@@ -10,16 +24,69 @@ intact for recomputation and its output must be a tensor of its own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import storage_key
 
 
-def run_forward(
-    module: nn.Module, x: torch.Tensor, *, stage: int = 0, name: str = ""
-) -> torch.Tensor:
+class _Tap(torch.autograd.Function):
+    """``x`` as a view that requires grad, saving nothing; ``anchor`` only makes it differentiable.
+
+    The tap's own backward never runs: gradients are taken at its edge.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        return None, None
+
+
+def _anchor() -> torch.Tensor:
+    return torch.empty(0, requires_grad=True)
+
+
+def leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors of an activation (a tensor or a pytree of them), in pytree order."""
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def differentiable(t: torch.Tensor) -> bool:
+    """Whether a tensor can carry a gradient (floating point or complex)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+@dataclass
+class StageGraph:
+    """What is kept of a stage run with grad: gradient edges only, never tensors.
+
+    Attributes:
+        outputs: per output tensor, the edge its gradient enters by (None: needs no gradient).
+        inputs: per input tensor, the edge its gradient leaves by (None: none wanted).
+        params: per trainable parameter (by position in the executor's list), its edge.
+    """
+
+    outputs: list[GradientEdge | None]
+    inputs: list[GradientEdge | None]
+    params: dict[int, GradientEdge] = field(default_factory=dict)
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether any output carries a gradient back (else the backward does nothing)."""
+        return any(edge is not None for edge in self.outputs)
+
+
+def run_forward(module: nn.Module, x: Any, *, stage: int = 0, name: str = "") -> Any:
     """Run one stage without building a graph; returns its output."""
     with torch.no_grad():
         out = module(x)
@@ -29,73 +96,154 @@ def run_forward(
 
 def run_forward_with_grad(
     module: nn.Module,
-    x: torch.Tensor,
+    x: Any,
     *,
-    needs_input_grad: bool,
+    needs_input_grad: bool | list[bool],
+    params: dict[str, tuple[int, nn.Parameter]] | None = None,
     stage: int = 0,
     name: str = "",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run one stage on a detached leaf (requiring grad if ``needs_input_grad``), building its
-    graph; returns ``(leaf, output)``, ready for :func:`run_backward`."""
-    leaf = x.detach().requires_grad_(needs_input_grad)
+) -> tuple[Any, StageGraph]:
+    """Run one stage building its graph; returns ``(output, graph)`` for :func:`run_backward`.
+
+    ``needs_input_grad``: whether (each of) the input's tensors needs a gradient. ``params``: the
+    stage's trainable parameters by their name in ``module`` (every name of a tied parameter),
+    with the executor's index for each; their gradients are returned by :func:`run_backward`.
+    """
     with torch.enable_grad():
-        out = module(leaf)
+        flat, spec = tree_flatten(x)
+        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+        wanted = (
+            needs_input_grad
+            if isinstance(needs_input_grad, list)
+            else [needs_input_grad and differentiable(t) for t in tensors]
+        )
+        anchor = _anchor()
+        tapped: list[Any] = []
+        input_edges: list[GradientEdge | None] = []
+        position = 0
+        for item in flat:
+            if not isinstance(item, torch.Tensor):
+                tapped.append(item)
+                continue
+            plain = item.detach()
+            if wanted[position]:
+                view = _Tap.apply(anchor, plain)
+                tapped.append(view)
+                input_edges.append(get_gradient_edge(view))
+            else:
+                tapped.append(plain)
+                input_edges.append(None)
+            position += 1
+        aliases: dict[str, torch.Tensor] = {}
+        param_edges: dict[int, GradientEdge] = {}
+        made: dict[int, torch.Tensor] = {}
+        for pname, (index, param) in (params or {}).items():
+            if index not in made:
+                made[index] = _Tap.apply(anchor, param.detach())
+                param_edges[index] = get_gradient_edge(made[index])
+            aliases[pname] = made[index]
+        inputs = tree_unflatten(tapped, spec)
+        out = functional_call(module, aliases, (inputs,)) if aliases else module(inputs)
     _check_output(out, stage, name)
-    return leaf, out
+    output_edges = [get_gradient_edge(t) if t.requires_grad else None for t in leaves(out)]
+    return out, StageGraph(output_edges, input_edges, param_edges)
 
 
 def run_backward(
-    leaf: torch.Tensor, output: torch.Tensor, grad_output: torch.Tensor
-) -> torch.Tensor | None:
-    """Backpropagate ``grad_output`` through a stage's graph; returns the input's gradient.
+    graph: StageGraph, grad_outputs: list[torch.Tensor | None], *, params: bool = True
+) -> tuple[list[torch.Tensor | None], dict[int, torch.Tensor]]:
+    """Backpropagate through a stage's graph (once: it is freed).
 
-    Parameter gradients accumulate into ``.grad`` as usual.
+    Returns the gradient of each input tensor (None where none is wanted or none flows) and, when
+    ``params``, the gradient of each trainable parameter that received one.
     """
-    torch.autograd.backward(output, grad_output)
-    return leaf.grad if leaf.requires_grad else None
+    pairs = [
+        (edge, grad)
+        for edge, grad in zip(graph.outputs, grad_outputs, strict=True)
+        if edge is not None and grad is not None
+    ]
+    wanted_inputs = [edge for edge in graph.inputs if edge is not None]
+    wanted_params = list(graph.params.items()) if params else []
+    targets = wanted_inputs + [edge for _, edge in wanted_params]
+    if not pairs or not targets:
+        return [None] * len(graph.inputs), {}
+    result = torch.autograd.grad(
+        [edge for edge, _ in pairs],
+        targets,
+        grad_outputs=[grad for _, grad in pairs],
+        allow_unused=True,
+    )
+    del pairs
+    got = iter(result[: len(wanted_inputs)])
+    input_grads = [None if edge is None else next(got) for edge in graph.inputs]
+    param_grads = {
+        index: grad
+        for (index, _), grad in zip(wanted_params, result[len(wanted_inputs) :], strict=True)
+        if grad is not None
+    }
+    return input_grads, param_grads
+
+
+def stage_params(
+    module: nn.Module, index_of: dict[int, int]
+) -> dict[str, tuple[int, nn.Parameter]]:
+    """The trainable parameters of a stage by every name they have in it (tied ones included),
+    each with its index among the model's parameters (``index_of``: ``id(p)`` -> index)."""
+    return {
+        name: (index_of[id(p)], p)
+        for name, p in module.named_parameters(remove_duplicate=False)
+        if p.requires_grad and id(p) in index_of
+    }
 
 
 def _check_output(out: object, stage: int, name: str) -> None:
-    if not isinstance(out, torch.Tensor):
+    if not leaves(out):
         raise InvalidInput(
             f"stage {stage} ({name}) returns {type(out).__name__}, not a tensor; "
-            "edgetrain chains stages that each return one tensor"
+            "edgetrain chains stages that each return a tensor (or a tuple or dict of tensors)"
         )
 
 
-def group_children(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[str, nn.Module, int]]:
+def group_children(model: nn.Sequential, sample: Any) -> list[tuple[str, nn.Module, int]]:
     """Split ``model`` into stages: ``(name, module, number of children)`` in order.
 
-    Runs the children once without grad on ``sample`` to find those that return a view of their
-    input or modify it in place; each is merged into the stage before it. The caller restores
-    any state (BatchNorm statistics) this forward changes.
+    Every entry of the ``nn.Sequential`` counts, a module listed twice included. Runs the children
+    once without grad on ``sample`` to find those that return a view of their input or modify it
+    in place; each is merged into the stage before it. The caller restores any state (BatchNorm
+    statistics) this forward changes.
     """
-    children = list(model.named_children())
+    children = list(model._modules.items())
     groups: list[list[tuple[str, nn.Module]]] = []
-    group_input = -1
+    group_input: set[int] = set()
     open_group = False  # the current stage so far returns a view of its own input
-    x = sample.detach()
-    seen: dict[tuple[str, tuple[int, ...], torch.dtype], tuple[bool, bool, torch.Tensor]] = {}
+    x = _detached(sample)
+    seen: dict[tuple[str, str, str], tuple[bool, bool, Any]] = {}
     for index, (name, child) in enumerate(children):
-        key = (repr(child), tuple(x.shape), x.dtype)
-        if x.device.type == "meta" and key in seen:
+        assert child is not None
+        key = (repr(child), _signature(x), str(id(child)))
+        on_meta = all(t.device.type == "meta" for t in leaves(x))
+        if on_meta and key[:2] in {k[:2] for k in seen}:
             # Shapes alone decide the outcome on meta tensors: reuse an identical child's.
-            in_place, aliased, like = seen[key]
-            out = x if aliased else torch.empty_like(like)
+            in_place, aliased, like = next(v for k, v in seen.items() if k[:2] == key[:2])
+            out = x if aliased else _empty_like(like)
         else:
-            version = x._version
+            versions = [t._version for t in leaves(x)]
             try:
                 out = run_forward(child, x, stage=index, name=name)
-            except (RuntimeError, ValueError) as exc:
+            except (RuntimeError, ValueError, TypeError) as exc:
                 # The first run of the user's model on the user's sample: a failure here is a
                 # mismatch between them (sizes that do not chain, dtypes, devices).
                 first = str(exc).strip().splitlines()[0]
                 raise InvalidInput(
-                    f"layer {index} ({name}) fails on an input of shape {tuple(x.shape)} "
-                    f"({x.dtype}): {first}; check that the layers' sizes and dtypes chain"
+                    f"layer {index} ({name}) fails on an input of {_signature(x)}: {first}; "
+                    "check that the layers' sizes and dtypes chain"
                 ) from exc
-            in_place = x._version != version
-            aliased = storage_key(out) == storage_key(x)
+            in_place = [t._version for t in leaves(x)] != versions
+            # A view of the input (not a tensor passed through whole, as a skip is).
+            passed = {id(t) for t in leaves(x)}
+            aliased = bool(
+                {storage_key(t) for t in leaves(out) if id(t) not in passed} & _storages(x)
+            )
             seen[key] = (in_place, aliased, out)
         if groups and (in_place or aliased or open_group):
             groups[-1].append((name, child))
@@ -106,8 +254,11 @@ def group_children(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[str
             )
         else:
             groups.append([(name, child)])
-            group_input = storage_key(x)
-        open_group = storage_key(out) == group_input
+            group_input = _storages(x)
+        passed = {id(t) for t in leaves(x)}
+        open_group = bool(
+            {storage_key(t) for t in leaves(out) if id(t) not in passed} & group_input
+        )
         x = out
     if open_group and len(groups) > 1:
         groups[-2].extend(groups.pop())
@@ -119,3 +270,32 @@ def group_children(model: nn.Sequential, sample: torch.Tensor) -> list[tuple[str
             names = "+".join(n for n, _ in group)
             result.append((names, nn.Sequential(*(m for _, m in group)), len(group)))
     return result
+
+
+def _storages(value: Any) -> set[int]:
+    return {storage_key(t) for t in leaves(value)}
+
+
+def _detached(value: Any) -> Any:
+    flat, spec = tree_flatten(value)
+    return tree_unflatten(
+        [t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
+    )
+
+
+def _empty_like(value: Any) -> Any:
+    flat, spec = tree_flatten(value)
+    return tree_unflatten(
+        [torch.empty_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec
+    )
+
+
+def _signature(value: Any) -> str:
+    """Shapes and dtypes of an activation, for messages and memo keys."""
+    parts = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in leaves(value)]
+    return "shape " + parts[0] if len(parts) == 1 else "shapes " + ", ".join(parts)
+
+
+def signature(value: Any) -> str:
+    """Public form of the activation signature (shapes and dtypes)."""
+    return _signature(value)

@@ -85,6 +85,7 @@ def train(
     loss_fn = nn.CrossEntropyLoss()
     state_bytes = OPTIMIZER_STATES[optimizer] * sum(p.numel() * p.element_size() for p in params)
     predicted = net.predicted_peak_bytes + state_bytes
+    plain = net.plain_peak_bytes + state_bytes
     measured = 0
     times: list[float] = []
     losses: list[float] = []
@@ -99,6 +100,9 @@ def train(
                 loss = loss_fn(net(images), labels)
                 loss.backward()
             measured = before + counter.peak_bytes
+            # The loop this step ran in (gradients kept) is the one the prediction is for.
+            predicted = net.predicted_peak_bytes + state_bytes
+            plain = net.plain_peak_bytes + state_bytes
         else:
             loss = loss_fn(net(images), labels)
             loss.backward()
@@ -111,7 +115,7 @@ def train(
     return TrainReport(
         steps=steps,
         predicted_peak_bytes=predicted,
-        plain_peak_bytes=net.plain_peak_bytes + state_bytes,
+        plain_peak_bytes=plain,
         measured_peak_bytes=measured,
         step_seconds=statistics.median(times) if times else float("nan"),
         recompute_factor=net.cost.recompute_factor,

@@ -18,17 +18,19 @@ def random_chain(rng: random.Random, length: int, *, scale: int = 10) -> Chain:
     for i in range(length):
         out = rng.randint(1, scale)
         saved = rng.randint(0, scale)
+        weights = rng.randint(0, scale // 2)
         stages.append(
             Stage(
                 name=f"s{i}",
                 output_bytes=out,
                 saved_bytes=saved,
                 saves_input=rng.random() < 0.7,
+                saves_output=rng.random() < 0.4,
                 forward_peak_bytes=out + rng.randint(0, scale // 2),
                 forward_grad_peak_bytes=out + saved + rng.randint(0, scale // 2),
                 backward_peak_bytes=rng.randint(1, scale + 2),
-                weight_bytes=rng.randint(0, scale),
-                gradient_bytes=0,
+                weight_bytes=weights,
+                gradient_bytes=weights if rng.random() < 0.5 else 0,
                 forward_seconds=rng.uniform(0.5, 2.0),
                 backward_seconds=rng.uniform(0.5, 3.0),
             )

@@ -101,9 +101,9 @@ def test_revolve_prints_pyrevolve_counts():
 
 
 def test_train_reports_measured_and_predicted_peak():
-    result = run("train --model resnet18 --batch 2 --image 64 --steps 2 --memory 152MB --json")
+    result = run("train --model resnet18 --batch 2 --image 64 --steps 2 --memory 161MB --json")
     report = json.loads(result.output)
-    assert report["predicted_peak_bytes"] <= 152e6
+    assert report["predicted_peak_bytes"] <= 161e6
     assert report["measured_peak_bytes"] == pytest.approx(report["predicted_peak_bytes"], rel=0.02)
     assert report["plain_peak_bytes"] > report["predicted_peak_bytes"]
 

@@ -38,15 +38,15 @@ def test_recomputation_costs_time_and_saves_memory():
         (F, 1),
         (F, 2),
         (A, 3),
-        (D, 3),
         (B, 3),
         (C, 0),
         (F, 1),
         (A, 2),
-        (D, 2),
+        (D, 3),
         (B, 2),
         (A, 0),
         (A, 1),
+        (D, 2),
         (B, 1),
         (B, 0),
     )
@@ -62,11 +62,12 @@ def test_recomputation_costs_time_and_saves_memory():
     [
         (ops(2, (A, 0), (B, 0)), "out of order"),
         (ops(2, (A, 1), (A, 0)), "needs a\\[1\\]"),
-        (ops(2, (A, 0), (A, 0)), "while its graph is held"),
+        (ops(2, (A, 0), (A, 0)), "already in memory"),
         (ops(2, (A, 0), (A, 1), (B, 1)), "ends before the backward of stage 0"),
         (ops(2, (C, 0), (A, 1), (B, 1), (B, 0)), "needs the graph of stage 0"),
-        (ops(2, (A, 0), (D, 1), (A, 1), (B, 1), (B, 0)), "not a checkpoint"),
-        (ops(2, (A, 0), (A, 1), (B, 1), (A, 1), (B, 0)), "already done"),
+        (ops(2, (A, 0), (D, 1), (A, 1), (B, 1), (B, 0)), "needs a\\[1\\], which is not held"),
+        (ops(2, (A, 0), (A, 1), (D, 1), (B, 1), (B, 0)), "discards an activation that is not"),
+        (ops(2, (C, 0), (A, 1), (B, 1), (C, 0), (A, 1)), "already done"),
         (ops(2, (C, 0), (C, 0)), "already in memory"),
         (ops(2, (A, 5)), "outside"),
         (ops(3, (A, 0), (A, 1), (B, 1)), "chain of 3 stages"),
@@ -78,14 +79,33 @@ def test_simulator_rejects_invalid_schedules_naming_the_operation(schedule, mess
 
 
 def test_shared_storage_is_counted_once():
-    # A stage that keeps its input: discarding our reference to the checkpoint frees nothing
-    # while the graph still holds it.
-    stage = Stage("s", 10, 0, True, 10, 10, 10, 0, 0, 1.0, 1.0)
-    chain = Chain((stage, stage), input_bytes=10)
-    trace = memory_trace(chain, ops(2, (C, 0), (A, 1), (D, 1), (B, 1), (A, 0), (B, 0)))
-    held_after_fa1 = trace[1][2]
-    held_after_discard = trace[2][2]
-    assert held_after_fa1 == held_after_discard == 20  # a1 (shared) + a2
+    # A stage that keeps its input: Fa1 drops our reference to a1, which stays held (once) by the
+    # graph; a stage that keeps its output holds it once though our reference exists too.
+    keeps_input = Stage("s", 10, 0, True, 10, 10, 10, 0, 0, 1.0, 1.0)
+    chain = Chain((keeps_input, keeps_input), input_bytes=10)
+    trace = memory_trace(chain, ops(2, (C, 0), (A, 1), (B, 1), (A, 0), (D, 1), (B, 0)))
+    assert trace[0][2] == 10  # a1, our checkpoint
+    assert trace[1][2] == 20  # a1 (the graph's now) + a2
+    keeps_output = Stage("t", 10, 0, False, 10, 10, 10, 0, 0, 1.0, 1.0, saves_output=True)
+    chain = Chain((keeps_output, keeps_output), input_bytes=10)
+    trace = memory_trace(chain, ops(2, (A, 0), (A, 1), (B, 1), (B, 0)))
+    assert trace[0][2] == 10  # a1: our reference and graph 0's, counted once
+    assert trace[1][2] == 20  # a1 (graph 0's) + a2 (ours and graph 1's)
+
+
+def test_a_stage_that_saves_neither_end_frees_its_input_and_output():
+    # Between two Linear layers a Tanh-like stage saves its output, a BatchNorm-like one only
+    # extra statistics: plain autograd frees such activations as soon as the next stage is done
+    # with them, and so does the simulator.
+    neither = Stage("n", 10, 2, False, 10, 12, 10, 0, 0, 1.0, 1.0)
+    chain = Chain((neither, neither, neither), input_bytes=10)
+    cost = simulate(chain, store_all(chain))
+    # After the forward: three graphs of 2 bytes and the output a3 (10) held by the caller.
+    assert memory_trace(chain, store_all(chain))[2][2] == 3 * 2 + 10
+    # The loss adds the output gradient (10, held until the backward ends), B2 its input
+    # gradient (10) for B1, whose transient peak adds 10 more; graphs that held their outputs
+    # would have added a1 and a2 (20) on top.
+    assert cost.peak_bytes == 16 - 2 + 10 + 10 + 10
 
 
 @settings(max_examples=60, deadline=None)

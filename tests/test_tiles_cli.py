@@ -15,7 +15,9 @@ from torch import nn
 from edgetrain.cli import commands  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
 from edgetrain.distributed.layers import describe
+from edgetrain.distributed.supported import TILE_MODELS
 from edgetrain.errors import InvalidInput
+from edgetrain.models import build
 
 
 def _run(*args: str):
@@ -24,13 +26,16 @@ def _run(*args: str):
     return CliRunner().invoke(cli, ["tiles", *words])
 
 
-def test_json_reports_every_rank_and_check_agrees_with_one_process():
+def test_json_reports_every_rank_and_check_agrees_with_one_process_at_an_odd_size():
+    # 33x45 px: the poolings drop the last row or column of odd maps (33 -> 16, 45 -> 22 -> 11
+    # -> 5 -> 2), as torch does
     result = _run(
-        "--grid 1x2 --image 32 --groups per-layer --steps 2 --dtype float64 --json --check"
+        "--grid 1x2 --image 33x45 --groups per-layer --steps 2 --dtype float64 --json --check"
     )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["groups"] == ",".join(str(i) for i in range(16))
+    assert doc["image"] == [33, 45]
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]
     for rank in doc["ranks"]:
         assert rank["peak_bytes"] > 0 and rank["step_seconds"] > 0 and rank["bytes_sent"] > 0
@@ -49,11 +54,14 @@ def test_table_output_names_the_groups_chosen_automatically():
     [
         (["--grid", "2by2"], "cannot read grid '2by2'"),
         (["--grid", "3x3", "--image", "32"], "grid 3x3 has more tiles than the 2x2 output"),
-        (["--image", "50"], "use an image size that is a multiple of 16"),
+        (["--image", "8"], "image 8x8 is too small: layer 11 (max11, pool 2x2/2) gets 1 rows"),
+        (["--image", "16", "--batch", "1"], "use a batch of 2 or a larger image"),
+        (["--image", "0"], "image 0x0 is empty"),
+        (["--image", "20by30"], "cannot read image size '20by30'"),
         (["--groups", "0-3,5-15"], "must be consecutive ranges"),
         (["--groups", "0-3"], "end the last group at 15"),
-        (["--model", "resnet18"], "has a second window"),
-        (["--model", "vgg"], "unknown model"),
+        (["--model", "resnet18"], "tiles cannot split resnet18"),
+        (["--model", "vgg"], "unknown model 'vgg'; tiles trains yolov2-16"),
         (["--steps", "0"], "--steps must be positive"),
         (["--profile", "mars"], "unknown profile"),
     ],
@@ -65,6 +73,20 @@ def test_bad_input_is_one_line_and_exit_status_2(args, message):
     assert len(lines) == 1 and message in lines[0], result.output
 
 
+def test_help_lists_the_models_tiles_train():
+    result = _run("--help")
+    assert result.exit_code == 0
+    assert f"Model to train: {', '.join(TILE_MODELS)}" in " ".join(result.output.split())
+
+
+def test_the_models_tiles_train_are_exactly_the_registry_models_that_describe():
+    """TILE_MODELS is not a wish list: each describes as tiles, and a ResNet does not."""
+    for name in TILE_MODELS:
+        describe(build(name), 3, 64, 64)
+    with pytest.raises(InvalidInput):
+        describe(build("resnet18"), 3, 64, 64)
+
+
 def test_a_layer_tiling_cannot_split_is_named():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 64, 2))
     with pytest.raises(InvalidInput, match=r"layer 1 \(Flatten\) contains Flatten"):
@@ -74,7 +96,7 @@ def test_a_layer_tiling_cannot_split_is_named():
 def test_torchrun_starts_ranks_that_find_each_other_and_report():
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     worker = (
-        "-m edgetrain.distributed.worker --model yolov2-16 --grid 1x2 --image 32 --steps 2 "
+        "-m edgetrain.distributed.worker --model yolov2-16 --grid 1x2 --image 35x32 --steps 2 "
         "--groups per-layer --bind 127.0.0.1 --timeout 60 --threads 1"
     )
     done = subprocess.run(

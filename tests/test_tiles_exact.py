@@ -4,7 +4,13 @@ weight gradient and the weights and batch-norm statistics after two SGD steps.
 One process group per grid (spawning costs seconds), many configurations inside it: YOLOv2-16
 with one group, per-layer groups and mixed groups, and a zoo network with a strided convolution,
 dilation, overlapping max pooling with padding, average pooling, batch norm without affine and
-with cumulative momentum, and a batch norm in a layer of its own.
+with cumulative momentum, a batch norm in a layer of its own and a 1x1 convolution with stride 2
+(which skips every other row).
+
+Image sizes are the ones torch floors: YOLOv2-16 at 67 and 97 px (its 2x2/2 poolings drop a row
+or column of odd maps, which batch norm still counts) and, at an eighth of its width so that the
+suite stays fast, at 200 px (the fourth pooling drops row 24 of 25) and 130 px, on grids whose
+tiles are uneven (3x2 and 2x3).
 
 float64 must agree within 1e-10. float32 must agree within 1e-4 on these inputs; in general a
 float32 run can legitimately split from another where an activation lies within rounding of a
@@ -13,6 +19,8 @@ LeakyReLU kink or a max-pool tie (the two runs then pick different subgradients)
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -23,12 +31,14 @@ from edgetrain.distributed.launch import run_local
 from edgetrain.distributed.tiling import Grid, parse_groups
 from edgetrain.distributed.worker import TileJob
 from edgetrain.models import build
+from edgetrain.models.yolov2 import YOLOV2_16, conv_bn_leaky
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 
 
 def zoo() -> nn.Sequential:
-    """Every window and normalisation tiling supports, 64 px in, 8 px out."""
+    """Every window and normalisation tiling supports, 64 px in, 4 px out (59 px: the average
+    pooling drops the last row and column of a 15-pixel map)."""
     return nn.Sequential(
         nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
         nn.Sequential(
@@ -43,23 +53,41 @@ def zoo() -> nn.Sequential:
         nn.AvgPool2d(2),
         nn.Sequential(nn.Conv2d(12, 6, 1), nn.Tanh()),
         nn.Sequential(nn.BatchNorm2d(6), nn.Hardswish()),
+        nn.Sequential(nn.Conv2d(6, 4, 1, stride=2), nn.BatchNorm2d(4), nn.ReLU()),
     )
+
+
+def narrow() -> nn.Sequential:
+    """YOLOv2-16's sixteen layers at an eighth of its width: its geometry, cheap at 200 px."""
+    layers: dict[str, nn.Module] = {}
+    channels = 3
+    for index, (kind, filters, size) in enumerate(YOLOV2_16):
+        if kind == "conv":
+            layers[f"conv{index}"] = conv_bn_leaky(channels, filters // 8, size)
+            channels = filters // 8
+        else:
+            layers[f"max{index}"] = nn.MaxPool2d(size, stride=size)
+    return nn.Sequential(OrderedDict(layers))
 
 
 def _model(name: str) -> nn.Sequential:
     torch.manual_seed(7)
-    return zoo() if name == "zoo" else build(name)
+    return {"zoo": zoo, "narrow": narrow}.get(name, lambda: build(name))()
 
 
 # (model, image, batch, groups, dtype) per grid; image sizes give uneven tiles where they can:
-# yolov2-16 at 48 px ends at 3x3 (1x2 grid: 1 + 2), at 64 px at 4x4 (3x3 grid: 1 + 1 + 2).
-CASES: dict[str, list[tuple[str, int, int, str, str]]] = {
+# yolov2-16 at 48 px ends at 3x3 (1x2 grid: 1 + 2), at 64 px at 4x4 (3 rows: 1 + 1 + 2), at 67 px
+# at 4x4 (67 -> 33 -> 16: two poolings drop a row), at 97 px at 6x6 (97 -> 48: one drop), at
+# 130 px at 8x8 (65 -> 32), at 200 px at 12x12 (25 -> 12, the case users hit first).
+CASES: dict[str, list[tuple[str, int | tuple[int, int], int, str, str]]] = {
     "1x2": [
         ("yolov2-16", 48, 2, "1", "float64"),
         ("yolov2-16", 48, 2, "per-layer", "float64"),
         ("yolov2-16", 48, 2, "0-3,4-7,8-15", "float64"),
         ("yolov2-16", 48, 2, "0-3,4-7,8-15", "float32"),
-        ("zoo", 64, 2, "0-1,2-4,5-6", "float64"),
+        ("zoo", 64, 2, "0-1,2-4,5-7", "float64"),
+        ("yolov2-16", 67, 3, "per-layer", "float64"),
+        ("narrow", 200, 1, "0-3,4-7,8-15", "float64"),
     ],
     "2x2": [
         ("yolov2-16", 64, 1, "1", "float64"),
@@ -67,23 +95,33 @@ CASES: dict[str, list[tuple[str, int, int, str, str]]] = {
         ("yolov2-16", 64, 1, "0-1,2-6,7,8-15", "float64"),
         ("yolov2-16", 64, 1, "per-layer", "float32"),
         ("zoo", 64, 2, "per-layer", "float64"),
+        ("yolov2-16", 97, 1, "1", "float64"),
+        ("narrow", 130, 2, "per-layer", "float64"),
+        ("zoo", 59, 1, "0-2,3-7", "float64"),
+        ("yolov2-16", (37, 50), 2, "0-3,4-7,8-15", "float64"),
     ],
-    "3x3": [
+    "3x2": [
         ("yolov2-16", 64, 1, "1", "float64"),
-        ("yolov2-16", 64, 1, "per-layer", "float64"),
         ("yolov2-16", 64, 1, "0-5,6-11,12-15", "float64"),
-        ("yolov2-16", 64, 1, "0-5,6-11,12-15", "float32"),
-        ("zoo", 64, 1, "0-2,3,4-6", "float64"),
+        ("zoo", 64, 1, "0-2,3,4-7", "float64"),
+        ("yolov2-16", 67, 1, "0-1,2-6,7,8-15", "float64"),
+        ("narrow", 200, 1, "per-layer", "float64"),
+    ],
+    "2x3": [
+        ("zoo", 59, 2, "1", "float64"),
+        ("yolov2-16", 97, 2, "0-5,6-11,12-15", "float64"),
+        ("narrow", 130, 1, "1", "float64"),
+        ("narrow", 200, 1, "1", "float64"),
     ],
 }
 
 
-def _job(grid: str, case: tuple[str, int, int, str, str]) -> TileJob:
+def _job(grid: str, case: tuple[str, int | tuple[int, int], int, str, str]) -> TileJob:
     model, image, batch, groups, dtype = case
     net = _model(model)
     return TileJob(
         net,
-        (image, image),
+        image if isinstance(image, tuple) else (image, image),
         batch,
         Grid(*map(int, grid.split("x"))),
         parse_groups(groups, len(net)),
@@ -108,10 +146,16 @@ def _runs(grid: str):
 PARAMS = [(grid, i) for grid in CASES for i in range(len(CASES[grid]))]
 
 
+def _name(grid: str, case: tuple[str, int | tuple[int, int], int, str, str]) -> str:
+    model, image, batch, groups, dtype = case
+    size = "x".join(map(str, image)) if isinstance(image, tuple) else str(image)
+    return f"{grid}-{model}-{size}px-b{batch}-{groups}-{dtype}"
+
+
 @pytest.mark.parametrize(
     "grid, index",
     PARAMS,
-    ids=[f"{g}-{CASES[g][i][0]}-{CASES[g][i][3]}-{CASES[g][i][4]}" for g, i in PARAMS],
+    ids=[_name(g, CASES[g][i]) for g, i in PARAMS],
 )
 def test_tiled_training_equals_one_process(grid, index):
     jobs, results = _runs(grid)

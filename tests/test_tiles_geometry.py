@@ -16,6 +16,7 @@ from edgetrain.distributed.tiling import (
     parse_grid,
     parse_groups,
     plan,
+    smallest_image,
     split,
 )
 from edgetrain.errors import InvalidInput
@@ -100,19 +101,54 @@ def test_more_tiles_than_output_pixels_is_an_error_naming_the_fix():
         plan(net, Grid(5, 1), ((0, 2),))
 
 
-def test_a_stride_that_skips_pixels_is_an_error():
-    with pytest.raises(InvalidInput, match="skips input pixels"):
-        Network((conv(k=1, s=2, p=0),), 4, 8, 8)
+def test_a_too_small_image_is_an_error_naming_the_smallest_that_works():
+    # three 2x2/2 poolings need 8 pixels; 7 rows leave the third pooling with one
+    with pytest.raises(
+        InvalidInput, match=r"layer 2 \(pool, pool 2x2/2\) gets 1 rows; .* 8 pixels"
+    ):
+        Network((pool(), pool(), pool()), 4, 7, 9)
+    assert Network((pool(), pool(), pool()), 4, 8, 8).sizes[-1] == (1, 1)
+    # padding lowers it: a 3x3 convolution without padding needs 3 pixels, with padding 1
+    assert smallest_image((conv(p=0), pool()), "rows") == 4
+    assert smallest_image((conv(p=1), pool()), "rows") == 2
 
 
-def test_an_image_that_pooling_does_not_divide_is_an_error_with_the_multiple():
-    with pytest.raises(InvalidInput, match="multiple of 4"):
-        Network((conv(), pool(), conv(), pool()), 4, 18, 18)
+def test_a_pooling_that_drops_the_last_row_leaves_it_to_the_last_tile_which_computes_it():
+    # 18 -> conv -> 18 -> pool -> 9 -> conv -> 9 -> pool -> 4: the second pooling drops row 8 of
+    # its 9-row input. With one group on two grid rows, the tiles are rows 0-1 and 2-3; rank 1's
+    # pooling reads rows 4-7 of conv2's output, but rank 1 owns rows 4-8 and computes row 8 too,
+    # because batch norm there counts it (as the untiled model does).
+    net = Network((conv(), pool(), conv(), pool()), 4, 18, 18)
+    group = plan(net, Grid(2, 1), ((0, 3),)).groups[0]
+    assert group.tile(1) == Region(2, 4, 0, 4)
+    assert group.needed(3, 1) == Region(4, 8, 0, 8)  # the columns drop their last one too
+    assert group.owned(3, 1) == Region(4, 9, 0, 9)
+    assert group.computed(3, 1) == Region(4, 9, 0, 9)
+    # so conv2 on rank 1 reads pool1's rows 3-8 and pads one row below the image
+    assert group.needed(2, 1) == Region(3, 9, 0, 9)
+    assert group.pads(2, 1) == (1, 1, 0, 1)
+    # rank 0's rows are exactly what it needs: nothing is dropped inside the map
+    assert group.needed(3, 0) == Region(0, 4, 0, 8)
+    assert group.computed(3, 0) == Region(0, 4, 0, 9)
 
 
-def test_a_too_small_image_is_an_error():
-    with pytest.raises(InvalidInput, match="too small"):
-        Network((pool(), pool(), pool()), 4, 4, 4)
+def test_dropped_rows_at_a_group_boundary_stay_with_their_owner_and_are_never_sent():
+    net = Network((conv(), pool(), conv(), pool()), 4, 18, 18)
+    second = plan(net, Grid(2, 1), ((0, 2), (3, 3))).groups[1]
+    assert second.owned(0, 1) == Region(4, 9, 0, 9)  # rank 1's tile of conv2 holds row 8
+    assert second.input(1) == Region(4, 8, 0, 8)  # which nobody reads
+    assert second.transfers() == ()
+
+
+def test_a_stride_that_skips_pixels_leaves_them_to_their_owner():
+    # a 1x1 convolution with stride 2 reads rows 0, 2, 4, 6 of 8; rank 0 owns rows 0-3 of its
+    # input, needs 0-2, and computes row 3 only because batch norm counts it
+    net = Network((conv(), conv(k=1, s=2, p=0)), 4, 8, 8)
+    group = plan(net, Grid(2, 1), ((0, 1),)).groups[0]
+    assert group.needed(1, 0) == Region(0, 3, 0, 7)
+    assert group.computed(1, 0) == Region(0, 4, 0, 8)
+    assert group.needed(1, 1) == Region(4, 7, 0, 7)
+    assert group.computed(1, 1) == Region(4, 8, 0, 8)
 
 
 # --- hand-derived halos ------------------------------------------------------------------------
@@ -181,7 +217,7 @@ def networks(draw):
             layers.append(conv(k, s, p, d))
         elif kind == "pool":
             k = draw(st.integers(2, 3))
-            layers.append(pool(k, draw(st.integers(1, k)), draw(st.integers(0, k // 2))))
+            layers.append(pool(k, draw(st.integers(1, k + 1)), draw(st.integers(0, k // 2))))
         else:
             layers.append(Layer("act", "pointwise", 4, 4))
     size = draw(st.integers(4, 40))
@@ -221,7 +257,7 @@ def test_owned_regions_partition_every_map_and_lie_inside_what_the_rank_computes
             h, w = net.sizes[group.first + level]
             owned = [group.owned(level, r) for r in range(grid.size)]
             assert _covers_exactly(owned, Region(0, h, 0, w))
-            if level > 0 or group.first == 0:
+            if level > 0:  # the group input is read or received, not computed
                 for r in range(grid.size):
                     assert group.computed(level, r).contains(owned[r])
 
@@ -260,18 +296,26 @@ def _dependencies(windows: list[Window], size: int, outputs: range) -> set[int]:
 
 @settings(max_examples=150, deadline=None)
 @given(networks())
-def test_the_traced_region_holds_every_pixel_the_tile_depends_on(case):
+def test_the_traced_region_holds_every_pixel_the_rank_computes_from(case):
+    """A rank reads what its tile depends on, and what the pixels it owns inside the group depend
+    on (batch norm counts those, even rows no window reads): exactly that, without holes."""
     net, grid, grouping = case
     tiles = plan(net, grid, grouping)
     for group in tiles.groups:
         windows = [net.layers[i].rows for i in group.layers]
         size = net.sizes[group.first][0]
         for rank in range(grid.size):
-            tile, need = group.tile(rank), group.input(rank)
-            deps = _dependencies(windows, size, range(tile.top, tile.bottom))
+            need = group.input(rank)
+            deps: set[int] = set()
+            for level in range(1, len(windows) + 1):
+                own = group.owned(level, rank)
+                deps |= _dependencies(windows[:level], size, range(own.top, own.bottom))
+            tile = group.tile(rank)
+            assert deps >= _dependencies(windows, size, range(tile.top, tile.bottom))
             assert all(need.top <= i < need.bottom for i in deps)
-            if deps and all(w.dilation == 1 for w in windows):
-                # without holes in the windows, the traced span is exactly the dependency hull
+            if deps and all(w.dilation == 1 and w.padding < w.extent for w in windows):
+                # without holes in the windows (nor windows of padding alone), the traced span
+                # is exactly the dependency hull
                 assert (need.top, need.bottom) == (min(deps), max(deps) + 1)
 
 
@@ -285,7 +329,7 @@ def test_padding_appears_only_where_the_region_touches_the_image_border(case):
             h, w = net.sizes[group.first + step]
             for rank in range(grid.size):
                 left, right, top, bottom = group.pads(step, rank)
-                region = group.computed(step, rank)
+                region = group.needed(step, rank)
                 assert top == 0 or region.top == 0
                 assert bottom == 0 or region.bottom == h
                 assert left == 0 or region.left == 0
@@ -303,3 +347,46 @@ def test_tiles_of_every_group_output_partition_it_and_the_last_row_takes_the_res
         assert _covers_exactly(regions, Region(0, h, 0, w))
         assert regions[0].height == h // grid.rows and regions[0].width == w // grid.cols
         assert regions[-1].height == h - (grid.rows - 1) * (h // grid.rows)
+
+
+@settings(max_examples=150, deadline=None)
+@given(networks())
+def test_each_window_reads_exactly_what_yields_the_region_its_rank_computes(case):
+    """The needed region, padded, run through the layer's window without its own padding, gives
+    the next level's computed region, pixel for pixel, and lies inside what the rank holds."""
+    net, grid, grouping = case
+    tiles = plan(net, grid, grouping)
+    for group in tiles.groups:
+        for step, index in enumerate(group.layers):
+            layer = net.layers[index]
+            for rank in range(grid.size):
+                read, out = group.needed(step, rank), group.computed(step + 1, rank)
+                left, right, top, bottom = group.pads(step, rank)
+                assert group.computed(step, rank).contains(read)
+                for window, (a, b), before, after, (c, d) in (
+                    (layer.rows, (read.top, read.bottom), top, bottom, (out.top, out.bottom)),
+                    (layer.cols, (read.left, read.right), left, right, (out.left, out.right)),
+                ):
+                    assert a - before == c * window.stride - window.padding
+                    unpadded = Window(window.kernel, window.stride, 0, window.dilation)
+                    assert unpadded.output_size(b - a + before + after) == d - c
+
+
+@settings(max_examples=150, deadline=None)
+@given(networks())
+def test_every_pixel_of_every_inner_map_is_computed_by_its_owner(case):
+    """What batch norm needs: the owners of a map cover all of it (rows that feed nothing, which
+    floor division drops or a stride skips, included), each inside what the owner computes."""
+    net, grid, grouping = case
+    tiles = plan(net, grid, grouping)
+    for group in tiles.groups:
+        for level in range(1, group.last - group.first + 2):
+            h, w = net.sizes[group.first + level]
+            covered = set()
+            for rank in range(grid.size):
+                own = group.owned(level, rank)
+                assert group.computed(level, rank).contains(own)
+                covered |= {
+                    (y, x) for y in range(own.top, own.bottom) for x in range(own.left, own.right)
+                }
+            assert covered == {(y, x) for y in range(h) for x in range(w)}

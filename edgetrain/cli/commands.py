@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-COMMAND_MODULES = ("memory", "plan", "train", "figure", "revolve", "demo", "tiles")
+COMMAND_MODULES = ("memory", "plan", "train", "figure", "revolve", "demo", "tiles", "models")
 
 for _name in COMMAND_MODULES:
     # Commands whose module is not part of this build are simply not offered; an import error

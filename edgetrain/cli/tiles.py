@@ -8,6 +8,7 @@ import click
 
 from edgetrain.cli.main import register
 from edgetrain.cli.output import console, emit_json, table
+from edgetrain.distributed.supported import CHAIN, TILE_MODELS
 from edgetrain.errors import InvalidInput
 from edgetrain.units import format_bytes
 
@@ -21,9 +22,20 @@ def _positive(value: float, name: str) -> None:
 
 
 @click.command("tiles")
-@click.option("--model", default="yolov2-16", show_default=True, help="Model to train.")
+@click.option(
+    "--model",
+    default="yolov2-16",
+    show_default=True,
+    help=f"Model to train: {', '.join(TILE_MODELS)} (tiles need {CHAIN}).",
+)
 @click.option("--grid", "grid_text", default="2x2", show_default=True, help="Tiles: rows x cols.")
-@click.option("--image", type=int, default=416, show_default=True, help="Image size in pixels.")
+@click.option(
+    "--image",
+    "image_text",
+    default="416",
+    show_default=True,
+    help="Image size in pixels: 416, or height x width (480x640); any size the model accepts.",
+)
 @click.option("--batch", type=int, default=1, show_default=True, help="Images per step.")
 @click.option(
     "--groups",
@@ -50,7 +62,7 @@ def _positive(value: float, name: str) -> None:
 def tiles(
     model: str,
     grid_text: str,
-    image: int,
+    image_text: str,
     batch: int,
     groups: str,
     steps: int,
@@ -65,8 +77,9 @@ def tiles(
 ) -> None:
     """Train MODEL for a few steps with one local worker per tile (torch.distributed, gloo).
 
-    Prints per rank the peak tensor memory, the median step time and the bytes sent, and the
-    layer groups used. Across boards use torchrun (docs/tiles.md).
+    Trains the models --model lists, at any image size and batch they accept. Prints per rank the
+    peak tensor memory, the median step time and the bytes sent, and the layer groups used.
+    Across boards use torchrun (docs/tiles.md).
     """
     import torch
 
@@ -74,34 +87,34 @@ def tiles(
     from edgetrain.distributed.grouping import choose_grouping, plan_cost
     from edgetrain.distributed.launch import run_local
     from edgetrain.distributed.layers import describe
-    from edgetrain.distributed.tiling import format_grouping, parse_grid, plan
+    from edgetrain.distributed.supported import tile_model
+    from edgetrain.distributed.tiling import format_grouping, parse_grid, parse_image, plan
     from edgetrain.distributed.worker import TileJob
-    from edgetrain.models import build, canonical_name, check_image
+    from edgetrain.models import build
 
-    for value, name in ((image, "image"), (batch, "batch"), (steps, "steps")):
+    for value, name in ((batch, "batch"), (steps, "steps")):
         _positive(value, name)
     _positive(timeout, "timeout")
     _positive(threads, "threads")
+    image = parse_image(image_text)
     grid = parse_grid(grid_text)
-    name = canonical_name(model)
-    check_image(name, image, batch)
+    name = tile_model(model)
     torch.manual_seed(seed)
     network_model = build(name)
     element = 8 if dtype == "float64" else 4
-    net = describe(network_model, 3, image, image)
+    net = describe(network_model, 3, *image)
+    net.check_batch(batch)
     cluster = load(profile)
     grouping = choose_grouping(groups, net, grid, cluster, batch, element)
     tile_plan = plan(net, grid, grouping)
-    job = TileJob(
-        network_model, (image, image), batch, grid, grouping, steps, dtype, seed, collect=check
-    )
+    job = TileJob(network_model, image, batch, grid, grouping, steps, dtype, seed, collect=check)
     results = run_local([job], address=address, threads=threads, timeout=timeout)[0]
     predicted = [tile_plan.halo_bytes_sent(r, batch, element) for r in range(grid.size)]
     cost = plan_cost(tile_plan, cluster, batch, element)
     doc: dict[str, Any] = {
         "model": name,
         "grid": str(grid),
-        "image": image,
+        "image": list(image),
         "batch": batch,
         "dtype": dtype,
         "steps": steps,
@@ -168,7 +181,8 @@ def _print(doc: dict[str, Any]) -> None:
             caption += f"\n{doc['hint']}"
     console.print(
         table(
-            f"{doc['model']} on a {doc['grid']} grid, image {doc['image']}, batch {doc['batch']}, "
+            f"{doc['model']} on a {doc['grid']} grid, image {'x'.join(map(str, doc['image']))}, "
+            f"batch {doc['batch']}, "
             f"{doc['dtype']}, {doc['steps']} steps",
             (
                 "rank",

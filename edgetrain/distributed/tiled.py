@@ -4,10 +4,13 @@ Per group: the halo exchange assembles the region the rank needs of the group in
 group reads it straight from the data), then each layer runs on the local region with its
 padding applied only where the region touches the true image border (zeros for convolutions and
 average pooling, -inf for max pooling, as torch pads them; the exchange writes the first layer's
-padding as it assembles) and the layer's own padding set to zero. Batch norm uses the statistics
-of the whole map (:mod:`edgetrain.distributed.batchnorm`). The result is the rank's tile of the
-last layer's output. Autograd records all of it, halo exchanges included, so one ``backward()``
-runs the groups in reverse with gradient halos.
+padding as it assembles) and the layer's own padding set to zero. A rank may also hold rows its
+next window does not read (rows a floor-mode window drops at the end of a map, or rows a stride
+skips): it computes them because it owns them and batch norm counts them, and crops them off
+before the window. Batch norm uses the statistics of the whole map
+(:mod:`edgetrain.distributed.batchnorm`). The result is the rank's tile of the last layer's
+output. Autograd records all of it, halo exchanges included, so one ``backward()`` runs the
+groups in reverse with gradient halos.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class TiledNetwork:
     ) -> torch.Tensor:
         ops = self.ops[layer]
         if ops.window is not None:
+            held, read = group.computed(step, self.rank), group.needed(step, self.rank)
+            if read != held:  # rows it computed only for batch norm, which feed no window
+                x = x[region_slices(read.relative_to(held))]
             pads = group.pads(step, self.rank)
             if any(pads) and not padded:  # a halo exchange pads while it assembles
                 x = functional.pad(x, pads, value=self._fill(layer))

@@ -13,6 +13,10 @@ the same region back (*gradient halo*).
 Everything is separable: the rows of a region depend only on the rows of the tile, the columns
 only on its columns. So the plan is computed per axis and regions are products of spans.
 
+Windows floor their output size as torch does, so any image the untiled model accepts tiles:
+rows that no window reads (dropped at the end of a map, or skipped by a large stride) still
+belong to a rank, which computes them because batch norm counts them (see :class:`GroupPlan`).
+
 All spans are half-open ``(start, stop)`` pixel ranges; sizes are pixels unless a name says bytes.
 """
 
@@ -22,7 +26,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from math import prod
 
 from edgetrain.errors import InvalidInput
 
@@ -117,10 +120,18 @@ class Network:
             out.append((layer.rows.output_size(h), layer.cols.output_size(w)))
         return tuple(out)
 
-    @property
-    def total_stride(self) -> tuple[int, int]:
-        """Product of the strides: the image size must be a multiple of this."""
-        return (prod(x.rows.stride for x in self.layers), prod(x.cols.stride for x in self.layers))
+    def check_batch(self, batch: int) -> None:
+        """Raise InvalidInput unless ``batch`` images train: at least one, and every batch norm
+        in train mode sees more than one value per channel (torch refuses a single one too)."""
+        if batch < 1:
+            raise InvalidInput(f"batch {batch} is empty; use at least 1 image")
+        for index, layer in enumerate(self.layers):
+            h, w = self.sizes[index + 1]
+            if layer.batchnorm and batch * h * w == 1:
+                raise InvalidInput(
+                    f"layer {index} ({layer.name}) normalises a 1x1 map of one image, a single "
+                    "value per channel, which batch norm cannot; use a batch of 2 or a larger image"
+                )
 
     def macs(self, first: int = 0, last: int | None = None) -> int:
         """Multiply-accumulates of layers ``first..last`` (inclusive) for one image, untiled."""
@@ -137,37 +148,45 @@ class Network:
 
 
 def _check_windows(net: Network) -> None:
-    """Raise InvalidInput for a layer whose windows tiles cannot reproduce exactly.
+    """Raise InvalidInput for a window torch itself would refuse on this image.
 
-    Two conditions per axis keep every pixel of every feature map owned by exactly one rank that
-    computes it: consecutive windows leave no gap (``extent - padding >= stride``), and the last
-    window reaches the last input pixel (no rows or columns dropped by floor division).
+    Tiles reproduce every window torch accepts, with torch's floor division: a window that drops
+    the last rows of its input, or a stride that skips pixels between windows, leaves pixels that
+    feed nothing downstream. Their owner still computes them (batch norm counts them), and their
+    gradient is zero, as in the untiled model. What is left to refuse is a map with no pixels.
     """
-    h, w = net.height, net.width
-    sh, sw = net.total_stride
+
+    def label(index: int, layer: Layer) -> str:
+        return f"layer {index} ({layer.name}, {layer.describe()})"
+
     for index, layer in enumerate(net.layers):
-        label = f"layer {index} ({layer.name}, {layer.describe()})"
-        for axis, size, window in (("rows", h, layer.rows), ("columns", w, layer.cols)):
+        for window in (layer.rows, layer.cols):
             if min(window.kernel, window.stride, window.dilation) < 1 or window.padding < 0:
-                raise InvalidInput(f"{label} has a non-positive kernel, stride or dilation")
-            if window.extent - window.padding < window.stride:
                 raise InvalidInput(
-                    f"{label} skips input pixels (stride {window.stride} > kernel extent "
-                    f"{window.extent} - padding {window.padding}), so tiles cannot cover it; "
-                    "tile only layers whose kernel covers their stride"
+                    f"{label(index, layer)} has a non-positive kernel, stride or dilation, or a "
+                    "negative padding; fix the model"
                 )
-            out = window.output_size(size)
-            if out < 1:
+    h, w = net.height, net.width
+    for index, layer in enumerate(net.layers):
+        for axis, size, window in (("rows", h, layer.rows), ("columns", w, layer.cols)):
+            if window.output_size(size) < 1:
+                smallest = smallest_image(net.layers, "rows" if axis == "rows" else "cols")
                 raise InvalidInput(
-                    f"image {net.height}x{net.width} is too small: {label} gets {size} {axis}; "
-                    f"use an image of at least {max(sh, sw)} pixels"
-                )
-            if (out - 1) * window.stride - window.padding + window.extent < size:
-                raise InvalidInput(
-                    f"{label} drops the last {axis} of its {size}-pixel input, which tiles cannot "
-                    f"reproduce; use an image size that is a multiple of {max(sh, sw)}"
+                    f"image {net.height}x{net.width} is too small: {label(index, layer)} gets "
+                    f"{size} {axis}; use an image of at least {smallest} pixels"
                 )
         h, w = layer.rows.output_size(h), layer.cols.output_size(w)
+
+
+def smallest_image(layers: Sequence[Layer], axis: str = "rows") -> int:
+    """The fewest input pixels along ``axis`` (``"rows"`` or ``"cols"``) that leave every layer's
+    output at least one pixel: traced back from one output pixel, as ``m`` outputs need
+    ``(m - 1) * stride + extent - 2 * padding`` inputs."""
+    pixels = 1
+    for layer in reversed(layers):
+        window = layer.rows if axis == "rows" else layer.cols
+        pixels = max(1, (pixels - 1) * window.stride + window.extent - 2 * window.padding)
+    return pixels
 
 
 @dataclass(frozen=True)
@@ -261,6 +280,23 @@ def parse_grid(text: str) -> Grid:
     return Grid(int(match.group(1)), int(match.group(2)))
 
 
+_IMAGE = re.compile(r"^\s*(\d+)\s*(?:[xX×*]\s*(\d+)\s*)?$")
+
+
+def parse_image(text: str) -> tuple[int, int]:
+    """``"416"`` → ``(416, 416)``; ``"480x640"`` → ``(480, 640)`` (height × width, pixels)."""
+    match = _IMAGE.match(text)
+    if match is None:
+        raise InvalidInput(
+            f"cannot read image size {text!r}; write one number (416) or height x width (480x640)"
+        )
+    height = int(match.group(1))
+    width = int(match.group(2)) if match.group(2) is not None else height
+    if height < 1 or width < 1:
+        raise InvalidInput(f"image {height}x{width} is empty; use a positive size, e.g. 416")
+    return height, width
+
+
 def split(size: int, parts: int) -> tuple[Span, ...]:
     """Cut ``size`` pixels into ``parts`` spans of ``size // parts``; the last takes the rest."""
     step = size // parts
@@ -273,9 +309,9 @@ def _map_spans(spans: tuple[Span, ...], stride: int, size: int) -> tuple[Span, .
     """Carry a partition of a layer's output back to its input of ``size`` pixels.
 
     Each boundary ``b`` becomes ``b * stride`` (at most ``size``); the last span runs to the end
-    of the input. With the conditions of :func:`_check_windows` each mapped span lies inside the
-    region the rank computes, so the ranks own every input pixel exactly once. A span may be
-    empty where padding makes a layer's output larger than its input.
+    of the input, so the ranks own every input pixel exactly once, the rows a floor-mode window
+    drops at the end included. A span may be empty where padding makes a layer's output larger
+    than its input.
     """
     starts = [min(s * stride, size) for s, _ in spans] + [size]
     return tuple((starts[i], starts[i + 1]) for i in range(len(spans)))
@@ -349,13 +385,23 @@ class GroupPlan:
     output of the group's ``j``-th layer (layer ``first + j``). Per axis and grid row (or
     column):
 
-    * ``computed_*[k][i]``: the span a rank in grid row ``i`` holds at level ``k`` (at ``k = 0``
-      the region it needs of the group input, clipped to the image; at ``k = n`` its tile);
+    * ``needed_*[j][i]``: the span of level ``j`` that layer ``j``'s windows read to produce
+      ``computed_*[j + 1][i]``, clipped to the map;
+    * ``computed_*[k][i]``: the span a rank in grid row ``i`` holds at level ``k``. At ``k = 0``
+      it is ``needed`` (the region it needs of the group input); at ``k = n`` its tile; in
+      between the smallest span holding both what the next layer needs and what the rank owns;
     * ``owned_*[k][i]``: a partition of level ``k`` among the grid rows. At ``k = 0`` of a group
-      after the first it is the previous group's tiles (what each rank holds); elsewhere it lies
-      inside ``computed`` and says which rank counts a pixel in batch-norm statistics;
+      after the first it is the previous group's tiles (what each rank holds); at ``k > 0`` it
+      lies inside ``computed`` and says which rank counts a pixel in batch-norm statistics (at
+      ``k = 0`` of the first group it partitions the image, which nothing normalises);
     * ``pads_*[j][i]``: the zero padding ``(before, after)`` layer ``j`` needs; non-zero only
       where the region touches the true image border.
+
+    A floor-mode window drops the input rows after its last window (an odd map into a 2x2/2
+    pooling), and a stride larger than a window skips rows between windows. Those rows feed
+    nothing, yet the untiled model computes them and batch norm counts them, so their owner
+    (the last grid row for dropped rows) computes them too: that is why ``computed`` may be
+    larger than ``needed``, and why a rank crops to ``needed`` before the window.
     """
 
     first: int
@@ -367,6 +413,8 @@ class GroupPlan:
     owned_cols: tuple[tuple[Span, ...], ...]
     pads_rows: tuple[tuple[Span, ...], ...]
     pads_cols: tuple[tuple[Span, ...], ...]
+    needed_rows: tuple[tuple[Span, ...], ...]
+    needed_cols: tuple[tuple[Span, ...], ...]
 
     @property
     def layers(self) -> range:
@@ -382,6 +430,12 @@ class GroupPlan:
         """The region of ``level`` that ``rank`` owns (a partition over ranks)."""
         i, j = self.grid.position(rank)
         return Region.of(self.owned_rows[level][i], self.owned_cols[level][j])
+
+    def needed(self, step: int, rank: int) -> Region:
+        """The region of level ``step`` the group's ``step``-th layer reads on ``rank`` (clipped;
+        :meth:`pads` adds what lies beyond the image)."""
+        i, j = self.grid.position(rank)
+        return Region.of(self.needed_rows[step][i], self.needed_cols[step][j])
 
     def tile(self, rank: int) -> Region:
         """``rank``'s tile of the group output."""
@@ -437,37 +491,53 @@ def plan_group(net: Network, grid: Grid, first: int, last: int) -> GroupPlan:
         )
     windows = net.layers[first : last + 1]
     rows = _plan_axis(
-        [x.rows for x in windows], [s[0] for s in sizes], split(out_h, grid.rows), first, net
+        [x.rows for x in windows], [s[0] for s in sizes], split(out_h, grid.rows), first
     )
     cols = _plan_axis(
-        [x.cols for x in windows], [s[1] for s in sizes], split(out_w, grid.cols), first, net
+        [x.cols for x in windows], [s[1] for s in sizes], split(out_w, grid.cols), first
     )
-    return GroupPlan(first, last, grid, rows[0], cols[0], rows[1], cols[1], rows[2], cols[2])
+    return GroupPlan(
+        first, last, grid, rows[0], cols[0], rows[1], cols[1], rows[2], cols[2], rows[3], cols[3]
+    )
+
+
+def _hull(need: Span, own: Span) -> Span:
+    """The smallest span holding ``need`` and ``own`` (an empty span adds nothing)."""
+    if own[0] >= own[1]:
+        return need
+    if need[0] >= need[1]:
+        return own
+    return (min(need[0], own[0]), max(need[1], own[1]))
 
 
 def _plan_axis(
-    windows: list[Window], sizes: list[int], tiles: tuple[Span, ...], first: int, net: Network
+    windows: list[Window], sizes: list[int], tiles: tuple[Span, ...], first: int
 ) -> tuple[tuple[tuple[Span, ...], ...], ...]:
-    """Per axis: (computed spans, owned spans, pads) at every level of one group."""
+    """Per axis: (computed spans, owned spans, pads, needed spans) at every level of one group."""
     n = len(windows)
     computed: list[tuple[Span, ...]] = [()] * (n + 1)
     owned: list[tuple[Span, ...]] = [()] * (n + 1)
     pads: list[tuple[Span, ...]] = [()] * n
+    needed: list[tuple[Span, ...]] = [()] * n
     computed[n] = owned[n] = tiles
     for j in reversed(range(n)):
         window, size = windows[j], sizes[j]
         need = [window.needed(span) for span in computed[j + 1]]
-        computed[j] = tuple((max(a, 0), min(b, size)) for a, b in need)
+        needed[j] = tuple((max(a, 0), min(b, size)) for a, b in need)
         pads[j] = tuple((max(0, -a), max(0, b - size)) for a, b in need)
         owned[j] = _map_spans(owned[j + 1], window.stride, size)
+        if j == 0:
+            computed[j] = needed[j]  # the group input is read or received, never computed here
+        else:
+            computed[j] = tuple(_hull(a, b) for a, b in zip(needed[j], owned[j], strict=True))
     if first > 0:
         # The group input is the previous group's output: each rank owns its tile of it.
         owned[0] = split(sizes[0], len(tiles))
-    for k in range(1 if first > 0 else 0, n + 1):
+    for k in range(1, n + 1):
         for own, held in zip(owned[k], computed[k], strict=True):
             if own[0] < own[1] and not (held[0] <= own[0] and own[1] <= held[1]):
                 raise AssertionError(f"owned span {own} outside computed {held} (a bug)")
-    return tuple(computed), tuple(owned), tuple(pads)
+    return tuple(computed), tuple(owned), tuple(pads), tuple(needed)
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,11 @@ class TileJob:
         return first.in_channels
 
     def network(self) -> Network:
-        return describe(self.model, self.channels, *self.image)
+        """The model's geometry on this job's images; InvalidInput if they or the batch do not
+        fit it (the same sizes and batches the untiled model accepts)."""
+        net = describe(self.model, self.channels, *self.image)
+        net.check_batch(self.batch)
+        return net
 
     def plan(self) -> TilePlan:
         return plan(self.network(), self.grid, self.grouping)
@@ -354,14 +358,15 @@ def main(argv: list[str] | None = None) -> int:
     """
     from edgetrain.devices import load
     from edgetrain.distributed.grouping import choose_grouping
-    from edgetrain.distributed.tiling import format_grouping, parse_grid
+    from edgetrain.distributed.supported import TILE_MODELS, tile_model
+    from edgetrain.distributed.tiling import format_grouping, parse_grid, parse_image
     from edgetrain.errors import EdgetrainError
     from edgetrain.models import build
 
     parser = argparse.ArgumentParser(prog="python -m edgetrain.distributed.worker")
-    parser.add_argument("--model", default="yolov2-16")
+    parser.add_argument("--model", default="yolov2-16", help=f"one of {', '.join(TILE_MODELS)}")
     parser.add_argument("--grid", default="2x2")
-    parser.add_argument("--image", type=int, default=416)
+    parser.add_argument("--image", default="416", help="416, or height x width (480x640)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--groups", default="auto")
     parser.add_argument("--profile", default="pi3-ethernet")
@@ -375,23 +380,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
-        comm, store = Comm.from_torchrun(args.bind, args.timeout)
+        image = parse_image(args.image)
         grid = parse_grid(args.grid)
+        name = tile_model(args.model)
+        comm, store = Comm.from_torchrun(args.bind, args.timeout)
         if grid.size != comm.size:
             raise EdgetrainError(
                 f"grid {grid} needs {grid.size} ranks but torchrun started {comm.size}; "
                 "make --nnodes x --nproc-per-node equal rows x columns"
             )
         torch.manual_seed(args.seed)
-        model = build(args.model)
+        model = build(name)
         for tensor in model.state_dict().values():  # every board starts from rank 0's weights
             comm.broadcast_(tensor)
-        net = describe(model, 3, args.image, args.image)
+        net = describe(model, 3, *image)
+        net.check_batch(args.batch)
         element = torch.finfo(DTYPES[args.dtype]).bits // 8
         grouping = choose_grouping(args.groups, net, grid, load(args.profile), args.batch, element)
         job = TileJob(
             model,
-            (args.image, args.image),
+            image,
             args.batch,
             grid,
             grouping,

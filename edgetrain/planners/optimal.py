@@ -2,20 +2,27 @@
 
 Beaumont, Eyraud-Dubois, Herrmann, Joly, Shilova (2019), "Optimal checkpointing for heterogeneous
 chains: how to train deep neural networks with limited memory". For every sub-chain ``s..t``, every
-memory size ``m`` (in slots of ``slot_bytes``), and whether the sub-chain owns its input ``a[s]``
-(*unpinned*: it may drop it) or the input is held by an enclosing graph (*pinned*), the table holds
-the least time to backpropagate through ``s..t`` given ``a[s]`` and the gradient of ``a[t+1]``,
-within ``m``. The two ways to start:
+memory size ``m`` (in slots of ``slot_bytes``), and whether ``a[s]``'s storage is also held outside
+the sub-chain (*pinned*: the graph of stage ``s-1`` saved it as its output) or only by our
+reference (*unpinned*), the table holds the least time to backpropagate through ``s..t`` given
+``a[s]`` and the gradient of ``a[t+1]``, within ``m``. The two ways to start:
 
-* **graph first**: ``Fa s``, then the sub-chain ``s+1..t`` (pinned: the graph holds ``a[s+1]``),
-  then ``B s``;
+* **graph first**: ``Fa s``, then the sub-chain ``s+1..t`` (pinned when stage ``s`` saves its
+  output), then ``B s``;
 * **checkpoint**: ``Fc s``, ``Fn s+1 .. j-1``, the sub-chain ``j..t`` (owning ``a[j]``), then the
   sub-chain ``s..j-1`` again from ``a[s]`` — for the best ``j``.
 
-Memory is counted exactly as :func:`edgetrain.schedule.simulate` counts it (shared storages once,
-transient peaks per operation, the output held by the caller after the loss), with every size
-rounded *up* to whole slots, so a plan that fits in the table fits in reality. The table is filled
-with numpy one sub-chain at a time, vectorised over memory sizes and split points.
+Memory is counted exactly as :func:`edgetrain.schedule.simulate` counts it (a graph holds what
+autograd saves: its input, its output or neither; shared storages once; transient peaks per
+operation; the output held by the caller after the loss; parameter gradients held from the backward
+that creates them to the end of the step), with every size rounded *up* to whole slots, so a plan
+that fits in the table fits in reality; :func:`optimal` also tries the table's plans for budgets
+a little above the one asked for, which rounding may have priced out, checking each with the
+simulator. The table is filled one span at a time, vectorised with
+numpy over every sub-chain of that span, every split point and every memory size.
+
+The work is about ``L**3 / 3 * slots`` operations, so long chains get fewer slots (never fewer than
+:data:`MIN_SLOTS`): the plan is then optimal at a coarser memory resolution, and still fits.
 """
 
 from __future__ import annotations
@@ -30,13 +37,18 @@ from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.schedule import Op, Schedule, simulate
 
 DEFAULT_SLOTS = 500
+MIN_SLOTS = 48
+WORK_LIMIT = 1.2e8
+"""Table cells times split points the planner fills at most (about a second of numpy)."""
 TABLE_LIMIT_BYTES = 2**30
-"""Largest table (time and choice arrays) the planner builds; longer chains get fewer slots."""
+"""Largest table (time and choice arrays) the planner builds."""
 
 
 def max_slots(length: int) -> int:
     """The most memory slots a table for a chain of ``length`` stages may have."""
-    return max(16, TABLE_LIMIT_BYTES // (2 * length * length * 12) - 1)
+    by_work = int(WORK_LIMIT / max(1.0, length**3 / 3))
+    by_size = TABLE_LIMIT_BYTES // (2 * length * length * 12) - 1
+    return max(1, min(max(MIN_SLOTS, by_work), by_size))
 
 
 @dataclass(frozen=True)
@@ -47,27 +59,35 @@ class _Sizes:
     grad: np.ndarray  # gradient of a[k]
     extra: np.ndarray  # saved_bytes of stage k
     saves_input: np.ndarray  # bool
+    saves_output: np.ndarray  # bool: the graph holds some of the output
+    pins_output: np.ndarray  # bool: the graph holds all of the output
     fwd_peak: np.ndarray  # forward without grad
     fwd_grad_peak: np.ndarray  # forward with grad
     bwd_peak: np.ndarray
+    held_grads: np.ndarray  # parameter gradients held once stages k..L-1 are done, k = 0..L
     fwd_time: np.ndarray
     bwd_time: np.ndarray
 
 
-def _sizes(chain: Chain, slot_bytes: float) -> _Sizes:
+def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool) -> _Sizes:
     def up(values: list[int]) -> np.ndarray:
         return np.array([math.ceil(v / slot_bytes) for v in values], dtype=np.int64)
 
     stages = chain.stages
     n = chain.length
+    created = up([0 if grads_exist else s.gradient_bytes for s in stages])
+    held = np.concatenate([np.cumsum(created[::-1])[::-1], [0]]).astype(np.int64)
     return _Sizes(
         act=up([0] + [s.output_bytes for s in stages]),
         grad=up([chain.gradient_of_activation_bytes(k) for k in range(n + 1)]),
         extra=up([s.saved_bytes for s in stages]),
         saves_input=np.array([s.saves_input for s in stages], dtype=bool),
+        saves_output=np.array([s.saves_output for s in stages], dtype=bool),
+        pins_output=np.array([s.saves_whole_output for s in stages], dtype=bool),
         fwd_peak=up([s.forward_peak_bytes for s in stages]),
         fwd_grad_peak=up([s.forward_grad_peak_bytes for s in stages]),
         bwd_peak=up([s.backward_peak_bytes for s in stages]),
+        held_grads=held,
         fwd_time=np.array([s.forward_seconds for s in stages], dtype=np.float64),
         bwd_time=np.array([s.backward_seconds for s in stages], dtype=np.float64),
     )
@@ -80,19 +100,22 @@ class OptimalTable:
     plan that achieves it. One table answers every budget up to ``slots`` slots.
     """
 
-    def __init__(self, chain: Chain, slot_bytes: float, slots: int) -> None:
+    def __init__(
+        self, chain: Chain, slot_bytes: float, slots: int, *, grads_exist: bool = False
+    ) -> None:
         if slot_bytes <= 0 or slots < 1:
             raise InvalidInput("the memory budget must be positive; give e.g. --memory 512MB")
-        if slots > max_slots(chain.length):
+        n = chain.length
+        if 2 * n * n * (slots + 1) * 12 > TABLE_LIMIT_BYTES:
             raise InvalidInput(
-                f"a table of {slots} slots for {chain.length} stages would exceed "
-                f"{TABLE_LIMIT_BYTES >> 20} MiB; use at most {max_slots(chain.length)} slots"
+                f"a table of {slots} slots for {n} stages would exceed "
+                f"{TABLE_LIMIT_BYTES >> 20} MiB; use at most {max_slots(n)} slots"
             )
         self.chain = chain
         self.slot_bytes = float(slot_bytes)
         self.slots = int(slots)
-        self._z = _sizes(chain, self.slot_bytes)
-        n = chain.length
+        self.grads_exist = grads_exist
+        self._z = _sizes(chain, self.slot_bytes, grads_exist)
         size = self.slots + 1
         # time[pin, s, t, m] and choice[pin, s, t, m]: -1 = graph first, j = checkpoint at j.
         self._time = np.full((2, n, n, size), np.inf)
@@ -104,52 +127,70 @@ class OptimalTable:
     def _fill(self) -> None:
         z = self._z
         n = self.chain.length
-        m = np.arange(self.slots + 1)
+        size = self.slots + 1
+        m = np.arange(size)
         prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
-        act_out = z.act[n]  # held by the caller after the loss
+        # Reaching a[k+1] from a[k]: a[k] + the forward's peak, and a[k+1] once it is done.
+        step = np.maximum(np.concatenate([[0], z.act[1:n]]) + z.fwd_peak, z.act[1:])
         for span in range(n):
-            for s in range(n - span):
-                t = s + span
-                top = t == n - 1
-                grad_in = 0 if top else z.grad[t + 1]  # gradient present on entry
-                after = act_out if top else 0  # what stays held once s..t is done (besides grad)
-                for pin in (0, 1):
-                    own = 0 if pin else z.act[s]
-                    graph = z.act[s + 1] + z.extra[s] + (0 if pin else z.saves_input[s] * z.act[s])
-                    # Graph first (or the base case): Fa s, [sub-chain s+1..t pinned], B s.
-                    peak_f = own + grad_in + z.fwd_grad_peak[s]
-                    if span == 0:
-                        peak_b = graph + z.grad[s + 1] + z.bwd_peak[s]
-                        best = np.where(
-                            m >= max(peak_f, peak_b), z.fwd_time[s] + z.bwd_time[s], np.inf
-                        )
-                    else:
-                        peak_b = graph + z.grad[s + 1] + after + z.bwd_peak[s]
-                        inner = _shift(self._time[1, s + 1, t], graph)
-                        best = np.where(
-                            m >= max(peak_f, peak_b), z.fwd_time[s] + inner + z.bwd_time[s], np.inf
-                        )
-                    choice = np.full(m.shape, -1, dtype=np.int32)
-                    if span > 0:
-                        # Checkpoint at j: Fc s, Fn s+1..j-1, then j..t (owning a[j]), then s..j-1.
-                        js = np.arange(s + 1, t + 1)
-                        walk = np.maximum.accumulate(
-                            np.concatenate(
-                                [[z.fwd_peak[s]], z.act[s + 1 : t] + z.fwd_peak[s + 1 : t]]
-                            )
-                        )
-                        peak_walk = own + grad_in + walk  # walk[j - s - 1]: peak of reaching a[j]
-                        right = _shift_rows(self._time[0, s + 1 : t + 1, t], own)
-                        left = _shift_rows(self._time[pin, s, s:t], after)
-                        cand = (prefix[js] - prefix[s])[:, None] + right + left
-                        cand = np.where(m[None, :] >= peak_walk[:, None], cand, np.inf)
-                        pick = np.argmin(cand, axis=0)
-                        value = cand[pick, m]
-                        better = value < best
-                        best = np.where(better, value, best)
-                        choice = np.where(better, js[pick], choice)
-                    self._time[pin, s, t] = best
-                    self._choice[pin, s, t] = np.where(np.isfinite(best), choice, -2)
+            s = np.arange(n - span)
+            t = s + span
+            top = t == n - 1
+            grad_in = np.where(top, 0, z.grad[np.minimum(t + 1, n)])
+            # The caller's output, once the forward is done; its gradient, once the loss is.
+            after = np.where(top, z.act[n] + z.grad[n], 0)
+            entry_rest = grad_in + z.held_grads[t + 1]
+            for pin in (0, 1):
+                own = np.zeros_like(s) if pin else z.act[s]
+                graph = z.extra[s] + np.where(z.saves_input[s] & (pin == 0), z.act[s], 0)
+                # Each operation's peak, and what it leaves held (the simulator takes the larger).
+                peak_f = np.maximum(
+                    own + entry_rest + z.fwd_grad_peak[s], entry_rest + graph + z.act[s + 1]
+                )
+                out = np.where(z.saves_output[s] | (s + 1 == n), z.act[s + 1], 0)
+                peak_b = graph + out + z.grad[s + 1] + z.held_grads[s + 1] + z.bwd_peak[s]
+                if span > 0:
+                    peak_b = peak_b + after  # the caller's output and its gradient, if top
+                left_b = z.grad[s] + z.held_grads[s] + after
+                base = z.fwd_time[s] + z.bwd_time[s]
+                peak_b = np.maximum(peak_b, left_b)
+                if span == 0:
+                    best = np.where(m >= np.maximum(peak_f, peak_b)[:, None], base[:, None], np.inf)
+                else:
+                    pinned = z.pins_output[s].astype(np.int64)
+                    shift = graph + pinned * z.act[s + 1]
+                    inner = np.where(
+                        pinned[:, None] == 1, self._time[1, s + 1, t], self._time[0, s + 1, t]
+                    )
+                    inner = _shift_each(inner, shift)
+                    ok = m >= np.maximum(peak_f, peak_b)[:, None]
+                    best = np.where(ok, base[:, None] + inner, np.inf)
+                choice = np.full(best.shape, -1, dtype=np.int32)
+                if span > 0:
+                    q = np.arange(1, span + 1)  # split j = s + q
+                    j = s[:, None] + q[None, :]
+                    walk = np.maximum.accumulate(
+                        np.concatenate(
+                            [
+                                np.maximum(z.fwd_peak[s], z.act[s + 1])[:, None],
+                                step[np.minimum(s[:, None] + q[None, :-1], n - 1)],
+                            ],
+                            axis=1,
+                        ),
+                        axis=1,
+                    )  # walk[:, q-1]: peak of reaching a[s+q] from a[s]
+                    peak_walk = (own + entry_rest)[:, None] + walk
+                    right = _shift_each(self._time[0, j, t[:, None]], own[:, None])
+                    left = _shift_each(self._time[pin, s[:, None], j - 1], after[:, None])
+                    cand = (prefix[j] - prefix[s][:, None])[:, :, None] + right + left
+                    cand = np.where(m[None, None, :] >= peak_walk[:, :, None], cand, np.inf)
+                    pick = np.argmin(cand, axis=1)
+                    value = np.take_along_axis(cand, pick[:, None, :], axis=1)[:, 0, :]
+                    better = value < best
+                    best = np.where(better, value, best)
+                    choice = np.where(better, (s[:, None] + 1 + pick).astype(np.int32), choice)
+                self._time[pin, s, t] = best
+                self._choice[pin, s, t] = np.where(np.isfinite(best), choice, -2)
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -187,14 +228,15 @@ class OptimalTable:
             assert isinstance(pin, int) and isinstance(s, int) and isinstance(t, int)
             assert isinstance(m, int)
             j = int(self._choice[pin, s, t, m])
-            after = act_out if t == n - 1 else 0
+            after = act_out + int(z.grad[n]) if t == n - 1 else 0
             if j == -1:
-                graph = int(z.act[s + 1] + z.extra[s] + (0 if pin else z.saves_input[s] * z.act[s]))
+                graph = int(z.extra[s] + (0 if pin else z.saves_input[s] * z.act[s]))
+                pinned = int(z.pins_output[s])
                 todo: list[tuple[object, ...]] = [("emit", Op.FORWARD_ALL, s)]
-                if not pin and s > 0:
-                    todo.append(("emit", Op.DISCARD, s))
                 if t > s:
-                    todo.append(("solve", 1, s + 1, t, m - graph))
+                    todo.append(("solve", pinned, s + 1, t, m - graph - pinned * int(z.act[s + 1])))
+                elif s + 1 < n:
+                    todo.append(("emit", Op.DISCARD, s + 1))  # only the graph needs a[s+1] now
                 todo.append(("emit", Op.BACKWARD, s))
             else:
                 own = 0 if pin else int(z.act[s])
@@ -214,44 +256,36 @@ def store_all(chain: Chain) -> Schedule:
     return Schedule.from_ops(n, ops, "optimal", {"budget_bytes": None})
 
 
-def _shift(values: np.ndarray, offset: int) -> np.ndarray:
-    """``out[m] = values[m - offset]`` (inf where ``m < offset``): what is left after ``offset``."""
-    offset = int(offset)
-    if offset <= 0:
-        return values.copy()
-    out = np.full_like(values, np.inf)
-    if offset < values.shape[-1]:
-        out[offset:] = values[: values.shape[-1] - offset]
-    return out
+def _shift_each(values: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """``out[..., m] = values[..., m - offset[...]]`` (inf where ``m < offset``), per row.
+
+    ``offset`` broadcasts against ``values`` without its last axis: what a sub-problem has left
+    when ``offset`` slots are held outside it.
+    """
+    size = values.shape[-1]
+    offset = np.broadcast_to(np.asarray(offset, dtype=np.int64), values.shape[:-1])
+    index = np.arange(size) - offset[..., None]
+    out = np.take_along_axis(values, np.clip(index, 0, size - 1), axis=-1)
+    return np.where(index >= 0, out, np.inf)
 
 
-def _shift_rows(values: np.ndarray, offset: int) -> np.ndarray:
-    """:func:`_shift` applied to every row of a 2-D array."""
-    offset = int(offset)
-    if offset <= 0:
-        return values
-    out = np.full_like(values, np.inf)
-    if offset < values.shape[-1]:
-        out[:, offset:] = values[:, : values.shape[-1] - offset]
-    return out
+def optimal(
+    chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
+) -> Schedule:
+    """The fastest plan whose simulated peak stays within ``memory_bytes`` (see
+    :class:`~edgetrain.schedule.Cost`).
 
-
-def optimal(chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS) -> Schedule:
-    """The fastest plan whose peak stays within ``memory_bytes`` (activations, see simulate).
-
-    The budget is cut into ``slots`` slots and sizes are rounded up to whole slots, so the table's
-    plan always fits. Rounding can also hide plans that would fit exactly; to win them back the
-    table is also filled for slightly larger budgets (keeping a plan only if its exact simulated
-    peak fits), and the checkpoint_sequential and revolve plans that fit are considered too: the
-    result is never slower than any of them. Raises :class:`InfeasibleBudget` (with the smallest
-    budget that works at this resolution) when no plan fits.
+    One table for the budget (at most ``slots`` slots, fewer for long chains, see
+    :func:`max_slots`; exactly the chain's common size unit when that needs no more): the plans it
+    gives for budgets at and below ``memory_bytes`` are checked with the simulator, fastest
+    first, and the first that fits is returned. Raises :class:`InfeasibleBudget` with the
+    smallest budget that works (:func:`minimum_memory`) when no plan fits.
     """
     if memory_bytes <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
-    slots = min(slots, max_slots(chain.length))
-    schedule = _fastest_within(chain, memory_bytes, slots)
+    schedule = _fastest_within(chain, memory_bytes, slots, grads_exist)
     if schedule is None:
-        smallest = minimum_memory(chain, slots)
+        smallest = minimum_memory(chain, slots, grads_exist=grads_exist)
         raise InfeasibleBudget(
             f"no plan fits in {memory_bytes:.0f} bytes; the smallest that works is "
             f"{smallest:.0f} bytes",
@@ -260,67 +294,106 @@ def optimal(chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS) -> Sc
     return schedule
 
 
-def _fastest_within(chain: Chain, memory_bytes: float, slots: int) -> Schedule | None:
+def resolution(chain: Chain, budget_bytes: float, slots: int = DEFAULT_SLOTS) -> tuple[float, int]:
+    """Slot size (bytes) and slot count of the table for budgets up to ``budget_bytes``.
+
+    When every size of the chain is a multiple of one unit and the budget is at most ``slots``
+    units, the slot is that unit and the table is exact; otherwise ``budget_bytes / slots``.
+    """
+    slots = min(slots, max_slots(chain.length))
+    unit = common_unit(chain)
+    if unit and budget_bytes / unit <= slots:
+        return float(unit), int(budget_bytes // unit)
+    return budget_bytes / slots, slots
+
+
+_MARGIN = 0.04
+"""Budgets a little above the one asked for are tabled too: rounding may price a fitting plan
+there."""
+
+
+def _fastest_within(
+    chain: Chain, memory_bytes: float, slots: int, grads_exist: bool
+) -> Schedule | None:
     """:func:`optimal`'s search; None when nothing fits."""
     everything = store_all(chain)
-    if simulate(chain, everything).peak_bytes <= memory_bytes:
-        return everything  # nothing is faster than storing everything
-    best: tuple[float, Schedule] | None = None
-    for inflate in (0.0, 0.25, 0.5, 1.0, 2.0, 4.0):
-        budget = memory_bytes * (1 + inflate * chain.length / slots / 4)
-        table = OptimalTable(chain, budget / slots, slots)
-        if not np.isfinite(table.time(slots)):
-            continue
-        schedule = table.schedule(slots)
-        cost = simulate(chain, schedule)
-        if cost.peak_bytes <= memory_bytes and (best is None or cost.seconds < best[0]):
-            best = (cost.seconds, schedule)
-    for schedule in _classic_plans(chain):
-        cost = simulate(chain, schedule)
-        if cost.peak_bytes <= memory_bytes and (best is None or cost.seconds < best[0] - 1e-12):
-            best = (cost.seconds, schedule)
-    if best is None:
-        return None
-    schedule = best[1]
-    params = {**schedule.params, "budget_bytes": int(memory_bytes), "from": schedule.strategy}
+    if simulate(chain, everything, grads_exist=grads_exist).peak_bytes <= memory_bytes:
+        schedule = everything  # nothing is faster than storing everything
+    else:
+        slot_bytes, count = resolution(chain, memory_bytes, slots)
+        top = min(count + max(1, int(count * _MARGIN)), max_slots(chain.length))
+        top = max(top, count)
+        table = OptimalTable(chain, slot_bytes, top, grads_exist=grads_exist)
+        found = _fastest_fitting(table, memory_bytes, top)
+        if found is None:
+            # Coarse rounding can hide the smallest plans: the least-memory table has them.
+            found = _fastest_fitting(_least_memory_table(chain, slots, grads_exist), memory_bytes)
+        if found is None:
+            return None
+        schedule = found
+    params = {**schedule.params, "budget_bytes": int(memory_bytes)}
     return Schedule(schedule.length, schedule.kinds, schedule.indices, "optimal", params)
 
 
-def _classic_plans(chain: Chain) -> list[Schedule]:
-    """checkpoint_sequential's plans for every segment count and revolve's for every slot count."""
-    from edgetrain.planners.revolve import revolve
-    from edgetrain.planners.sequential import sequential
-
-    n = chain.length
-    return [
-        *(sequential(chain, s) for s in range(1, n + 1)),
-        *(revolve(chain, s) for s in range(1, n + 1)),
-    ]
-
-
-def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS) -> float:
-    """The smallest activation budget (bytes) with which :func:`optimal` finds a plan.
-
-    Starts from the store-everything peak (always feasible) and repeatedly asks the table, at the
-    resolution of the current answer, for the fewest slots that work; a candidate is accepted only
-    if :func:`optimal` succeeds with it at its own resolution, so the answer is always usable.
-    """
-    slots = min(slots, max_slots(chain.length))
-    best = float(simulate(chain, store_all(chain)).peak_bytes)
-    for _ in range(6):
-        fewest = OptimalTable(chain, best / slots, slots).smallest_feasible_slots()
-        if fewest is None:
+def _fastest_fitting(
+    table: OptimalTable, memory_bytes: float, top: int | None = None
+) -> Schedule | None:
+    """The fastest of the table's plans (budgets ``top`` down to 0) whose exact peak fits."""
+    times = table.times()[: (table.slots if top is None else top) + 1]
+    tried: set[float] = set()
+    for m in np.argsort(times, kind="stable"):
+        value = float(times[m])
+        if not np.isfinite(value):
             break
-        improved = False
-        for widen in range(4):  # a coarser or finer grid rounds differently: allow a little room
-            candidate = fewest * best / slots * (1 + widen / slots)
-            if candidate < best and _feasible(chain, candidate, slots):
-                best, improved = candidate, True
-                break
-        if not improved:
-            break
+        if value in tried:
+            continue  # the same plan as a larger budget's
+        tried.add(value)
+        schedule = table.schedule(int(m))
+        if simulate(table.chain, schedule, grads_exist=table.grads_exist).peak_bytes <= memory_bytes:
+            return schedule
+    return None
+
+
+def _least_memory_table(chain: Chain, slots: int, grads_exist: bool) -> OptimalTable:
+    """A table at the resolution of the least memory any plan needs (estimated at the
+    resolution of the store-everything peak)."""
+    everything = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
+    slot_bytes, count = resolution(chain, max(everything, 1), slots)
+    coarse = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
+    fewest = coarse.smallest_feasible_slots()
+    if fewest is None:
+        return coarse
+    budget = max(1.0, (fewest + 1) * slot_bytes * (1 + _MARGIN))
+    slot_bytes, count = resolution(chain, budget, slots)
+    return OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
+
+
+def minimum_memory(
+    chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
+) -> float:
+    """The smallest activation budget (bytes) with which :func:`optimal` finds a plan: the least
+    simulated peak of the plans of the least-memory table (and of storing everything)."""
+    best = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
+    table = _least_memory_table(chain, slots, grads_exist)
+    times = table.times()
+    for m in np.flatnonzero(np.isfinite(times))[:64]:
+        peak = simulate(chain, table.schedule(int(m)), grads_exist=grads_exist).peak_bytes
+        best = min(best, float(peak))
     return best
 
 
-def _feasible(chain: Chain, budget: float, slots: int) -> bool:
-    return _fastest_within(chain, budget, slots) is not None
+def common_unit(chain: Chain) -> int:
+    """The greatest common divisor of all the chain's sizes (0 if they are all 0)."""
+    unit = 0
+    for k, stage in enumerate(chain.stages):
+        for size in (
+            stage.output_bytes,
+            stage.saved_bytes,
+            stage.forward_peak_bytes,
+            stage.forward_grad_peak_bytes,
+            stage.backward_peak_bytes,
+            stage.gradient_bytes,
+            chain.gradient_of_activation_bytes(k),
+        ):
+            unit = math.gcd(unit, size)
+    return unit

@@ -98,9 +98,9 @@ def revolve_steps(steps: int, slots: int) -> Schedule:
         """Run stage ``k`` with grad and backpropagate through it."""
         kinds.append(fa)
         indices.append(k)
-        if k > 0:
+        if k + 1 < steps:  # the recomputed a[k+1] is only the graph's business
             kinds.append(ds)
-            indices.append(k)
+            indices.append(k + 1)
         kinds.append(bw)
         indices.append(k)
 

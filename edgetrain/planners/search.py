@@ -20,14 +20,14 @@ from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.planners.optimal import (
     DEFAULT_SLOTS,
     OptimalTable,
-    max_slots,
     optimal,
+    resolution,
     store_all,
 )
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
 from edgetrain.schedule import Cost, Schedule, simulate
-from edgetrain.units import format_bytes
+from edgetrain.units import format_bytes, parse_bytes
 
 STRATEGIES = ("optimal", "revolve", "sequential")
 
@@ -38,16 +38,21 @@ def plan(
     chain: Chain,
     strategy: str = "optimal",
     *,
-    memory: float | None = None,
+    memory: float | str | None = None,
     recompute: float | None = None,
     slots: int = DEFAULT_SLOTS,
+    grads_exist: bool = False,
 ) -> Schedule:
-    """The best plan of ``strategy`` for ``chain`` within ``memory`` bytes or ``recompute`` factor.
+    """The best plan of ``strategy`` for ``chain`` within ``memory`` or ``recompute`` factor.
 
-    With neither, the fastest plan of the strategy. ``memory`` counts the step's activations,
-    graphs and gradients above weights, gradients and input (see :class:`~edgetrain.schedule.Cost`).
+    With neither, the fastest plan of the strategy. ``memory`` (bytes, or a size such as "1GB" or
+    "512MiB", as everywhere in edgetrain) counts what the step holds above what it starts with:
+    activations, graphs, activation gradients and the parameter gradients it creates (see
+    :class:`~edgetrain.schedule.Cost`; ``grads_exist`` as in :func:`~edgetrain.schedule.simulate`).
     Raises :class:`InfeasibleBudget` with the smallest feasible value when nothing fits.
     """
+    if memory is not None:
+        memory = parse_bytes(memory)
     if strategy not in STRATEGIES:
         raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if memory is not None and recompute is not None:
@@ -60,11 +65,26 @@ def plan(
     if memory is not None and memory <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
     if strategy == "optimal":
-        return _plan_optimal(chain, memory, recompute, slots)
-    family: Callable[[Chain], list[Schedule]] = (
-        _sequential_family if strategy == "sequential" else _revolve_family
-    )
-    return _pick(chain, strategy, family(chain), memory, recompute)
+        schedule = _plan_optimal(chain, memory, recompute, slots, grads_exist)
+    else:
+        family: Callable[[Chain], list[Schedule]] = (
+            _sequential_family if strategy == "sequential" else _revolve_family
+        )
+        schedule = _pick(chain, strategy, family(chain), memory, recompute, grads_exist)
+    return made_for(schedule, chain)
+
+
+def made_for(schedule: Schedule, chain: Chain) -> Schedule:
+    """``schedule`` with a record of what it was made for (the chain's fingerprint, its name and
+    input size), which :class:`~edgetrain.execute.Checkpointed` checks before running it."""
+    record = {
+        "chain": chain.fingerprint(),
+        "model": chain.name,
+        "input_bytes": chain.input_bytes,
+        "stages": chain.length,
+    }
+    params = {**schedule.params, "made_for": record}
+    return Schedule(schedule.length, schedule.kinds, schedule.indices, schedule.strategy, params)
 
 
 def _sequential_family(chain: Chain) -> list[Schedule]:
@@ -81,8 +101,11 @@ def _pick(
     candidates: list[Schedule],
     memory: float | None,
     recompute: float | None,
+    grads_exist: bool = False,
 ) -> Schedule:
-    costs: list[tuple[Cost, Schedule]] = [(simulate(chain, s), s) for s in candidates]
+    costs: list[tuple[Cost, Schedule]] = [
+        (simulate(chain, s, grads_exist=grads_exist), s) for s in candidates
+    ]
     if memory is not None:
         fitting = [(c, s) for c, s in costs if c.peak_bytes <= memory]
         if not fitting:
@@ -107,20 +130,20 @@ def _pick(
 
 
 def _plan_optimal(
-    chain: Chain, memory: float | None, recompute: float | None, slots: int
+    chain: Chain, memory: float | None, recompute: float | None, slots: int, grads_exist: bool
 ) -> Schedule:
     if memory is not None:
-        return optimal(chain, memory, slots)
+        return optimal(chain, memory, slots, grads_exist=grads_exist)
     if recompute is None:
         return store_all(chain)
-    # One table over [0, 2 x the store-everything peak] answers every budget at once.
-    table, _slot_bytes = _curve_table(chain, slots)
+    # One table over [0, the store-everything peak] answers every budget at once.
+    table = _curve_table(chain, slots, grads_exist)
     limit = recompute * (chain.forward_seconds + chain.backward_seconds) * (1 + _TOLERANCE)
     candidates = [store_all(chain)]  # factor 1: always within any target >= 1
     ok = np.flatnonzero(table.times() <= limit)
     if ok.size:
         candidates.append(table.schedule(int(ok[0]), {"recompute_target": recompute}))
-    costs = [(simulate(chain, s), s) for s in candidates]
+    costs = [(simulate(chain, s, grads_exist=grads_exist), s) for s in candidates]
     fitting = [(c, s) for c, s in costs if c.recompute_factor <= recompute + _TOLERANCE]
     best = min(fitting, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds))[1]
     return Schedule(
@@ -128,25 +151,15 @@ def _plan_optimal(
         best.kinds,
         best.indices,
         "optimal",
-        {**best.params, "recompute_target": recompute, "from": best.strategy},
+        {**best.params, "recompute_target": recompute},
     )
 
 
-def _curve_table(chain: Chain, slots: int) -> tuple[OptimalTable, float]:
-    """A table whose budgets run from 0 to twice the store-everything peak (rounding room)."""
-    everything = simulate(chain, store_all(chain)).peak_bytes
-    cap = max_slots(chain.length)
-    unit = _common_unit(chain)
-    if unit and 2 * everything / unit <= min(8 * slots, cap):
-        slot_bytes = float(unit)  # every size is a whole number of units: no rounding at all
-    else:
-        slot_bytes = max(everything, 1) / min(slots, cap // 2)
-    size = min(cap, math.ceil(2 * everything / slot_bytes) + 1)
-    return OptimalTable(chain, slot_bytes, size), slot_bytes
-
-
-def _classic(chain: Chain) -> list[Schedule]:
-    return [*_sequential_family(chain), *_revolve_family(chain)]
+def _curve_table(chain: Chain, slots: int, grads_exist: bool = False) -> OptimalTable:
+    """A table whose budgets run from 0 to the store-everything peak."""
+    everything = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
+    slot_bytes, count = resolution(chain, max(everything, 1), slots)
+    return OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
 
 
 def plan_for_device(
@@ -157,6 +170,7 @@ def plan_for_device(
     fixed_bytes: int,
     recompute: float | None = None,
     slots: int = DEFAULT_SLOTS,
+    grads_exist: bool = False,
 ) -> Schedule:
     """:func:`plan` when the budget is a whole device's memory, not only the activations'.
 
@@ -165,7 +179,7 @@ def plan_for_device(
     memory that works.
     """
     if device_bytes is None:
-        return plan(chain, strategy, recompute=recompute, slots=slots)
+        return plan(chain, strategy, recompute=recompute, slots=slots, grads_exist=grads_exist)
     if recompute is not None:
         raise InvalidInput("give a memory budget or a recompute factor, not both")
     if device_bytes <= fixed_bytes:
@@ -175,7 +189,11 @@ def plan_for_device(
             fixed_bytes,
         )
     try:
-        return plan(chain, strategy, memory=device_bytes - fixed_bytes, slots=slots)
+        # fixed_bytes holds gradients kept from the last step, so plan for that loop: a loop
+        # that sets them to None then needs no more (what it creates is at most what is kept).
+        return plan(
+            chain, strategy, memory=device_bytes - fixed_bytes, slots=slots, grads_exist=True
+        )
     except InfeasibleBudget as exc:
         if exc.smallest is None:
             raise
@@ -201,17 +219,13 @@ def tradeoff(
     plain = chain.forward_seconds + chain.backward_seconds
     points: list[tuple[float, int]]
     if strategy == "optimal":
-        table, slot_bytes = _curve_table(chain, slots)
+        table = _curve_table(chain, slots)
         points = [
-            (float(t) / plain, math.ceil(m * slot_bytes))
+            (float(t) / plain, math.ceil(m * table.slot_bytes))
             for m, t in enumerate(table.times())
             if math.isfinite(t)
         ]
-        # Plans the slot rounding may have priced out of the table.
-        points += [
-            (c.recompute_factor, c.peak_bytes)
-            for c in (simulate(chain, s) for s in [store_all(chain), *_classic(chain)])
-        ]
+        points.append((1.0, simulate(chain, store_all(chain)).peak_bytes))
     else:
         family = _sequential_family if strategy == "sequential" else _revolve_family
         points = [
@@ -222,19 +236,3 @@ def tradeoff(
         if not pareto or peak < pareto[-1][1]:
             pareto.append((rho, peak))
     return pareto
-
-
-def _common_unit(chain: Chain) -> int:
-    """The greatest common divisor of all the chain's sizes (0 if they are all 0)."""
-    unit = 0
-    for k, stage in enumerate(chain.stages):
-        for size in (
-            stage.output_bytes,
-            stage.saved_bytes,
-            stage.forward_peak_bytes,
-            stage.forward_grad_peak_bytes,
-            stage.backward_peak_bytes,
-            chain.gradient_of_activation_bytes(k),
-        ):
-            unit = math.gcd(unit, size)
-    return unit

@@ -32,17 +32,11 @@ def sequential(chain: Chain, segments: int) -> Schedule:
     for first, last in bounds:
         ops.append((Op.FORWARD_CHECKPOINT, first))
         ops.extend((Op.FORWARD_NOSAVE, k) for k in range(first + 1, last + 1))
-    ops.extend(_run_with_grad(tail, n - 1))
+    ops.extend((Op.FORWARD_ALL, k) for k in range(tail, n))
     ops.extend((Op.BACKWARD, k) for k in range(n - 1, tail - 1, -1))
     for first, last in reversed(bounds):
-        ops.extend(_run_with_grad(first, last))
+        ops.extend((Op.FORWARD_ALL, k) for k in range(first, last + 1))
+        # The recomputed a[last+1] is only the graph's business: its backward is done.
+        ops.append((Op.DISCARD, last + 1))
         ops.extend((Op.BACKWARD, k) for k in range(last, first - 1, -1))
     return Schedule.from_ops(n, ops, "sequential", {"segments": segments})
-
-
-def _run_with_grad(first: int, last: int) -> list[tuple[Op, int]]:
-    """Forward ``first..last`` with grad; the checkpoint ``a[first]`` is then only the graph's."""
-    ops = [(Op.FORWARD_ALL, k) for k in range(first, last + 1)]
-    if first > 0:
-        ops.insert(1, (Op.DISCARD, first))
-    return ops

@@ -1,0 +1,499 @@
+"""Capture any ``nn.Module`` as a graph of operations, and cut that graph into runnable segments.
+
+:func:`capture` traces ``model`` with ``torch.fx.symbolic_trace`` and runs the traced graph once
+on a sample to record, per node (in the graph's order, which is topological and is the order
+``forward()`` runs them): what it is (a leaf-module call, a function, a tensor method), which
+values it reads, its output's shape, dtype and bytes, whether it overwrites a value in place and
+whether its output shares storage with (is a view of, or the in-place result of) a value it read.
+
+Why ``torch.fx`` and not ``torch.export`` or dispatch-level tracing: fx traces a ResNet-152 in
+well under a second and keeps the model's own leaf modules (``Conv2d``, ``BatchNorm2d``,
+``Dropout``) and in-place operations exactly as written, so a cut graph re-runs *the same
+modules*: BatchNorm updates its own running statistics, dropout draws from the same RNG stream
+in the same order, tied weights stay one parameter. ``torch.export`` (and AOT/dispatch tracing)
+lowers to ATen operators, functionalises in-place updates and turns BatchNorm's buffer updates
+into graph outputs, which an executor would have to write back; it also takes seconds per model.
+The price of fx: Python control flow that depends on a tensor's *value* cannot be traced (nor
+can torch.export trace it without rewriting); :func:`capture` then raises one
+:class:`~edgetrain.errors.InvalidInput` line naming the construct, where it is, and what to do.
+The tracer is fx's own, except that ``a += b`` on a tensor is recorded as ``operator.iadd``
+(in place, as eager runs it) where plain fx would record ``a = a + b``.
+fx bakes Python values in at trace time (``self.training`` passed to ``F.dropout``, for
+example): capture the model in the mode it will run in.
+
+The metadata run happens under ``torch.no_grad()`` with the RNG state and every buffer restored
+afterwards, so capturing leaves the model exactly as it was.
+
+:func:`segments` cuts the graph at positions of that order: position ``c`` lies between node
+``c - 1`` and node ``c`` (``0 < c < len(nodes)``). Segment ``k`` takes exactly the values live
+across its first cut and returns exactly the values live across its next one: one tensor, or a
+tuple of tensors in the order their producers run (the model's inputs first). The first segment
+takes the model's input(s) the same way, the last returns what the model returns. A value that
+only passes through a segment (a residual skip) comes out as the same tensor object. A cut is
+admissible (:func:`all_cuts`) when every live value is a tensor and none of them (nor any view
+sharing its storage) is overwritten in place after the cut, so every segment's input stays
+intact for a recomputation; :func:`articulation_cuts` are the admissible cuts where exactly one
+tensor is live: every path from the input to the output passes through one node (the dominator
+cuts Rockmate splits a graph at). Running the segments in sequence is the model's forward,
+operation for operation: outputs, gradients and BatchNorm buffers are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from edgetrain.errors import InvalidInput
+from edgetrain.measure import storage_key
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_KINDS = {"call_module": "module", "call_function": "function", "call_method": "method"}
+
+
+@dataclass(frozen=True)
+class CapturedNode:
+    """One operation of a captured graph.
+
+    Attributes:
+        name: the fx node's name (unique in the graph).
+        kind: ``"module"`` (a leaf module's call), ``"function"`` or ``"method"`` (of a tensor).
+        target: the module's path in the model (``layer1.0.conv1``), the function's qualified
+            name (``torch.cat``, ``_operator.iadd``) or the method's name (``flatten``).
+        reads: the values it reads (model inputs or earlier nodes), each once, in argument order.
+        attributes: parameters or buffers it reads directly by path (``embed.weight``), not
+            through a leaf module.
+        shape, dtype: of its output when that is a tensor, else None.
+        bytes: the output tensor's size (elements × element size, in bytes); 0 if not a tensor.
+        mutates: the values in ``reads`` it overwrites in place (``relu_``, ``+=``,
+            ``ReLU(inplace=True)``).
+        alias_of: the value in ``reads`` whose storage its output shares (a view, or the
+            in-place result returned), else None.
+        last_use: position of the last node that reads its output; ``len(nodes)`` if the model
+            returns it; its own position if nothing reads it.
+    """
+
+    name: str
+    kind: str
+    target: str
+    reads: tuple[str, ...]
+    attributes: tuple[str, ...]
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    bytes: int
+    mutates: tuple[str, ...]
+    alias_of: str | None
+    last_use: int
+
+    @property
+    def inplace(self) -> bool:
+        """True when the node overwrites one of the values it reads."""
+        return bool(self.mutates)
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A model traced by :func:`capture`.
+
+    Attributes:
+        model: the user's module (the segments share its submodules and parameters).
+        graph_module: the fx trace of ``model`` (also sharing them).
+        inputs: names of the model's inputs (fx placeholders), in call order.
+        input_last_use: for each input, the position of the last node that reads it.
+        input_shapes: shape of each sample input.
+        nodes: the operations in topological (= execution) order; a node's index is its position.
+        outputs: the values the model returns, in order of first appearance in its output.
+    """
+
+    model: nn.Module
+    graph_module: fx.GraphModule
+    inputs: tuple[str, ...]
+    input_last_use: tuple[int, ...]
+    input_shapes: tuple[tuple[int, ...], ...]
+    nodes: tuple[CapturedNode, ...]
+    outputs: tuple[str, ...]
+
+    def node(self, name: str) -> CapturedNode:
+        """The node called ``name`` (KeyError if there is none)."""
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+
+def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> Captured:
+    """Trace ``model`` with torch.fx and record every node's output on ``sample``.
+
+    ``sample`` is the model's input (a tensor, or a sequence of tensors for a model with several
+    positional inputs). InvalidInput when the model cannot be traced or does not run on it.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInput(f"capture needs an nn.Module, got {type(model).__name__}")
+    samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
+    defaults = _defaulted_arguments(model, len(samples))
+    try:
+        graph = _Tracer().trace(model, concrete_args=defaults or None)
+    except Exception as exc:
+        raise InvalidInput(_trace_error(model, exc)) from exc
+    _drop_specialised_arguments(graph, len(samples))
+    graph_module = fx.GraphModule(model, graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(samples):
+        raise InvalidInput(
+            f"{type(model).__name__}.forward takes {len(placeholders)} inputs but the sample has "
+            f"{len(samples)}; pass one tensor per input of forward()"
+        )
+    records = _record(model, graph_module, samples)
+    compute = [n for n in graph.nodes if n.op in _KINDS]
+    position = {n: i for i, n in enumerate(compute)}
+    output_node = next(n for n in graph.nodes if n.op == "output")
+
+    def last_use(node: fx.Node, own: int) -> int:
+        uses = [len(compute) if u is output_node else position.get(u, own) for u in node.users]
+        return max([own, *uses])
+
+    nodes = []
+    for node in compute:
+        reads = tuple(a.name for a in _value_inputs(node))
+        attributes = tuple(str(a.target) for a in node.all_input_nodes if a.op == "get_attr")
+        out, mutated, alias = records[node]
+        is_tensor = isinstance(out, torch.Tensor)
+        nodes.append(
+            CapturedNode(
+                name=node.name,
+                kind=_KINDS[node.op],
+                target=_target_name(node),
+                reads=reads,
+                attributes=attributes,
+                shape=tuple(out.shape) if is_tensor else None,
+                dtype=str(out.dtype).removeprefix("torch.") if is_tensor else None,
+                bytes=out.numel() * out.element_size() if is_tensor else 0,
+                mutates=mutated,
+                alias_of=alias,
+                last_use=last_use(node, position[node]),
+            )
+        )
+    returned: dict[str, None] = {}
+    for value in output_node.all_input_nodes:
+        if value.op in ("placeholder", *_KINDS):
+            returned[value.name] = None
+    return Captured(
+        model=model,
+        graph_module=graph_module,
+        inputs=tuple(p.name for p in placeholders),
+        input_last_use=tuple(last_use(p, -1) for p in placeholders),
+        input_shapes=tuple(tuple(s.shape) for s in samples),
+        nodes=tuple(nodes),
+        outputs=tuple(returned),
+    )
+
+
+def live_values(captured: Captured, position: int) -> tuple[str, ...]:
+    """The values live across ``position``: produced before it and read at or after it, in the
+    order their producers run (inputs first). Position 0 gives the model's inputs, position
+    ``len(nodes)`` the values it returns."""
+    count = len(captured.nodes)
+    if not 0 <= position <= count:
+        raise InvalidInput(f"position {position} is outside the graph; use 0 to {count}")
+    if position == 0:
+        return captured.inputs
+    if position == count:
+        return captured.outputs
+    live = [
+        name
+        for name, last in zip(captured.inputs, captured.input_last_use, strict=True)
+        if last >= position
+    ]
+    live += [n.name for n in captured.nodes[:position] if n.last_use >= position]
+    return tuple(live)
+
+
+def cut_problem(captured: Captured, position: int) -> str | None:
+    """Why a cut at ``position`` is not admissible, or None when it is."""
+    count = len(captured.nodes)
+    if not 0 < position < count:
+        return f"position {position} is not between two nodes (use 1 to {count - 1})"
+    by_name = {n.name: n for n in captured.nodes}
+    base = _bases(captured)
+    last_write = _last_writes(captured, base)
+    for name in live_values(captured, position):
+        node = by_name.get(name)
+        if node is not None and not node.is_tensor:
+            return f"{name} ({node.target}) is live across it and is not a tensor"
+        writer = last_write.get(base[name])
+        if writer is not None and writer >= position:
+            return (
+                f"{name} is live across it and {captured.nodes[writer].name} "
+                f"({captured.nodes[writer].target}) overwrites its storage in place later"
+            )
+    return None
+
+
+def all_cuts(captured: Captured) -> tuple[int, ...]:
+    """Every admissible cut position (live sets of any size), in order."""
+    return tuple(c for c in range(1, len(captured.nodes)) if cut_problem(captured, c) is None)
+
+
+def articulation_cuts(captured: Captured) -> tuple[int, ...]:
+    """The admissible cuts across which exactly one tensor is live."""
+    return tuple(c for c in all_cuts(captured) if len(live_values(captured, c)) == 1)
+
+
+def block_cuts(captured: Captured, per_block: int = 2) -> tuple[int, ...]:
+    """Where edgetrain cuts a captured model into stages: every articulation cut (between
+    blocks), and inside each block the ``per_block`` admissible cuts with the least live bytes
+    (a cut inside a residual block carries the trunk and the skip). Finer stages let the
+    planner recompute inside blocks; ``per_block=0`` gives one stage per block."""
+    admissible = all_cuts(captured)
+    between = set(articulation_cuts(captured))
+    sizes = {n.name: n.bytes for n in captured.nodes}
+    chosen = set(between)
+    bounds = [0, *sorted(between), len(captured.nodes)]
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        inside = [c for c in admissible if start < c < stop]
+        if per_block <= 0 or not inside:
+            continue
+        by_size = sorted(
+            inside, key=lambda c: (sum(sizes.get(v, 0) for v in live_values(captured, c)), c)
+        )
+        chosen.update(by_size[:per_block])
+    return tuple(sorted(chosen))
+
+
+def segments(captured: Captured, cuts: Sequence[int]) -> nn.Sequential:
+    """The model as an ``nn.Sequential`` of fx GraphModules, cut at ``cuts`` (increasing,
+    admissible positions; see :func:`all_cuts`). See the module docstring for the contract."""
+    cuts = list(cuts)
+    for index, cut in enumerate(cuts):
+        if index and cut <= cuts[index - 1]:
+            raise InvalidInput(f"cuts must increase, got {cuts}; sort them and drop repeats")
+        problem = cut_problem(captured, cut)
+        if problem is not None:
+            raise InvalidInput(f"cannot cut at {cut}: {problem}; choose one of all_cuts()")
+    bounds = [0, *cuts, len(captured.nodes)]
+    return nn.Sequential(
+        *(_segment(captured, bounds[k], bounds[k + 1], index=k) for k in range(len(bounds) - 1))
+    )
+
+
+def _segment(captured: Captured, start: int, stop: int, index: int) -> fx.GraphModule:
+    source = captured.graph_module.graph
+    compute = [n for n in source.nodes if n.op in _KINDS]
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    incoming = live_values(captured, start)
+    argument = graph.placeholder("live" if len(incoming) > 1 else incoming[0])
+    if len(incoming) == 1:
+        env[incoming[0]] = argument
+    else:
+        for i, name in enumerate(incoming):
+            env[name] = graph.call_function(operator.getitem, (argument, i))
+    attributes: dict[str, fx.Node] = {}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node.op == "get_attr":
+            target = str(node.target)
+            if target not in attributes:
+                attributes[target] = graph.get_attr(target)
+            return attributes[target]
+        return env[node.name]
+
+    for node in compute[start:stop]:
+        env[node.name] = graph.node_copy(node, lookup)
+    if stop == len(compute):
+        output_node = next(n for n in source.nodes if n.op == "output")
+        graph.output(fx.map_arg(output_node.args[0], lookup))
+    else:
+        outgoing = [env[name] for name in live_values(captured, stop)]
+        graph.output(outgoing[0] if len(outgoing) == 1 else tuple(outgoing))
+    graph.lint()
+    return fx.GraphModule(captured.graph_module, graph, class_name=f"Segment{index}")
+
+
+class _InplaceProxy(fx.Proxy):
+    """An fx Proxy that records ``a += b`` as ``operator.iadd`` (in place, as eager runs it);
+    fx's own Proxy has no in-place operators, so Python would record ``a = a + b``."""
+
+
+def _inplace_operator(function: Any) -> Any:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", function, (self, other), {})
+
+    return method
+
+
+for _name in ("iadd", "isub", "imul", "itruediv"):
+    setattr(_InplaceProxy, f"__{_name}__", _inplace_operator(getattr(operator, _name)))
+
+
+class _Tracer(fx.Tracer):
+    """``torch.fx.symbolic_trace``'s tracer, keeping augmented assignments in place."""
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InplaceProxy(node, self)
+
+
+def _defaulted_arguments(model: nn.Module, given: int) -> dict[str, Any]:
+    """forward()'s arguments after the first ``given`` that have defaults (``mask=None``): the
+    trace fixes them to their defaults."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    return {
+        p.name: p.default
+        for p in parameters[given:]
+        if p.default is not inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
+def _drop_specialised_arguments(graph: fx.Graph, given: int) -> None:
+    """Remove the placeholders fx keeps for arguments fixed to their defaults, and the checks
+    it adds on them, so the graph takes exactly the sample's inputs."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    extra = set(placeholders[given:])
+    checks = {torch._assert, operator.eq, getattr(fx._symbolic_trace, "_assert_is_none", None)}
+    for node in reversed(list(graph.nodes)):
+        if node.users:
+            continue
+        if node in extra or (
+            node.op == "call_function"
+            and node.target in checks
+            and any(a in extra or a.target is operator.eq for a in node.all_input_nodes)
+        ):
+            graph.erase_node(node)
+
+
+def _value_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if a.op == "placeholder" or a.op in _KINDS]
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_function":
+        try:
+            return fx.node._get_qualified_name(node.target)  # type: ignore[arg-type]
+        except Exception:  # an unusual callable: its plain name is enough
+            return getattr(node.target, "__name__", str(node.target))
+    return str(node.target)
+
+
+def _bases(captured: Captured) -> dict[str, str]:
+    """Each value's storage owner: itself, or the base of the value it aliases."""
+    base = {name: name for name in captured.inputs}
+    for node in captured.nodes:
+        base[node.name] = base[node.alias_of] if node.alias_of is not None else node.name
+    return base
+
+
+def _last_writes(captured: Captured, base: dict[str, str]) -> dict[str, int]:
+    """For each storage owner, the position of the last node that overwrites it in place."""
+    writes: dict[str, int] = {}
+    for position, node in enumerate(captured.nodes):
+        for name in node.mutates:
+            writes[base[name]] = position
+    return writes
+
+
+Record = tuple[Any, tuple[str, ...], str | None]
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph and notes, per node, its output, what it overwrote, what it aliases."""
+
+    def __init__(self, module: fx.GraphModule) -> None:
+        super().__init__(module)
+        self.records: dict[fx.Node, Record] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op not in _KINDS:
+            return super().run_node(n)
+        reads = [(a.name, self.env[a]) for a in _value_inputs(n)]
+        tensors = [(name, v) for name, v in reads if isinstance(v, torch.Tensor)]
+        versions = [v._version for _, v in tensors]
+        out = super().run_node(n)
+        mutated = tuple(
+            name for (name, v), seen in zip(tensors, versions, strict=True) if v._version != seen
+        )
+        alias = None
+        if isinstance(out, torch.Tensor):
+            key = storage_key(out)
+            alias = next((name for name, v in tensors if storage_key(v) == key), None)
+        self.records[n] = (_shape_only(out), mutated, alias)
+        return out
+
+
+def _shape_only(out: Any) -> Any:
+    """Keep a tensor's metadata, not its data (a meta tensor of the same shape and dtype)."""
+    if isinstance(out, torch.Tensor):
+        return torch.empty(out.shape, dtype=out.dtype, device="meta")
+    return None
+
+
+def _record(
+    model: nn.Module, graph_module: fx.GraphModule, samples: tuple[torch.Tensor, ...]
+) -> dict[fx.Node, Record]:
+    recorder = _Recorder(graph_module)
+    with _restored(model), torch.no_grad():
+        try:
+            recorder.run(*(s.detach() for s in samples))
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InvalidInput(
+                f"{type(model).__name__} does not run on the sample "
+                f"{[tuple(s.shape) for s in samples]}: {first}; give an input the model accepts"
+            ) from exc
+    return recorder.records
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module) -> Iterator[None]:
+    """Restore the RNG state and every buffer (BatchNorm statistics) on exit."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+
+def _trace_error(model: nn.Module, exc: Exception) -> str:
+    """One line: what fx could not trace, where in the user's code, and what to do."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not str(Path(frame.filename).resolve()).startswith(_TORCH_DIR):
+            code = (frame.line or "").strip()
+            where = f" at {Path(frame.filename).name}:{frame.lineno}" + (
+                f" `{code}`" if code else ""
+            )
+            break
+    if "iterated" in text:
+        construct = "a loop over a tensor (or a tensor passed as *args)"
+        fix = "loop over range(n) with n known when the model is built, or use tensor operations"
+    elif "control flow" in text:
+        construct = "a Python if/while on a tensor's value"
+        fix = (
+            "compute both branches and pick with torch.where, decide on a Python attribute "
+            "or argument instead, or move that code into a submodule and mark it a leaf"
+        )
+    else:
+        construct = f"{type(exc).__name__}: {text}"
+        fix = (
+            "make forward() traceable by torch.fx.symbolic_trace (no Python logic on tensor values)"
+        )
+    return f"cannot capture {type(model).__name__}: {construct}{where}; {fix}"

@@ -1,0 +1,382 @@
+"""The executor's contract, item by item (issue 7 and issue 8): plain autograd's result on the same
+inputs and RNG state, or one clear error; and measured memory equal to the prediction, on models
+written the way users write them (default activations, frozen and reused layers, zero_grad())."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import edgetrain
+from edgetrain.errors import InvalidInput, InvalidSchedule
+from edgetrain.execute import Checkpointed
+from edgetrain.measure import StorageCounter
+from edgetrain.planners.optimal import minimum_memory, store_all
+from edgetrain.profile import analytic_chain
+from edgetrain.schedule import simulate
+
+F64 = torch.float64
+# Every strategy, and budgets from storing everything down to the tightest.
+PLANS = [
+    ("optimal", {"max_recompute": 1.0}),
+    ("optimal", {"max_recompute": 1.4}),
+    ("optimal", {"max_recompute": 3.0}),
+    ("revolve", {"max_recompute": 3.0}),
+    ("sequential", {"max_recompute": 2.0}),
+]
+
+
+def plans_with_tightest(model, x):
+    """The plans above plus the optimal plan at the smallest memory that works."""
+    chain = analytic_chain(model, x)
+    tightest = edgetrain.plan(chain, "optimal", memory=minimum_memory(chain))
+    return [*[(s, b, None) for s, b in PLANS], ("optimal", {}, tightest)]
+
+
+def checkpointed(model, x, strategy, budget, schedule):
+    chain = analytic_chain(model, x)
+    if schedule is not None:
+        return Checkpointed(model, x, chain=chain, schedule=schedule)
+    return Checkpointed(model, x, chain=chain, strategy=strategy, **budget)
+
+
+def step(module, x, seed=7):
+    torch.manual_seed(seed)
+    out = module(x)
+    (out.square().sum() + out.sum()).backward()
+    return out
+
+
+def same_grads(a, b, exact=True):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        if p.grad is None or q.grad is None:
+            assert p.grad is None and q.grad is None, name
+        elif exact:
+            assert torch.equal(p.grad, q.grad), name
+        else:
+            torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def user_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8), nn.SiLU(), nn.Linear(8, 8), nn.Tanh(),
+        nn.Linear(8, 4),
+    ).to(F64)
+
+
+# -- item 1: a module used twice ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("strategy", "budget", "schedule"), plans_with_tightest(
+    nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).to(F64), torch.randn(3, 4, dtype=F64)
+))
+def test_a_layer_used_twice_trains_like_plain_autograd(strategy, budget, schedule):
+    torch.manual_seed(1)
+    lin = nn.Linear(4, 4).to(F64)
+    model = nn.Sequential(lin, nn.Tanh(), lin)
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 4, dtype=F64)
+    chain = analytic_chain(model, x)
+    assert chain.length == 3 and chain.weight_bytes == sum(p.numel() * 8 for p in lin.parameters())
+    if schedule is not None:
+        schedule = edgetrain.plan(chain, "optimal", memory=minimum_memory(chain))
+    net = checkpointed(model, x, strategy, budget, schedule)
+    assert torch.equal(step(net, x), step(plain, x))
+    same_grads(plain, model)
+
+
+# -- items 2 and 3: no gradient into the first stages -------------------------------------------
+
+
+def frozen_first():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    model[0].requires_grad_(False)  # fine-tuning: the first layer is frozen
+    return model.to(F64)
+
+
+def dropout_first():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Dropout(0.2), nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, 3)).to(F64)
+
+
+class Stop(nn.Module):
+    """A stage that stops the gradient inside itself, as users do with detach or no_grad."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "detach":
+            return self.lin(x.detach())
+        with torch.no_grad():
+            y = x * 2
+        return self.lin(y)
+
+
+def gradient_stop(how):
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(5, 5), nn.Tanh(), Stop(how), nn.GELU(), nn.Linear(5, 2)).to(F64)
+
+
+@pytest.mark.parametrize("make", [frozen_first, dropout_first, lambda: gradient_stop("detach"),
+                                  lambda: gradient_stop("no_grad")])
+@pytest.mark.parametrize(("strategy", "budget"), PLANS)
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_stages_without_gradients_give_plain_autograds_result(make, strategy, budget, input_grad):
+    model = make()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 5, dtype=F64, requires_grad=input_grad)
+    xp = x.detach().clone().requires_grad_(input_grad)
+    net = checkpointed(model, x, strategy, budget, None)
+    assert torch.equal(step(net, x), step(plain, xp))
+    same_grads(plain, model)
+    assert (x.grad is None) == (xp.grad is None)
+    if x.grad is not None:
+        assert torch.equal(x.grad, xp.grad)
+
+
+# -- items 4, 5, 13 and issue 8 item 1: measured peak = predicted ---------------------------------
+
+
+def conv_chain(act):
+    torch.manual_seed(5)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6), act()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(6 * 10 * 10, 3))
+
+
+def tanh_chain(_act=None):
+    torch.manual_seed(6)
+    return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+
+
+MODELS = [
+    ("relu", lambda: conv_chain(nn.ReLU), (4, 6, 10, 10)),
+    ("gelu", lambda: conv_chain(nn.GELU), (4, 6, 10, 10)),
+    ("sigmoid", lambda: conv_chain(nn.Sigmoid), (4, 6, 10, 10)),
+    ("silu", lambda: conv_chain(nn.SiLU), (4, 6, 10, 10)),
+    ("inplace-relu", lambda: conv_chain(lambda: nn.ReLU(inplace=True)), (4, 6, 10, 10)),
+    ("linear-tanh", tanh_chain, (32, 64)),
+]
+
+
+def measured_peak(net, x, set_to_none):
+    params = list(net.parameters())
+    for p in params:  # the loop's zero_grad(): gradients to None, or kept and zeroed
+        p.grad = None if set_to_none else torch.zeros_like(p)
+    counter = StorageCounter()
+    with counter:  # the usual loop: the output stays referenced until the step ends
+        out = net(x)
+        loss = torch.nn.functional.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long))
+        loss.backward()
+        del out
+    return counter.peak_bytes
+
+
+@pytest.mark.parametrize(("name", "make", "shape"), MODELS)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_measured_peak_equals_prediction_for_every_plan(name, make, shape, set_to_none):
+    model = make()
+    x = torch.randn(shape)
+    chain = analytic_chain(model, x)
+    plain = measured_peak(model, x, set_to_none)
+    everything = simulate(chain, store_all(chain), grads_exist=not set_to_none).peak_bytes
+    # The prediction counts the output's gradient as held by autograd until the backward ends
+    # (it is, for the executor); plain autograd frees it earlier.
+    output = chain.stages[-1].output_bytes
+    assert everything - output - 0.02 * everything <= plain <= everything * 1.02
+    budgets = [everything, (everything + minimum_memory(chain)) / 2, minimum_memory(chain)]
+    for budget in budgets:
+        schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=not set_to_none)
+        net = Checkpointed(model, x, chain=chain, schedule=schedule)
+        measured = measured_peak(net, x, set_to_none)
+        predicted = net.cost.peak_bytes
+        assert predicted <= budget + 1
+        assert measured == pytest.approx(predicted, rel=0.02), (name, budget)
+        # Never more than plain autograd, but for the output's gradient, which autograd holds
+        # for the executor until the backward ends (plain autograd frees it earlier).
+        assert measured <= plain * 1.02 + chain.gradient_of_activation_bytes(chain.length)
+
+
+def test_the_canary_model_holds_its_promise_with_zero_grad():
+    acts = [nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU]
+    torch.manual_seed(0)
+    layers = []
+    for i in range(6):
+        layers += [nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), acts[i % len(acts)]()]
+    model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(8 * 12 * 12, 4))
+    x = torch.randn(4, 8, 12, 12)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for rho in (1.2, 1.5, 2.0):
+        net = Checkpointed(model, x, max_recompute=rho)
+        peaks = []
+        for f in (model, net):
+            opt.zero_grad()
+            counter = StorageCounter()
+            with counter:
+                f(x).sum().backward()
+            peaks.append(counter.peak_bytes)
+        plain, ours = peaks
+        assert ours <= 1.02 * net.cost.peak_bytes
+        assert ours <= plain
+
+
+# -- items 6 to 8: what the caller's backward asks for ------------------------------------------
+
+
+@pytest.mark.parametrize(("strategy", "budget"), PLANS)
+def test_autograd_grad_and_backward_inputs_touch_only_what_they_name(strategy, budget):
+    model = user_mlp()
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 6, dtype=F64, requires_grad=True)
+    net = checkpointed(model, x, strategy, budget, None)
+    (gx,) = torch.autograd.grad(net(x).sum(), x)
+    (gx_plain,) = torch.autograd.grad(plain(x).sum(), x)
+    assert torch.equal(gx, gx_plain)
+    assert all(p.grad is None for p in model.parameters())
+    net(x).sum().backward(inputs=[x])
+    assert all(p.grad is None for p in model.parameters()) and torch.equal(x.grad, gx_plain)
+    params = list(model.parameters())
+    ours = torch.autograd.grad(net(x).sum(), params)
+    theirs = torch.autograd.grad(plain(x).sum(), list(plain.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_double_backward_is_refused_before_anything_changes():
+    model = user_mlp()
+    x = torch.randn(3, 6, dtype=F64, requires_grad=True)
+    net = Checkpointed(model, x, chain=analytic_chain(model, x), max_recompute=2.0)
+    out = net(x).sum()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out, x, create_graph=True)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize(("strategy", "budget"), PLANS)
+def test_parameter_hooks_run_once_per_step_with_the_summed_gradient(strategy, budget):
+    torch.manual_seed(8)
+    shared = nn.Linear(6, 6)
+    model = nn.Sequential(shared, nn.Tanh(), nn.Linear(6, 6), nn.GELU(), shared).to(F64)
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 6, dtype=F64)
+    calls = {"ours": [], "plain": []}
+    for key, m in (("ours", model), ("plain", plain)):
+        for p in m.parameters():
+            p.register_hook(lambda g, key=key: calls[key].append("hook") or g.clamp(-1, 1))
+            p.register_post_accumulate_grad_hook(lambda t, key=key: calls[key].append("post"))
+    net = checkpointed(model, x, strategy, budget, None)
+    step(net, x)
+    step(plain, x)
+    assert calls["ours"] == calls["plain"]
+    same_grads(plain, model)
+
+
+def test_hooks_on_the_wrapped_model_are_refused_and_a_custom_forward_is_run():
+    model = user_mlp()
+    x = torch.randn(3, 6, dtype=F64)
+    model.register_forward_hook(lambda *args: None)
+    with pytest.raises(InvalidInput, match="hooks"):
+        Checkpointed(model, x)
+
+    class Custom(nn.Sequential):
+        def forward(self, x):
+            return super().forward(x) * 2 + x[:, :4].sum(1, keepdim=True)
+
+    custom = Custom(*user_mlp())
+    plain = copy.deepcopy(custom)
+    net = Checkpointed(custom, x, max_recompute=2.0)
+    assert torch.equal(step(net, x), step(plain, x))  # its forward, not the children in a row
+    same_grads(plain, custom)
+
+
+# -- items 10 to 12 --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("strategy", "budget"), PLANS)
+def test_autocast_recomputes_in_the_forwards_precision(strategy, budget):
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    plain = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    net = checkpointed(model, x, strategy, budget, None)
+    for module in (net, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(x)
+        out.float().square().sum().backward()
+    same_grads(plain, model)
+
+
+def test_changing_an_input_or_weight_between_forward_and_backward_is_refused():
+    model = user_mlp()
+    x = torch.randn(3, 6, dtype=F64)
+    net = Checkpointed(model, x, chain=analytic_chain(model, x), max_recompute=2.0)
+    out = net(x).sum()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+class DictIn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(3, 5)
+
+    def forward(self, batch):
+        return {"h": torch.tanh(self.a(batch["x"]) + self.b(batch["y"])), "n": batch["n"]}
+
+
+class DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 2)
+
+    def forward(self, batch):
+        return self.lin(batch["h"]) * batch["n"]
+
+
+@pytest.mark.parametrize(("strategy", "budget"), PLANS)
+def test_dict_inputs_and_activations_work(strategy, budget):
+    torch.manual_seed(10)
+    model = nn.Sequential(DictIn(), nn.Identity(), DictOut()).to(F64)
+    plain = copy.deepcopy(model)
+    batch = {"x": torch.randn(3, 4, dtype=F64), "y": torch.randn(3, 3, dtype=F64),
+             "n": torch.tensor(2.0, dtype=F64)}
+    net = checkpointed(model, batch, strategy, budget, None)
+    assert torch.equal(step(net, batch), step(plain, batch))
+    same_grads(plain, model)
+
+
+# -- issue 8 items 4 and 6: plans tied to their shapes; budget forms ------------------------------
+
+
+def test_a_plan_for_another_shape_is_refused_and_a_new_shape_is_replanned(tmp_path):
+    model = user_mlp()
+    small, large = torch.randn(2, 6, dtype=F64), torch.randn(16, 6, dtype=F64)
+    net = Checkpointed(model, small, max_recompute=2.0)
+    path = tmp_path / "plan.json"
+    net.schedule.save(path)
+    with pytest.raises(InvalidSchedule, match="re-plan it"):
+        Checkpointed(model, large, schedule=edgetrain.Schedule.load(path))
+    Checkpointed(model, small, schedule=edgetrain.Schedule.load(path))  # its own shape: fine
+    net(large).sum().backward()  # replanned for the new shape
+    assert net.chain.input_bytes == large.numel() * 8
+    strict = Checkpointed(model, small, max_recompute=2.0, on_new_shape="error")
+    with pytest.raises(InvalidInput, match="planned for an input of shape"):
+        strict(large)
+
+
+def test_plan_takes_the_same_budget_forms_as_checkpointed():
+    chain = analytic_chain(user_mlp(), torch.randn(64, 6, dtype=F64))
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    as_text = edgetrain.plan(chain, "optimal", memory=f"{everything}B")
+    assert simulate(chain, as_text).peak_bytes <= everything
+    with pytest.raises(InvalidInput, match="cannot read size"):
+        edgetrain.plan(chain, "optimal", memory="lots")
