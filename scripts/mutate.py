@@ -209,8 +209,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "simulate-ignores-saved-bytes",
         "edgetrain/schedule.py",
-        "held += take(k + 1) + stage.saved_bytes",
-        "held += take(k + 1)",
+        "take(pieces[k + 1]) + stage.saved_bytes",
+        "take(pieces[k + 1])",
         SIMULATOR_TESTS,
         "the simulator does not count what a graph saves besides its output",
     ),
@@ -258,26 +258,26 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "dp-checkpoint-costs-nothing",
         "edgetrain/planners/optimal.py",
-        "right = _shift_rows(self._time[0, s + 1 : t + 1, t], own)",
-        "right = _shift_rows(self._time[0, s + 1 : t + 1, t], 0)",
+        "self._time[0, j, t[:, None]], own[:, None])",
+        "self._time[0, j, t[:, None]], 0 * own[:, None])",
         PLANNER_TESTS,
         "the dynamic program forgets the memory of the checkpoint it keeps",
     ),
     Mutation(
         "dp-never-checkpoints",
         "edgetrain/planners/optimal.py",
-        "cand = np.where(m[None, :] >= peak_walk[:, None], cand, np.inf)",
+        "cand = np.where(m[None, None, :] >= peak_walk[:, :, None], cand, np.inf)",
         "cand = np.full_like(cand, np.inf)",
         PLANNER_TESTS,
         "the dynamic program never considers a checkpoint (only graph-first plans)",
     ),
     Mutation(
-        "profile-saved-includes-output",
+        "profile-saved-counts-output-twice",
         "edgetrain/profile.py",
-        "saved_bytes=kept - output_bytes,",
+        "saved_bytes=kept - new_saved_bytes,",
         "saved_bytes=kept,",
         ("tests/test_strength.py", "tests/test_profile.py", "tests/test_execute.py"),
-        "profiling counts a stage's output twice (once more as saved tensors)",
+        "profiling counts a stage's saved output twice (once more as saved tensors)",
     ),
 )
 
