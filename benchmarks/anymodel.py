@@ -67,16 +67,18 @@ Step = Callable[[torch.Tensor], torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------
-# EDGETRAIN HOOK. Rows "edgetrain@f" call make_edgetrain(model, x, budget_bytes) once per budget
-# and train with what it returns (called like the model: out = net(x)). ``budget_bytes`` is
-# f × plain autograd's ``peak_MiB`` (the step's peak above weights, buffers and input, as
-# measured here). Until the executor accepts captured (non-Sequential) models, Checkpointed
-# refuses these models and the rows say so; the lead wires the budget semantics here.
+# EDGETRAIN. Rows "edgetrain@f": the model captured and cut into stages (between and inside its
+# blocks), profiled on this machine, and planned for an activation budget of f × plain
+# autograd's measured ``peak_MiB`` (the step's peak above weights, buffers and input, parameter
+# gradients created during the step included: the loop here sets them to None).
 # ---------------------------------------------------------------------------------------------
 def make_edgetrain(model: nn.Module, x: torch.Tensor, budget_bytes: int) -> Step:
     from edgetrain.execute import Checkpointed
+    from edgetrain.planners import plan
 
-    return Checkpointed(model, x, memory_budget=budget_bytes)
+    profiled = Checkpointed(model, x)  # stores everything; its chain is what is planned on
+    schedule = plan(profiled.chain, "optimal", memory=budget_bytes)
+    return Checkpointed(model, x, chain=profiled.chain, schedule=schedule)
 
 
 def checkpoint_blocks(model: nn.Module) -> nn.Module:

@@ -33,6 +33,7 @@ _TORCH_SIDE = {
     "model_chain": "edgetrain.profile",
     "StorageCounter": "edgetrain.measure",
     "build_model": "edgetrain.models",
+    "capture": "edgetrain.capture",
 }
 
 __all__ = [

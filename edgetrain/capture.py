@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import operator
 import traceback
 from collections.abc import Iterator, Sequence
@@ -261,7 +262,7 @@ def block_cuts(captured: Captured, per_block: int = 2) -> tuple[int, ...]:
     sizes = {n.name: n.bytes for n in captured.nodes}
     chosen = set(between)
     bounds = [0, *sorted(between), len(captured.nodes)]
-    for start, stop in zip(bounds, bounds[1:], strict=False):
+    for start, stop in itertools.pairwise(bounds):
         inside = [c for c in admissible if start < c < stop]
         if per_block <= 0 or not inside:
             continue

@@ -11,8 +11,8 @@ Memory conventions (all in bytes, tensor storages deduplicated, measured the sam
   it includes what the call leaves behind (its output, what autograd saves);
 * autograd's record of a stage run with grad (its *graph*) holds ``saved_bytes`` of tensors of its
   own, the stage's input when ``saves_input`` and its output when ``saves_output``: exactly what
-  autograd keeps for the backward, nothing more (a ``Linear`` saves its input, a ``Tanh`` its output,
-  a ``BatchNorm`` its input and statistics);
+  autograd keeps for the backward, nothing more (a ``Linear`` saves its input, a ``Tanh`` its
+  output, a ``BatchNorm`` its input and statistics);
 * parameter gradients are created by the backward: ``gradient_bytes`` of a stage are the gradients
   first created by its backward (a parameter shared by several stages is counted at the last of
   them, whose backward runs first), and ``weight_bytes`` the parameters first used by it, so sums
@@ -40,7 +40,8 @@ class Stage:
         saved_bytes: what autograd keeps for backward when the stage runs with grad, other than the
             stage's own input and output storages.
         saves_input: whether autograd also keeps the stage's input alive (a convolution does).
-        saves_output: whether autograd keeps the stage's output alive (Tanh, Sigmoid, in-place ReLU).
+        saves_output: whether autograd keeps the stage's output alive (Tanh, Sigmoid, in-place
+            ReLU).
         forward_peak_bytes: peak of a forward without grad, above what existed before it.
         forward_grad_peak_bytes: peak of a forward with grad (building the graph), likewise.
         backward_peak_bytes: peak of the stage's backward above what existed before it (the
@@ -64,6 +65,8 @@ class Stage:
             same storage in the input and the output).
         saved_inputs, saved_outputs: which input and output tensors the graph holds, when
             only some of them (None: all of them or none, as ``saves_input``/``saves_output``).
+        backward_peak_kept_bytes: the backward's peak when parameter gradients exist and are
+            added to in place (None: as ``backward_peak_bytes``).
     """
 
     name: str
@@ -86,6 +89,14 @@ class Stage:
     carried: tuple[tuple[int, int], ...] = ()
     saved_inputs: tuple[int, ...] | None = None
     saved_outputs: tuple[int, ...] | None = None
+    backward_peak_kept_bytes: int | None = None
+
+    def backward_peak(self, grads_exist: bool) -> int:
+        """The backward's peak when parameter gradients are created (held from then on) or,
+        with ``grads_exist``, added in place to existing ones as they are computed."""
+        if grads_exist and self.backward_peak_kept_bytes is not None:
+            return self.backward_peak_kept_bytes
+        return self.backward_peak_bytes
 
     @property
     def output_leaves(self) -> int:
@@ -212,6 +223,7 @@ class Chain:
                 [list(c) for c in s.carried],
                 s.saved_inputs,
                 s.saved_outputs,
+                s.backward_peak_kept_bytes,
             ]
             for s in self.stages
         ]

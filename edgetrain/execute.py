@@ -23,7 +23,8 @@ inputs and random-number state:
 * autocast: recomputations and the backward run under the autocast state of the forward;
 * inputs may be a tensor or a tuple, list or dict of tensors (only floating-point tensors carry
   gradients); stages may pass such structures between them;
-* under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs.
+* under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
+  when the plan stores everything (plain autograd's step, which holds no more than predicted).
 
 What is refused with one clear error (before any gradient, buffer or RNG state changes):
 
@@ -53,6 +54,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from edgetrain import progress
 from edgetrain.chain import Chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.memory import fixed_training_bytes
@@ -128,12 +130,13 @@ class Checkpointed(nn.Module):
         self._grads_exist: bool | None = None
         self._plan(sample_input, chain, schedule)
 
-    # -- planning ------------------------------------------------------------------------------------
+    # -- planning ----------------------------------------------------------------------------------
 
     def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
         self.chain = chain if chain is not None else profile(self.model, sample)
         self._signature = signature(sample)
         if schedule is None:
+            progress.note(f"planning {self.chain.length} stages of {self.chain.name}")
             schedule = plan_for_device(
                 self.chain,
                 self.strategy,
@@ -161,13 +164,14 @@ class Checkpointed(nn.Module):
                     worst,
                 )
         self._stages = _stage_modules(self.model, self.chain)
+        self._stores_everything = schedule.text() == store_all(self.chain).text()
         index_of = {id(p): i for i, p in enumerate(self._params)}
         self._stage_params = [stage_params(m, index_of) for m in self._stages]
 
     @property
     def grads_exist(self) -> bool:
-        """Whether the training loop keeps gradients between steps (the last step found them all
-        and added to them in place); before the first step, whether they exist now."""
+        """Whether the training loop keeps gradients between steps: whether the last step found
+        them all (and no hook on them); before the first step, whether they exist now."""
         if self._grads_exist is None:
             return _kept(p for p in self._params if p.requires_grad)
         return self._grads_exist
@@ -199,7 +203,7 @@ class Checkpointed(nn.Module):
         """Predicted peak of the whole step: :attr:`fixed_bytes` + the plan's ``peak_bytes``."""
         return self.fixed_bytes + self.cost.peak_bytes
 
-    # -- running -------------------------------------------------------------------------------------
+    # -- running -----------------------------------------------------------------------------------
 
     def forward(self, x: Any) -> Any:
         _refuse_hooks(self.module)
@@ -216,6 +220,11 @@ class Checkpointed(nn.Module):
             if self.model is not self.module:
                 self.model = as_stages(self.module, x)
             self._plan(x, None, None)
+        self._grads_exist = _kept(params)  # the loop this step runs in
+        if self._stores_everything:
+            # Every stage once with its graph, nothing recomputed: that is plain autograd, which
+            # holds no more than the plan predicts and pays no executor overhead.
+            return self.module(x)
         run = _Run(self, x)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
@@ -344,6 +353,7 @@ class _Run:
                     x,
                     needs_input_grad=needs,
                     params=self.net._stage_params[k],
+                    sink=self.receive,
                     stage=k,
                 )
             else:
@@ -359,20 +369,23 @@ class _Run:
         grad_out = self.grads.pop(k + 1)
         if k == 0 and not self.want_input:
             graph.inputs = [None] * len(graph.inputs)
-        graph.params = {i: e for i, e in graph.params.items() if i in self.wanted_params}
-        input_grads, param_grads = run_backward(graph, grad_out)
+        input_grads = run_backward(graph, grad_out, params=bool(self.wanted_params))
         del graph, grad_out
-        for index, grad in param_grads.items():
-            if index in self.in_place:
-                with torch.no_grad():
-                    self.in_place[index].add_(grad)
-                continue
-            known = self.param_grads.get(index)
-            # A parameter used by several stages: sum out of place (the first may alias another
-            # gradient that is still in use).
-            self.param_grads[index] = grad if known is None else known + grad
-        del param_grads
         self.grads[k] = input_grads
+
+    def receive(self, index: int, grad: torch.Tensor) -> None:
+        """A parameter's gradient from one stage, as autograd computes it: added in place to
+        its ``.grad`` when the loop keeps gradients (as autograd would), else kept, summed over
+        the stages that use the parameter, for autograd to take at the end of the step."""
+        if index not in self.wanted_params:
+            return
+        if index in self.in_place:
+            with torch.no_grad():
+                self.in_place[index].add_(grad)
+            return
+        known = self.param_grads.get(index)
+        # Out of place: the first gradient may alias another that is still in use.
+        self.param_grads[index] = grad if known is None else known + grad
 
     def _replay(self, k: int, module: nn.Module) -> AbstractContextManager[None]:
         """First run of stage k: remember its RNG state. Later runs: replay it, keep buffers."""
@@ -453,7 +466,9 @@ class _ScheduleFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, run: _Run, count: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, run: _Run, count: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         net = run.net
         schedule = net.schedule
         end = schedule.forward_phase_end
@@ -509,10 +524,7 @@ class _ScheduleFunction(torch.autograd.Function):
         run.wanted_params = {i for i, want in zip(param_index, needed[count:], strict=True) if want}
         # Gradients that exist, watched by no hook, which the caller's backward accumulates:
         # add to them in place as plain autograd does, and hand autograd nothing for them.
-        accumulate = [
-            _accumulates(ctx.next_functions[count + j][0])
-            for j in range(len(trainable))
-        ]
+        accumulate = [_accumulates(ctx.next_functions[count + j][0]) for j in range(len(trainable))]
         run.in_place = {
             i: p.grad
             for i, p, acc in zip(param_index, trainable, accumulate, strict=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from edgetrain import progress
 from edgetrain.models.linear_resnet import linear_resnet_chain
 from edgetrain.planners.search import tradeoff
 from edgetrain.profile import model_chain
@@ -51,14 +52,16 @@ class Curve:
 def curves(strategies: tuple[str, ...] = ("revolve", "optimal")) -> list[Curve]:
     """Every curve of the figure (20 chains × strategies)."""
     out: list[Curve] = []
-    for image, batch in SETTINGS:
-        for depth in DEPTHS:
-            resnet = model_chain(f"resnet{depth}", batch, image, timing=False)
-            chain = linear_resnet_chain(depth, resnet.weight_bytes, resnet.layer_output_bytes)
-            fixed = 4 * resnet.weight_bytes
-            for strategy in strategies:
-                points = tuple((rho, fixed + peak) for rho, peak in tradeoff(chain, strategy))
-                out.append(Curve(depth, image, batch, strategy, resnet.weight_bytes, points))
+    with progress.task("figure 1 curves", total=len(SETTINGS) * len(DEPTHS)) as step:
+        for image, batch in SETTINGS:
+            for depth in DEPTHS:
+                resnet = model_chain(f"resnet{depth}", batch, image, timing=False)
+                chain = linear_resnet_chain(depth, resnet.weight_bytes, resnet.layer_output_bytes)
+                fixed = 4 * resnet.weight_bytes
+                for strategy in strategies:
+                    points = tuple((rho, fixed + peak) for rho, peak in tradeoff(chain, strategy))
+                    out.append(Curve(depth, image, batch, strategy, resnet.weight_bytes, points))
+                step(detail=f"LinearResNet-{depth}, {image}x{image}, batch {batch}")
     return out
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from edgetrain import progress
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, storage_bytes, storage_key
@@ -153,18 +154,23 @@ def _profile(
     # identical stages (the repeated blocks of a ResNet) are profiled once.
     memo: dict[tuple[str, str, bool], tuple[_Measured, Any]] = {}
     index_of = {id(p): i for i, p in enumerate(model.parameters())}
-    with _preserved(model):
+    what = "measuring" if timer is not None else "sizing"
+    with _preserved(model), progress.task(f"{what} the stages of {type(model).__name__}") as done:
         groups = group_children(model, sample_input)
         x = sample_input
         needs_grad = any(t.requires_grad for t in leaves(sample_input))
         for index, (name, module, span) in enumerate(groups):
+            done(detail=name)
             key = (repr(module), signature(x), needs_grad)
             if timer is None and key in memo and not _shares_parameters(module, measured):
                 known, out = memo[key]
                 # The twin's parameters all got gradients, or none did: so do this one's.
                 trainable = {id(p) for p in module.parameters() if p.requires_grad}
                 result = _Measured(
-                    **{**known.__dict__, "param_grad_ids": trainable if known.param_grad_ids else set()}
+                    **{
+                        **known.__dict__,
+                        "param_grad_ids": trainable if known.param_grad_ids else set(),
+                    }
                 )
                 x = _empty_like(out)
             else:
@@ -214,6 +220,7 @@ class _Measured:
         self.forward_peak_bytes: int = values["forward_peak_bytes"]
         self.forward_grad_peak_bytes: int = values["forward_grad_peak_bytes"]
         self.backward_peak_bytes: int = values["backward_peak_bytes"]
+        self.backward_peak_kept_bytes: int = values["backward_peak_kept_bytes"]
         self.forward_seconds: float = values["forward_seconds"]
         self.backward_seconds: float = values["backward_seconds"]
         self.layer_output_bytes: int = values["layer_output_bytes"]
@@ -250,6 +257,7 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             forward_peak_bytes=r.forward_peak_bytes,
             forward_grad_peak_bytes=r.forward_grad_peak_bytes,
             backward_peak_bytes=r.backward_peak_bytes,
+            backward_peak_kept_bytes=r.backward_peak_kept_bytes,
             weight_bytes=weights[k],
             gradient_bytes=created[k],
             forward_seconds=r.forward_seconds,
@@ -288,6 +296,7 @@ def _profile_stage(
 ) -> tuple[_Measured, Any]:
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
+    buffers = {i: torch.zeros_like(p) for i, p in params.values()}  # gradients that exist
     with counter:
         base = counter.reset_peak()
         with layer_outputs:
@@ -302,18 +311,31 @@ def _profile_stage(
             saved.add(storage_key(t))
             return t
 
+        param_grads: dict[int, torch.Tensor] = {}
+
+        def held_sink(i: int, grad: torch.Tensor) -> None:
+            param_grads[i] = grad if i not in param_grads else param_grads[i] + grad
+
+        def kept_sink(i: int, grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                buffers[i].add_(grad)
+
         base = counter.reset_peak()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y, graph = run_forward_with_grad(
-                module, x, needs_input_grad=needs_grad, params=params, stage=index, name=name
+                module,
+                x,
+                needs_input_grad=needs_grad,
+                params=params,
+                sink=held_sink,
+                stage=index,
+                name=name,
             )
         forward_grad_peak = counter.peak_bytes - base
         in_keys = [storage_key(t) for t in leaves(x)]
         out_keys = [storage_key(t) for t in leaves(y)]
         # Output tensors passed through unchanged: the same storage as an input tensor.
-        carried = tuple(
-            (i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys
-        )
+        carried = tuple((i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys)
         new_out = [t for i, t in enumerate(leaves(y)) if i not in dict(carried)]
         new_saved_bytes = storage_bytes([t for t in new_out if storage_key(t) in saved])
         leaf_bytes = tuple(int(t.untyped_storage().nbytes()) for t in leaves(y))
@@ -330,12 +352,22 @@ def _profile_stage(
             for edge, t in zip(graph.outputs, leaves(out), strict=True)
         ]
         base = counter.reset_peak()
-        _, param_grads = run_backward(graph, grad_out)
+        run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
+        del graph
+        # Again, as in a loop that keeps gradients: each is added in place as it is computed.
+        y, graph = run_forward_with_grad(
+            module, x, needs_input_grad=needs_grad, params=params, sink=kept_sink, stage=index
+        )
+        del y
+        base = counter.reset_peak()
+        run_backward(graph, grad_out)
+        backward_peak_kept = counter.peak_bytes - base
     saves_input = bool(saved_in_leaves)
     several_in, several_out = len(in_keys) > 1, len(out_keys) > 1
     grad_ids = {id(p) for _, (i, p) in params.items() if i in param_grads}
-    del graph, grad_out, param_grads
+    del graph, grad_out
+    param_grads.clear()
 
     forward_seconds = backward_seconds = 0.0
     if timer is not None:
@@ -359,6 +391,7 @@ def _profile_stage(
         forward_peak_bytes=forward_peak,
         forward_grad_peak_bytes=forward_grad_peak,
         backward_peak_bytes=backward_peak,
+        backward_peak_kept_bytes=backward_peak_kept,
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
         layer_output_bytes=layer_outputs.bytes,

@@ -17,7 +17,8 @@ activations are ``a[0]`` (the input) .. ``a[L]`` (the output):
 
 The *forward phase* is everything before the first ``B``; it must have built the graph of the last
 stage, whose output is handed to the caller, who holds it until the step ends and computes the
-loss; the output's gradient, handed back by autograd, is held until the backward ends. The backward phase must run ``B L-1``, ``B L-2`` .. ``B 0`` in that order.
+loss; the output's gradient, handed back by autograd, is held until the backward ends. The
+backward phase must run ``B L-1``, ``B L-2`` .. ``B 0`` in that order.
 
 :func:`simulate` replays a schedule on a chain and returns its :class:`Cost`. Memory is counted the
 way the executor (:mod:`edgetrain.execute`) and autograd hold it: an activation's storage is held
@@ -289,13 +290,13 @@ def _replay(
     sizes = [0]
     pieces: list[list[int]] = [[0]]
     for stage in stages:
-        before = pieces[-1]
+        previous = pieces[-1]
         carried = dict(stage.carried)
         own: list[int] = []
         for leaf in range(stage.output_leaves):
             if leaf in carried:
                 j = carried[leaf]
-                own.append(before[j] if j < len(before) else 0)
+                own.append(previous[j] if j < len(previous) else 0)
             else:
                 sizes.append(stage.leaf_bytes[leaf] if stage.leaf_bytes else stage.output_bytes)
                 own.append(len(sizes) - 1)
@@ -370,7 +371,7 @@ def _replay(
                 in_backward = True
                 held += grad[n]
                 before = held
-            during = held + stage.backward_peak_bytes
+            during = held + stage.backward_peak(grads_exist)
             graph[k] = False
             # The output's gradient is autograd's to free, after the whole backward.
             held -= stage.saved_bytes + (grad[k + 1] if k + 1 < n else 0)

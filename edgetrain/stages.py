@@ -68,17 +68,20 @@ def differentiable(t: torch.Tensor) -> bool:
 
 @dataclass
 class StageGraph:
-    """What is kept of a stage run with grad: gradient edges only, never tensors.
+    """What is kept of a stage run with grad: never the stage's input or output tensors.
 
     Attributes:
         outputs: per output tensor, the edge its gradient enters by (None: needs no gradient).
-        inputs: per input tensor, the edge its gradient leaves by (None: none wanted).
-        params: per trainable parameter (by position in the executor's list), its edge.
+        inputs: per input tensor, a box its gradient lands in (None: none wanted).
+        input_anchor: the leaf the input taps hang from (backward towards it fills the boxes).
+        params: the stage's trainable parameters as leaves of their own (sharing storage with
+            them), whose gradient goes to the forward's sink as soon as autograd accumulates it.
     """
 
     outputs: list[GradientEdge | None]
-    inputs: list[GradientEdge | None]
-    params: dict[int, GradientEdge] = field(default_factory=dict)
+    inputs: list[list[torch.Tensor] | None]
+    input_anchor: torch.Tensor | None = None
+    params: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def differentiable(self) -> bool:
@@ -100,6 +103,7 @@ def run_forward_with_grad(
     *,
     needs_input_grad: bool | list[bool],
     params: dict[str, tuple[int, nn.Parameter]] | None = None,
+    sink: Any = None,
     stage: int = 0,
     name: str = "",
 ) -> tuple[Any, StageGraph]:
@@ -107,7 +111,8 @@ def run_forward_with_grad(
 
     ``needs_input_grad``: whether (each of) the input's tensors needs a gradient. ``params``: the
     stage's trainable parameters by their name in ``module`` (every name of a tied parameter),
-    with the executor's index for each; their gradients are returned by :func:`run_backward`.
+    with the executor's index for each; :func:`run_backward` hands each one's gradient to
+    ``sink(index, grad)`` as autograd computes it.
     """
     with torch.enable_grad():
         flat, spec = tree_flatten(x)
@@ -119,7 +124,7 @@ def run_forward_with_grad(
         )
         anchor = _anchor()
         tapped: list[Any] = []
-        input_edges: list[GradientEdge | None] = []
+        boxes: list[list[torch.Tensor] | None] = []
         position = 0
         for item in flat:
             if not isinstance(item, torch.Tensor):
@@ -128,60 +133,63 @@ def run_forward_with_grad(
             plain = item.detach()
             if wanted[position]:
                 view = _Tap.apply(anchor, plain)
+                box: list[torch.Tensor] = []
+                view.register_hook(box.append)
                 tapped.append(view)
-                input_edges.append(get_gradient_edge(view))
+                boxes.append(box)
             else:
                 tapped.append(plain)
-                input_edges.append(None)
+                boxes.append(None)
             position += 1
         aliases: dict[str, torch.Tensor] = {}
-        param_edges: dict[int, GradientEdge] = {}
         made: dict[int, torch.Tensor] = {}
         for pname, (index, param) in (params or {}).items():
             if index not in made:
-                made[index] = _Tap.apply(anchor, param.detach())
-                param_edges[index] = get_gradient_edge(made[index])
+                # A leaf of its own: autograd accumulates into it first thing, as into .grad.
+                made[index] = param.detach().requires_grad_()
+                made[index].register_post_accumulate_grad_hook(_handing_to(sink, index))
             aliases[pname] = made[index]
         inputs = tree_unflatten(tapped, spec)
         out = functional_call(module, aliases, (inputs,)) if aliases else module(inputs)
     _check_output(out, stage, name)
     output_edges = [get_gradient_edge(t) if t.requires_grad else None for t in leaves(out)]
-    return out, StageGraph(output_edges, input_edges, param_edges)
+    return out, StageGraph(output_edges, boxes, anchor, list(made.values()))
+
+
+def _handing_to(sink: Any, index: int) -> Any:
+    def hand(leaf: torch.Tensor) -> None:
+        grad, leaf.grad = leaf.grad, None
+        if sink is not None and grad is not None:
+            sink(index, grad)
+
+    return hand
 
 
 def run_backward(
     graph: StageGraph, grad_outputs: list[torch.Tensor | None], *, params: bool = True
-) -> tuple[list[torch.Tensor | None], dict[int, torch.Tensor]]:
+) -> list[torch.Tensor | None]:
     """Backpropagate through a stage's graph (once: it is freed).
 
-    Returns the gradient of each input tensor (None where none is wanted or none flows) and, when
-    ``params``, the gradient of each trainable parameter that received one.
+    Returns the gradient of each input tensor (None where none is wanted or none flows); when
+    ``params``, each trainable parameter's gradient goes to the forward's ``sink`` as soon as
+    autograd has it.
     """
     pairs = [
         (edge, grad)
         for edge, grad in zip(graph.outputs, grad_outputs, strict=True)
         if edge is not None and grad is not None
     ]
-    wanted_inputs = [edge for edge in graph.inputs if edge is not None]
-    wanted_params = list(graph.params.items()) if params else []
-    targets = wanted_inputs + [edge for _, edge in wanted_params]
-    if not pairs or not targets:
-        return [None] * len(graph.inputs), {}
-    result = torch.autograd.grad(
-        [edge for edge, _ in pairs],
-        targets,
-        grad_outputs=[grad for _, grad in pairs],
-        allow_unused=True,
-    )
+    targets: list[torch.Tensor] = []
+    if any(box is not None for box in graph.inputs) and graph.input_anchor is not None:
+        targets.append(graph.input_anchor)
+    if params:
+        targets.extend(graph.params)
+    if pairs and targets:
+        torch.autograd.backward(
+            [edge for edge, _ in pairs], grad_tensors=[grad for _, grad in pairs], inputs=targets
+        )
     del pairs
-    got = iter(result[: len(wanted_inputs)])
-    input_grads = [None if edge is None else next(got) for edge in graph.inputs]
-    param_grads = {
-        index: grad
-        for (index, _), grad in zip(wanted_params, result[len(wanted_inputs) :], strict=True)
-        if grad is not None
-    }
-    return input_grads, param_grads
+    return [None if box is None or not box else box.pop() for box in graph.inputs]
 
 
 def stage_params(
@@ -278,9 +286,7 @@ def _storages(value: Any) -> set[int]:
 
 def _detached(value: Any) -> Any:
     flat, spec = tree_flatten(value)
-    return tree_unflatten(
-        [t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
-    )
+    return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
 def _empty_like(value: Any) -> Any:

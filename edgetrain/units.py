@@ -6,6 +6,7 @@ as in the SI/IEC standards. The paper's tables use MB = 2**20 bytes; :data:`MB_P
 
 from __future__ import annotations
 
+import math
 import re
 
 from edgetrain.errors import InvalidInput
@@ -49,6 +50,8 @@ def parse_bytes(text: str | int | float) -> int:
                 "e.g. 2GB, 512MB, 1.5GiB or 4096"
             )
         value, unit = float(match.group(1)), match.group(2).lower()
+    if not math.isfinite(value * _FACTORS[unit]):
+        raise InvalidInput(f"size {text!r} is not a finite number of bytes; e.g. 2GB")
     size = int(value * _FACTORS[unit])
     if size <= 0:
         raise InvalidInput(f"size {text!r} must be positive; e.g. 2GB")

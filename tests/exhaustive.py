@@ -5,7 +5,8 @@ graphs, how far the backward has come) reachable by any operation, keeping each 
 within the budget, and returns the fastest schedule. Its memory count is written from the
 simulator's documented rules, independently of :func:`edgetrain.schedule.simulate`: an activation
 is held while our reference, a graph that saved it as input, or a graph that saved it as output
-refers to it; the caller holds the output, autograd its gradient; parameter gradients stay from their backward on.
+refers to it; the caller holds the output, autograd its gradient; parameter gradients stay
+from their backward on.
 Exponential in the chain length: for L <= 6.
 """
 

@@ -1,12 +1,16 @@
 """The CLI: JSON shapes, tables, and one-line errors with exit status 2 for user mistakes."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
 
 from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
+
+PROGRESS_LINE = re.compile(r"^\d\d:\d\d:\d\d edgetrain: ")
+"""A progress line on stderr (edgetrain.progress off a terminal): not part of the error."""
 
 
 def run(command: str, *extra: str):
@@ -17,12 +21,15 @@ def run(command: str, *extra: str):
 def test_memory_json_has_the_documented_shape():
     result = run("memory --models resnet18,resnet50 --batch 1,3,5 --image 224,500 --json")
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
-    assert data["unit"] == "MB"
+    data = json.loads(result.stdout)
+    assert data["device_memory_bytes"] == 2 * 2**30
     assert len(data["rows"]) == 12
     row = data["rows"][0]
-    assert {"model", "batch", "image", "total_mb", "fits", "paper_mb"} <= row.keys()
-    assert row["paper_mb"] == 230.05 and abs(row["error_percent"]) < 5
+    assert {"model", "batch", "image", "total_bytes", "fits", "paper_mib"} <= row.keys()
+    assert row["paper_mib"] == 230.05 and abs(row["error_percent"]) < 5
+    assert row["error_percent"] == pytest.approx(
+        100 * (row["total_bytes"] / 2**20 / row["paper_mib"] - 1), abs=0.01
+    )
     big = next(
         r
         for r in data["rows"]
@@ -39,8 +46,8 @@ def test_memory_table_marks_cells_above_the_device():
 
 def test_memory_measure_prints_measured_beside_predicted():
     result = run("memory --models resnet18 --batch 1 --image 64 --measure --json")
-    row = json.loads(result.output)["rows"][0]
-    assert row["measured_mb"] == pytest.approx(row["autograd_total_mb"], rel=0.10)
+    row = json.loads(result.stdout)["rows"][0]
+    assert row["measured_bytes"] == pytest.approx(row["autograd_total_bytes"], rel=0.10)
 
 
 @pytest.mark.parametrize(
@@ -56,10 +63,10 @@ def test_memory_measure_prints_measured_beside_predicted():
             ["plan", "--model", "resnet18", "--batch", "2", "--image", "64", "--memory", "145MB"],
             "smallest memory that works is",
         ),
-        (["plan", "--recompute", "0.5"], "below 1"),
+        (["plan", "--recompute", "0.5"], "0.5 is not in the range x>=1"),
         (["plan", "--memory", "2GB", "--recompute", "2"], "not both"),
-        (["revolve", "--steps", "0", "--slots", "3"], "at least 1"),
-        (["train", "--model", "resnet18", "--steps", "0"], "at least 1"),
+        (["revolve", "--steps", "0", "--slots", "3"], "0 is not in the range x>=1"),
+        (["train", "--model", "resnet18", "--steps", "0"], "0 is not in the range x>=1"),
         (["train", "--model", "yolov2-16", "--image", "64"], "no classifier"),
     ],
 )
@@ -67,6 +74,7 @@ def test_user_mistakes_exit_2_with_one_line(args, message):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
+    lines = [line for line in lines if not PROGRESS_LINE.match(line)]
     assert len(lines) == 1 and message in lines[0], result.output
     assert "Traceback" not in result.output
 
@@ -76,13 +84,13 @@ def test_plan_json_and_saved_plan_round_trip(tmp_path):
     result = run(
         "plan --model resnet18 --batch 2 --image 64 --recompute 1.5 --save", str(path), "--json"
     )
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert {"strategy", "peak_bytes", "recompute_factor", "stages"} <= data.keys()
     assert data["recompute_factor"] <= 1.5
     trained = run(
         "train --model resnet18 --batch 2 --image 64 --steps 2 --plan", str(path), "--json"
     )
-    report = json.loads(trained.output)
+    report = json.loads(trained.stdout)
     assert report["recompute_factor"] <= 1.5
     assert report["measured_over_predicted"] == pytest.approx(1.0, abs=0.02)
 
@@ -96,14 +104,26 @@ def test_train_refuses_a_corrupt_plan_file(tmp_path):
 
 
 def test_revolve_prints_pyrevolve_counts():
-    data = json.loads(run("revolve --steps 100000 --slots 10 --json").output)
+    data = json.loads(run("revolve --steps 100000 --slots 10 --json").stdout)
     assert data["forward_steps"] == data["optimal_forward_steps"] == 832040
 
 
+def _smallest_and_plain(setting: str) -> tuple[int, int]:
+    """The least device memory any plan needs (quoted by the budget error) and plain autograd's."""
+    plain = json.loads(run(f"plan {setting} --json").stdout)
+    refused = CliRunner().invoke(cli, [*f"plan {setting}".split(), "--memory", "141MB"])
+    assert refused.exit_code == 2, refused.output
+    smallest = int(re.search(r"\((\d+) bytes\)", refused.output).group(1))
+    return smallest, plain["peak_bytes"]
+
+
 def test_train_reports_measured_and_predicted_peak():
-    result = run("train --model resnet18 --batch 2 --image 64 --steps 2 --memory 161MB --json")
-    report = json.loads(result.output)
-    assert report["predicted_peak_bytes"] <= 161e6
+    # a budget between the least any plan needs and plain autograd: the plan must recompute
+    smallest, plain = _smallest_and_plain("--model resnet18 --batch 2 --image 64")
+    budget = (smallest + plain) // 2
+    result = run(f"train --model resnet18 --batch 2 --image 64 --steps 2 --memory {budget} --json")
+    report = json.loads(result.stdout)
+    assert report["predicted_peak_bytes"] <= budget
     assert report["measured_peak_bytes"] == pytest.approx(report["predicted_peak_bytes"], rel=0.02)
     assert report["plain_peak_bytes"] > report["predicted_peak_bytes"]
 
@@ -123,3 +143,67 @@ def test_the_demo_budget_is_feasible_and_below_plain_autograd():
     budget = parse_bytes(defaults["memory"])
     plain = fixed + simulate(chain, store_all(chain)).peak_bytes
     assert fixed + minimum_memory(chain) < budget < plain
+
+
+def _keys(data):
+    """Every key of a JSON document, at any depth."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield key
+            yield from _keys(value)
+    elif isinstance(data, list):
+        for value in data:
+            yield from _keys(value)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "memory --models resnet18 --batch 1 --image 64 --json",
+        "plan --model resnet18 --batch 2 --image 64 --recompute 1.3 --json",
+    ],
+)
+def test_json_sizes_name_their_unit(command):
+    data = json.loads(run(command).stdout)
+    keys = set(_keys(data))
+    assert not {k for k in keys if k.endswith("_mb") or k == "unit"}, keys
+    sizes = {k for k in keys if k.endswith("_bytes")}
+    assert sizes
+    rows = data.get("rows", [data])
+    for row in rows:
+        for key in sizes & row.keys():
+            assert row[key] is None or isinstance(row[key], int), (key, row[key])
+
+
+def test_plan_summary_says_what_a_store_all_plan_keeps():
+    # "at most 0 activations stored" was printed for a plan that keeps every graph
+    table_text = run("plan --model resnet18 --batch 2 --image 64 --memory 2GB").stdout
+    assert "0 activations" not in table_text
+    assert "keeps the graph of every stage (10), recomputes nothing" in " ".join(table_text.split())
+    data = json.loads(run("plan --model resnet18 --batch 2 --image 64 --memory 2GB --json").stdout)
+    assert data["graphs_kept"] == data["stages_total"] == len(data["stages"])
+    assert data["recomputed_stages"] == 0
+
+
+def test_plan_summary_counts_what_a_sparse_plan_keeps_and_recomputes():
+    setting = "--model resnet18 --batch 2 --image 64"
+    smallest, _ = _smallest_and_plain(setting)
+    data = json.loads(run(f"plan {setting} --json --memory {smallest}").stdout)
+    stages = data["stages"]
+    assert data["graphs_kept"] == sum(s["first_forward"] == "keep graph" for s in stages)
+    assert data["recomputed_stages"] == sum(s["recomputations"] > 0 for s in stages) > 0
+    assert data["max_checkpoints"] >= 1
+    assert f"recomputes {data['recomputed_stages']} stage" in data["summary"]
+
+
+def test_a_budget_error_quotes_a_total_the_plan_then_meets():
+    # the smallest memory an error quotes is a device total, as the table's predicted peak is
+    words = "plan --model resnet18 --batch 2 --image 64 --memory 145MB --json"
+    result = CliRunner().invoke(cli, words.split())
+    assert result.exit_code == 2
+    smallest = int(re.search(r"\((\d+) bytes\)", result.output).group(1))
+    data = json.loads(
+        run("plan --model resnet18 --batch 2 --image 64 --json --memory", str(smallest)).stdout
+    )
+    assert data["peak_bytes"] <= smallest
+    assert data["peak_bytes"] == data["fixed_bytes"] + data["activation_peak_bytes"]

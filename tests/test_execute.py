@@ -12,8 +12,8 @@ from torch import nn
 from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.execute import Checkpointed
 from edgetrain.measure import StorageCounter
-from edgetrain.models import build
 from edgetrain.memory import fixed_training_bytes
+from edgetrain.models import build
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
@@ -157,7 +157,7 @@ def test_schedule_saves_and_loads_and_a_foreign_plan_is_refused(tmp_path):
     again = Checkpointed(model, x, schedule=Schedule.load(path), chain=net.chain)
     assert again.schedule.text() == net.schedule.text()
     other = Checkpointed(build("resnet18"), torch.randn(2, 3, 32, 32), max_recompute=2.0)
-    with pytest.raises(InvalidSchedule, match="made for .* re-plan it"):
+    with pytest.raises(InvalidSchedule, match=r"made for .* re-plan it"):
         Checkpointed(model, x, schedule=other.schedule, chain=net.chain)
     path.write_text(path.read_text()[:-20])
     with pytest.raises(CorruptFile):

@@ -26,6 +26,12 @@ def test_parse_bytes_rejects_nonsense_with_the_accepted_forms(text):
         parse_bytes(text)
 
 
+@pytest.mark.parametrize("value", ["1e999", "1e400GB", float("inf"), float("nan")])
+def test_parse_bytes_rejects_sizes_that_are_not_finite(value):
+    with pytest.raises(InvalidInput, match="not a finite number of bytes"):
+        parse_bytes(value)
+
+
 def test_format_bytes_uses_binary_prefixes():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(2**31) == "2.00 GiB"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-COMMAND_MODULES = ("memory", "plan", "train", "figure", "revolve", "demo", "tiles", "models")
+COMMAND_MODULES = (
+    "memory", "plan", "train", "figure", "revolve", "demo", "tiles", "models", "insitu",
+)  # fmt: skip
 
 for _name in COMMAND_MODULES:
     # Commands whose module is not part of this build are simply not offered; an import error

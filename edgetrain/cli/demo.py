@@ -8,9 +8,10 @@
 from __future__ import annotations
 
 import click
-from rich.progress import track
 
+from edgetrain import progress
 from edgetrain.cli.main import register
+from edgetrain.cli.options import POSITIVE, SIZE_HELP, Size
 from edgetrain.cli.output import console, table
 from edgetrain.cli.train import run_training
 from edgetrain.memory import PAPER_DEPTHS, paper_cells, paper_estimate, to_mb
@@ -19,27 +20,33 @@ from edgetrain.units import format_bytes
 
 
 @click.command(name="demo")
-@click.option("--steps", default=4, show_default=True, type=int, help="Training steps.")
+@click.option("--steps", default=4, show_default=True, type=POSITIVE, help="Training steps.")
 @click.option(
     "--memory",
+    type=Size(),
     default="420MB",
     show_default=True,
-    help="Device memory for the ResNet-18 run (plain autograd needs about 510 MB).",
+    help=f"Device memory for the ResNet-18 run (plain autograd needs about 490 MiB; {SIZE_HELP}).",
 )
-@click.option("--batch", default=16, show_default=True, type=int)
-def demo(steps: int, memory: str, batch: int) -> None:
-    """Reproduce the paper's memory tables, then train ResNet-18 within a small budget."""
+@click.option("--batch", default=16, show_default=True, type=POSITIVE, help="Images per step.")
+def demo(steps: int, memory: int, batch: int) -> None:
+    """Reproduce the paper's memory tables, then train ResNet-18 within a small budget.
+
+    Models: ResNet-18..152 for the tables, ResNet-18 for the run. The tables are in the paper's
+    MB, which is 2^20 bytes (MiB); Table III in its GB (2^30 bytes).
+    """
     results: dict[tuple[str, int, int, int], tuple[float, float]] = {}
-    for name, depth, cell_batch, image, paper in track(
-        paper_cells(), description="tables", console=console, transient=True
-    ):
-        chain = model_chain(f"resnet{depth}", cell_batch, image, timing=False)
-        ours = to_mb(paper_estimate(chain).total_bytes)
-        results[(name, depth, cell_batch, image)] = (ours, paper)
+    paper_list = list(paper_cells())
+    with progress.task("paper tables I-III", total=len(paper_list)) as step:
+        for name, depth, cell_batch, image, paper in paper_list:
+            chain = model_chain(f"resnet{depth}", cell_batch, image, timing=False)
+            ours = to_mb(paper_estimate(chain).total_bytes)
+            results[(name, depth, cell_batch, image)] = (ours, paper)
+            step()
     for name, key, label, unit in (
-        ("I", "batch", "224x224, by batch", 1.0),
-        ("II", "image", "batch 1, by image side", 1.0),
-        ("III", "image", "batch 8, by image side (GB)", 1024.0),
+        ("I", "batch", "224x224, by batch, MB (= MiB, 2^20 bytes)", 1.0),
+        ("II", "image", "batch 1, by image side, MB (= MiB, 2^20 bytes)", 1.0),
+        ("III", "image", "batch 8, by image side, GB (= GiB, 2^30 bytes)", 1024.0),
     ):
         cells = {k: v for k, v in results.items() if k[0] == name}
         columns = sorted({k[2] if key == "batch" else k[3] for k in cells})
@@ -60,17 +67,16 @@ def demo(steps: int, memory: str, batch: int) -> None:
     (name, depth, cell_batch, image), (ours, paper) = worst
     console.print(
         f"largest error: Table {name}, ResNet-{depth}, batch {cell_batch}, {image}x{image}: "
-        f"{ours:.2f} MB vs {paper:.2f} MB ({100 * (ours / paper - 1):+.2f}%)\n"
+        f"{ours:.2f} MiB vs the paper's {paper:.2f} MB (its MB is a MiB) "
+        f"({100 * (ours / paper - 1):+.2f}%)\n"
     )
-    from edgetrain.cli.options import size
-
-    budget = size(memory)
     report = run_training(
-        "resnet18", budget, None, steps, batch, 224, "optimal", "momentum", 0.01, 0, progress=True
+        "resnet18", memory, None, steps, batch, 224, "optimal", "momentum", 0.01, 0, progress=True
     )
     console.print(
         table(
-            f"ResNet-18, batch {batch}, 224x224, {steps} steps of SGD+momentum in {memory}",
+            f"ResNet-18, batch {batch}, 224x224, {steps} steps of SGD+momentum "
+            f"in {format_bytes(memory)}",
             ["", "value"],
             [
                 ["plain autograd would need", format_bytes(float(report["plain_peak_bytes"]))],

@@ -2,25 +2,48 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import tempfile
 from dataclasses import asdict
+from pathlib import Path
 
 import click
 
 from edgetrain.cli.main import register
+from edgetrain.cli.options import FiniteRange, OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
 from edgetrain.figure1 import CLAIM_RHO, DEPTHS, DEVICE_BYTES, SETTINGS, Curve, claim, curves
 from edgetrain.units import format_bytes
 
+FORMATS = (".png", ".pdf", ".svg")
+"""The figure formats ``--out`` may name (matplotlib writes each by its suffix)."""
+
 
 @click.command(name="figure1")
-@click.option("--out", default="fig1.png", show_default=True, help="PNG file to write.")
-@click.option("--max-rho", default=3.0, show_default=True, type=float, help="Right end of x.")
+@click.option(
+    "--out",
+    type=OutputFile(*FORMATS),
+    default="fig1.png",
+    show_default=True,
+    help=f"Figure to write ({', '.join(FORMATS)}); its directory must exist.",
+)
+@click.option(
+    "--max-rho",
+    type=FiniteRange(min=1, min_open=True),
+    default=3.0,
+    show_default=True,
+    help="Right end of the x axis (above 1).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the curves and the claim as JSON.")
 def figure1(out: str, max_rho: float, as_json: bool) -> None:
-    """Peak memory vs recompute factor for LinearResNet-18..152 (paper Figure 1)."""
-    if max_rho <= 1:
-        raise InvalidInput("--max-rho must be above 1, e.g. 3")
+    """Peak memory vs recompute factor for LinearResNet-18..152 (paper Figure 1).
+
+    Models: the paper's LinearResNet-18, 34, 50, 101 and 152 (fixed, not selectable).
+    Sizes in GiB (2^30 bytes); the paper's "2 GB" device is 2 GiB.
+    """
+    _require_matplotlib()
     all_curves = curves()
     rows, verdict = claim(all_curves)
     _plot(all_curves, out, max_rho)
@@ -32,6 +55,7 @@ def figure1(out: str, max_rho: float, as_json: bool) -> None:
                 "claim_rho": CLAIM_RHO,
                 "claim_holds": verdict,
                 "claim_rows": [asdict(r) for r in rows],
+                "point_fields": ["recompute_factor", "total_bytes"],
                 "curves": [asdict(c) for c in all_curves],
             }
         )
@@ -55,16 +79,21 @@ def figure1(out: str, max_rho: float, as_json: bool) -> None:
     console.print(f"figure written to {out}")
 
 
-def _plot(all_curves: list[Curve], out: str, max_rho: float) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
+def _require_matplotlib() -> None:
+    """Fail before the minute of work when matplotlib is missing."""
+    if importlib.util.find_spec("matplotlib") is None:
         raise InvalidInput(
             "figure1 needs matplotlib; install it with: pip install 'edgetrain[plot]'"
-        ) from exc
+        )
+
+
+def _plot(all_curves: list[Curve], out: str, max_rho: float) -> None:
+    """Draw the four panels and write them to ``out`` atomically (temp file, then rename)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
     colours = dict(zip(DEPTHS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for ax, (image, batch), letter in zip(axes.flat, SETTINGS, "abcd", strict=True):
@@ -76,7 +105,12 @@ def _plot(all_curves: list[Curve], out: str, max_rho: float) -> None:
             style = "-" if curve.strategy == "optimal" else "--"
             label = f"LinearResNet-{curve.depth} ({curve.strategy})"
             ax.step(xs, ys, style, where="post", color=colours[curve.depth], label=label)
-        ax.axhline(DEVICE_BYTES / 2**30, color="black", linewidth=1, label="2 GB device")
+        ax.axhline(
+            DEVICE_BYTES / 2**30,
+            color="black",
+            linewidth=1,
+            label="2 GiB device (the paper's 2 GB)",
+        )
         ax.set_title(f"({letter}) {image}x{image}, batch {batch}")
         ax.set_yscale("log")
         ax.set_xlim(1, max_rho)
@@ -88,8 +122,17 @@ def _plot(all_curves: list[Curve], out: str, max_rho: float) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
     fig.suptitle("Peak memory vs recompute factor (solid: optimal plan, dashed: Revolve)")
     fig.tight_layout(rect=(0, 0.1, 1, 0.96))
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    target = Path(out)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, format=target.suffix.lstrip(".").lower())
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise InvalidInput(f"cannot write {out!r} ({exc.strerror}); pick another path") from exc
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
 
 
 register(figure1)

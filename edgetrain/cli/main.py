@@ -1,7 +1,10 @@
 """The ``edgetrain`` command: a thin layer over the library.
 
 Every command prints a rich table, or with ``--json`` the same data for machines. Mistakes a user
-can make end as one line on stderr naming the problem and the fix, with exit status 2.
+can make (a bad flag, value or path, checked before any work starts, or an EdgetrainError from the
+library) end as one line on stderr naming the problem and the fix, with exit status 2.
+Units: sizes are printed in binary units (KiB, MiB, GiB = 2^10, 2^20, 2^30 bytes); sizes typed
+in are read as written (``1MB`` = 10^6 bytes, ``1MiB`` = 2^20). Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -15,8 +18,29 @@ import click
 from edgetrain.errors import EdgetrainError
 
 
+def _usage_line(exc: click.UsageError) -> str:
+    """Click's message for a bad command line, on one line, with where to look for help."""
+    message = " ".join(exc.format_message().split())
+    where = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+    return f"edgetrain: error: {message}{where}"
+
+
 class _Group(click.Group):
-    """A click group that turns EdgetrainError into a one-line message and exit status 2."""
+    """A click group that turns EdgetrainError and click's usage errors (a bad flag or value)
+    into a one-line message and exit status 2."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            click.echo(_usage_line(exc), err=True)
+            sys.exit(2)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -24,12 +48,20 @@ class _Group(click.Group):
         except EdgetrainError as exc:
             click.echo(f"edgetrain: error: {exc}", err=True)
             sys.exit(2)
+        except click.UsageError as exc:
+            click.echo(_usage_line(exc), err=True)
+            sys.exit(2)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="edgetrain")
 def cli() -> None:
-    """Train neural networks on memory-limited edge devices."""
+    """Train neural networks on memory-limited edge devices.
+
+    Sizes are printed in binary units (MiB = 2^20 bytes, GiB = 2^30) and read as written:
+    --memory 1MB is 10^6 bytes, 1MiB is 2^20. Progress goes to stderr
+    (EDGETRAIN_PROGRESS=0 silences it).
+    """
 
 
 def register(command: Callable[..., Any] | click.Command) -> click.Command:

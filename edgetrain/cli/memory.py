@@ -6,8 +6,9 @@ from typing import Any
 
 import click
 
+from edgetrain import progress
 from edgetrain.cli.main import register
-from edgetrain.cli.options import int_list, name_list, size
+from edgetrain.cli.options import SIZE_HELP, IntList, ModelList, Size, model_names
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.memory import (
     OPTIMIZER_STATES,
@@ -16,25 +17,36 @@ from edgetrain.memory import (
     paper_value_mb,
     to_mb,
 )
-from edgetrain.models import canonical_name, check_image
+from edgetrain.models import check_image
 from edgetrain.profile import model_chain
-from edgetrain.units import format_bytes
+from edgetrain.units import format_bytes, mib
 
 
 @click.command()
 @click.option(
     "--models",
+    type=ModelList(),
     default="resnet18,resnet34,resnet50,resnet101,resnet152",
     show_default=True,
-    help="Comma-separated model names.",
+    help=f"Comma-separated models among {', '.join(model_names())} (the paper's values exist "
+    "for the ResNets).",
 )
-@click.option("--batch", default="1,3,5,10,30,50", show_default=True, help="Batch sizes.")
-@click.option("--image", default="224", show_default=True, help="Square image sides (pixels).")
+@click.option(
+    "--batch", type=IntList("batch"), default="1,3,5,10,30,50", show_default=True, help="Batches."
+)
+@click.option(
+    "--image",
+    type=IntList("image"),
+    default="224",
+    show_default=True,
+    help="Square image sides (pixels).",
+)
 @click.option(
     "--device-memory",
+    type=Size(),
     default="2GiB",
     show_default=True,
-    help="Device memory; cells above it are marked (the paper's 2 GB Waggle node).",
+    help=f"Device memory; cells above it are marked (the paper's 2 GB Waggle node; {SIZE_HELP}).",
 )
 @click.option(
     "--optimizer",
@@ -50,82 +62,80 @@ from edgetrain.units import format_bytes
 )
 @click.option(
     "--measure-limit",
+    type=Size(),
     default="3GiB",
     show_default=True,
     help="Measure only cells whose autograd prediction is below this.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (sizes in bytes) instead.")
 def memory(
-    models: str,
-    batch: str,
-    image: str,
-    device_memory: str,
+    models: list[str],
+    batch: list[int],
+    image: list[int],
+    device_memory: int,
     optimizer: str,
     measure: bool,
-    measure_limit: str,
+    measure_limit: int,
     as_json: bool,
 ) -> None:
     """Memory to train each model (the paper's Tables I-III, and what autograd really holds).
 
-    total_mb is the paper's accounting: 4 x weights (weights, gradients, two Adam buffers) plus
-    2 x batch x layer outputs (activations and their gradients). autograd_mb is what PyTorch
-    holds at the peak of a plain step on this kind of device.
+    total is the paper's accounting: 4 x weights (weights, gradients, two Adam buffers) plus
+    2 x batch x layer outputs (activations and their gradients). autograd is what PyTorch
+    holds at the peak of a plain step on this kind of device. The table is in MiB (2^20 bytes,
+    which is what the paper's tables call MB); --json gives bytes.
     """
-    names = [canonical_name(n) for n in name_list(models)]
-    batches = int_list(batch, "batch")
-    images = int_list(image, "image")
-    for name in names:
-        for side in images:
-            for b in batches:
+    for name in models:
+        for side in image:
+            for b in batch:
                 check_image(name, side, b)
-    device = size(device_memory)
-    limit = size(measure_limit)
-    assert device is not None and limit is not None
+    cells = [(name, side, b) for name in models for side in image for b in batch]
     rows: list[dict[str, Any]] = []
-    for name in names:
-        for side in images:
-            for b in batches:
-                rows.append(_row(name, b, side, device, optimizer, measure, limit))
+    with progress.task("memory table", total=len(cells)) as step:
+        for name, side, b in cells:
+            rows.append(_row(name, b, side, device_memory, optimizer, measure, measure_limit))
+            step(detail=f"{name}, batch {b}, {side}x{side}")
     if as_json:
-        emit_json({"unit": "MB", "device_memory_mb": round(to_mb(device), 2), "rows": rows})
+        emit_json({"device_memory_bytes": device_memory, "rows": rows})
         return
     columns = [
         "model",
         "batch",
         "image",
-        "fixed MB",
-        "activations MB",
-        "total MB",
-        "paper MB",
+        "fixed MiB",
+        "activations MiB",
+        "total MiB",
+        "paper MB (MiB)",
         "error",
-        "autograd MB",
+        "autograd MiB",
     ]
     if measure:
-        columns.append("measured MB")
+        columns.append("measured MiB")
     shown = []
     for r in rows:
         style = "[bold red]" if not r["fits"] else ""
-        cells = [
+        cells_shown = [
             r["model"],
             r["batch"],
             r["image"],
-            f"{r['weights_mb'] + r['gradients_mb'] + r['optimizer_mb']:.2f}",
-            f"{r['activations_mb'] + r['activation_gradients_mb']:.2f}",
-            f"{style}{r['total_mb']:.2f}",
-            "" if r["paper_mb"] is None else f"{r['paper_mb']:.2f}",
-            "" if r["paper_mb"] is None else f"{r['error_percent']:+.2f}%",
-            f"{r['autograd_total_mb']:.2f}",
+            f"{mib(r['weights_bytes'] + r['gradients_bytes'] + r['optimizer_bytes']):.2f}",
+            f"{mib(r['activations_bytes'] + r['activation_gradients_bytes']):.2f}",
+            f"{style}{mib(r['total_bytes']):.2f}",
+            "" if r["paper_mib"] is None else f"{r['paper_mib']:.2f}",
+            "" if r["paper_mib"] is None else f"{r['error_percent']:+.2f}%",
+            f"{mib(r['autograd_total_bytes']):.2f}",
         ]
         if measure:
-            cells.append("" if r.get("measured_mb") is None else f"{r['measured_mb']:.2f}")
-        shown.append(cells)
+            measured = r.get("measured_bytes")
+            cells_shown.append("" if measured is None else f"{mib(measured):.2f}")
+        shown.append(cells_shown)
     console.print(
         table(
-            "Memory to train (MB = 2^20 bytes)",
+            "Memory to train (MiB = 2^20 bytes; the paper's MB is the same unit)",
             columns,
             shown,
-            caption=f"red: above the device memory ({format_bytes(device)}); fixed: weights, "
-            "gradients, 2 Adam buffers; activations: layer outputs and their gradients; "
+            caption=f"red: above the device memory ({format_bytes(device_memory)}); fixed: "
+            "weights, gradients, 2 Adam buffers; activations: layer outputs and their gradients; "
             "total: paper accounting; autograd: plain PyTorch step with "
             f"{optimizer} on this device"
             + ("; measured: live tensor storages at the step's peak" if measure else ""),
@@ -136,6 +146,7 @@ def memory(
 def _row(
     name: str, batch: int, image: int, device: int, optimizer: str, measure: bool, limit: int
 ) -> dict[str, Any]:
+    """One cell: every size in bytes; ``paper_mib`` is the paper's value in its MB (= MiB)."""
     chain = model_chain(name, batch, image, timing=False)
     paper = paper_estimate(chain)
     real = autograd_estimate(chain, optimizer)
@@ -146,24 +157,24 @@ def _row(
         "model": name,
         "batch": batch,
         "image": image,
-        "total_mb": round(total, 2),
-        "weights_mb": round(to_mb(paper.weights_bytes), 2),
-        "gradients_mb": round(to_mb(paper.gradients_bytes), 2),
-        "optimizer_mb": round(to_mb(paper.optimizer_bytes), 2),
-        "activations_mb": round(to_mb(paper.activations_bytes), 2),
-        "activation_gradients_mb": round(to_mb(paper.activation_gradients_bytes), 2),
-        "paper_mb": reference,
+        "total_bytes": paper.total_bytes,
+        "weights_bytes": paper.weights_bytes,
+        "gradients_bytes": paper.gradients_bytes,
+        "optimizer_bytes": paper.optimizer_bytes,
+        "activations_bytes": paper.activations_bytes,
+        "activation_gradients_bytes": paper.activation_gradients_bytes,
+        "paper_mib": reference,
         "error_percent": None if reference is None else round(100 * (total / reference - 1), 2),
         "fits": paper.total_bytes <= device,
-        "autograd_total_mb": round(to_mb(real.total_bytes), 2),
+        "autograd_total_bytes": real.total_bytes,
     }
     if measure:
         measured = None
         if real.total_bytes <= limit:
             from edgetrain.measure_step import measure_training_step
 
-            measured = round(to_mb(measure_training_step(name, batch, image, optimizer)), 2)
-        row["measured_mb"] = measured
+            measured = int(measure_training_step(name, batch, image, optimizer))
+        row["measured_bytes"] = measured
     return row
 
 

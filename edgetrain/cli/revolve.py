@@ -7,6 +7,7 @@ import time
 import click
 
 from edgetrain.cli.main import register
+from edgetrain.cli.options import POSITIVE
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
 from edgetrain.planners.revolve import optimal_forward_steps, repetitions, revolve_steps
@@ -14,11 +15,16 @@ from edgetrain.schedule import Op
 
 
 @click.command(name="revolve")
-@click.option("--steps", type=int, required=True, help="Chain length l.")
-@click.option("--slots", type=int, required=True, help="Checkpoint slots s (the input takes one).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--steps", type=POSITIVE, required=True, help="Chain length l (at least 1).")
+@click.option(
+    "--slots", type=POSITIVE, required=True, help="Checkpoint slots s (the input takes one)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def revolve_command(steps: int, slots: int, as_json: bool) -> None:
-    """Plan Revolve for a homogeneous chain of STEPS stages with SLOTS slots and count it."""
+    """Plan Revolve for a homogeneous chain of STEPS stages with SLOTS slots and count it.
+
+    No model: the paper's homogeneous chain (every stage costs 1).
+    """
     if steps < 1 or slots < 1:
         raise InvalidInput("--steps and --slots must be at least 1")
     start = time.perf_counter()

@@ -8,6 +8,7 @@ import click
 
 from edgetrain.cli.main import register
 from edgetrain.cli.output import console, emit_json, table
+from edgetrain.devices.catalog import CLUSTERS
 from edgetrain.distributed.supported import CHAIN, TILE_MODELS
 from edgetrain.errors import InvalidInput
 from edgetrain.units import format_bytes
@@ -51,7 +52,7 @@ def _positive(value: float, name: str) -> None:
     "--profile",
     default="pi3-ethernet",
     show_default=True,
-    help="Cluster profile --groups auto optimises for (name or .json file).",
+    help=f"Cluster profile --groups auto optimises for: {', '.join(CLUSTERS)}, or a .json file.",
 )
 @click.option("--address", default="127.0.0.1", show_default=True, help="Address workers bind.")
 @click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds per op.")

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict
 
 import click
 import torch
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from edgetrain import progress as progress_api
 from edgetrain.cli.main import register
-from edgetrain.cli.options import size
+from edgetrain.cli.options import (
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_FLOAT,
+    RECOMPUTE,
+    SIZE_HELP,
+    InputFile,
+    ModelName,
+    Size,
+    resnet_names,
+)
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
 from edgetrain.execute import Checkpointed
@@ -22,12 +33,29 @@ from edgetrain.units import format_bytes
 
 
 @click.command(name="train")
-@click.option("--model", "model_name", default="resnet18", show_default=True)
-@click.option("--memory", default=None, help="Device memory for training, e.g. 512MB.")
-@click.option("--recompute", type=float, default=None, help="Largest recompute factor instead.")
-@click.option("--steps", default=5, show_default=True, type=int)
-@click.option("--batch", default=8, show_default=True, type=int)
-@click.option("--image", default=224, show_default=True, type=int)
+@click.option(
+    "--model",
+    "model_name",
+    type=ModelName(resnet_names(), reason="it has no classifier head; use tiles"),
+    default="resnet18",
+    show_default=True,
+    help="Model to train (the ResNets: they have a classifier head).",
+)
+@click.option(
+    "--memory",
+    type=Size(),
+    default=None,
+    help=f"Device memory for training, e.g. 512MB or 0.5GiB ({SIZE_HELP}).",
+)
+@click.option(
+    "--recompute",
+    type=RECOMPUTE,
+    default=None,
+    help="Largest recompute factor (at least 1) instead of --memory.",
+)
+@click.option("--steps", type=POSITIVE, default=5, show_default=True, help="Training steps.")
+@click.option("--batch", type=POSITIVE, default=8, show_default=True, help="Images per step.")
+@click.option("--image", type=POSITIVE, default=224, show_default=True, help="Image side (px).")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="optimal", show_default=True)
 @click.option(
     "--optimizer",
@@ -35,18 +63,21 @@ from edgetrain.units import format_bytes
     default="momentum",
     show_default=True,
 )
-@click.option("--lr", default=0.01, show_default=True, type=float)
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option(
+    "--lr", type=POSITIVE_FLOAT, default=0.01, show_default=True, help="Learning rate (> 0)."
+)
+@click.option("--seed", type=NON_NEGATIVE, default=0, show_default=True)
 @click.option(
     "--plan",
     "plan_path",
+    type=InputFile(),
     default=None,
     help="Run this saved plan (from `edgetrain plan --save`) instead of planning.",
 )
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (sizes in bytes) instead.")
 def train_command(
     model_name: str,
-    memory: str | None,
+    memory: int | None,
     recompute: float | None,
     steps: int,
     batch: int,
@@ -58,11 +89,16 @@ def train_command(
     plan_path: str | None,
     as_json: bool,
 ) -> None:
-    """Train on random images: profile, plan within the budget, run, and measure the peak."""
+    """Train on random images: profile, plan within the budget, run, and measure the peak.
+
+    Sizes are printed in MiB/GiB (2^20/2^30 bytes). Progress goes to stderr.
+    """
+    if memory is not None and recompute is not None:
+        raise InvalidInput("give --memory or --recompute, not both")
     schedule = Schedule.load(plan_path) if plan_path else None
     report = run_training(
         model_name,
-        size(memory),
+        memory,
         recompute,
         steps,
         batch,
@@ -71,7 +107,7 @@ def train_command(
         optimizer,
         lr,
         seed,
-        progress=not as_json,
+        progress=True,
         schedule=schedule,
     )
     if as_json:
@@ -91,7 +127,7 @@ def train_command(
                 ["loss first -> last", f"{report['first_loss']:.4f} -> {report['last_loss']:.4f}"],
             ],
             caption="memory: weights, gradients, optimizer state, buffers, input and activations; "
-            "measured as live tensor storages on the second step",
+            "measured as live tensor storages on the second step; MiB = 2^20 bytes",
         )
     )
 
@@ -111,42 +147,43 @@ def run_training(
     progress: bool,
     schedule: Schedule | None = None,
 ) -> dict[str, object]:
-    """Build, profile, plan and train; the report as a dict (also used by ``edgetrain demo``)."""
+    """Build, profile, plan and train; the report as a dict (also used by ``edgetrain demo``).
+
+    ``progress``: show progress on stderr (building, profiling, each step with its loss).
+    """
     if steps < 1:
         raise InvalidInput(f"--steps must be at least 1, got {steps}")
     if batch < 1:
         raise InvalidInput(f"--batch must be at least 1, got {batch}")
+    if lr <= 0:
+        raise InvalidInput(f"--lr must be above 0, got {lr}; e.g. --lr 0.01")
     name = canonical_name(model_name)
+    if not name.startswith("resnet"):
+        raise InvalidInput(f"{name} has no classifier head; train a resnet, or use tiles")
     check_image(name, image, batch)
-    torch.manual_seed(seed)
-    model = build(name)
-    sample = torch.randn(batch, 3, image, image)
-    state = OPTIMIZER_STATES[optimizer] * sum(
-        p.numel() * p.element_size() for p in model.parameters()
-    )
-    if name == "yolov2-16":
-        raise InvalidInput("yolov2-16 has no classifier head; train a resnet, or use tiles")
-    net = Checkpointed(
-        model,
-        sample,
-        memory_budget=memory,
-        max_recompute=recompute,
-        strategy=strategy,
-        reserve_bytes=state,
-        schedule=schedule,
-    )
-    classes = 1000
-    if progress:
-        with Progress(
-            TextColumn("training"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TextColumn("loss {task.fields[loss]:.4f}"),
-            TimeRemainingColumn(),
-            console=console,
-            transient=True,
-        ) as bar:
-            task = bar.add_task("train", total=steps, loss=float("nan"))
+    with contextlib.ExitStack() as stack:
+        if not progress:
+            stack.enter_context(progress_api.quiet())
+        progress_api.note(
+            f"building {name} and profiling it on this machine (batch {batch}, {image}x{image})"
+        )
+        torch.manual_seed(seed)
+        model = build(name)
+        sample = torch.randn(batch, 3, image, image)
+        state = OPTIMIZER_STATES[optimizer] * sum(
+            p.numel() * p.element_size() for p in model.parameters()
+        )
+        net = Checkpointed(
+            model,
+            sample,
+            memory_budget=memory,
+            max_recompute=recompute,
+            strategy=strategy,
+            reserve_bytes=state,
+            schedule=schedule,
+        )
+        classes = 1000
+        with progress_api.task(f"training {name}", total=steps) as step:
             result = train(
                 net,
                 tuple(sample.shape),
@@ -155,12 +192,8 @@ def run_training(
                 optimizer=optimizer,
                 lr=lr,
                 seed=seed,
-                on_step=lambda s, loss: bar.update(task, completed=s, loss=loss),
+                on_step=lambda _done, loss: step(detail=f"loss {loss:.4f}"),
             )
-    else:
-        result = train(
-            net, tuple(sample.shape), classes, steps, optimizer=optimizer, lr=lr, seed=seed
-        )
     report: dict[str, object] = {
         "model": name,
         "batch": batch,

@@ -69,8 +69,10 @@ class _Sizes:
     bwd_time: np.ndarray
 
 
-def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool) -> _Sizes:
+def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: bool) -> _Sizes:
     def up(values: list[int]) -> np.ndarray:
+        if nearest:
+            return np.array([math.floor(v / slot_bytes + 0.5) for v in values], dtype=np.int64)
         return np.array([math.ceil(v / slot_bytes) for v in values], dtype=np.int64)
 
     stages = chain.stages
@@ -86,7 +88,7 @@ def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool) -> _Sizes:
         pins_output=np.array([s.saves_whole_output for s in stages], dtype=bool),
         fwd_peak=up([s.forward_peak_bytes for s in stages]),
         fwd_grad_peak=up([s.forward_grad_peak_bytes for s in stages]),
-        bwd_peak=up([s.backward_peak_bytes for s in stages]),
+        bwd_peak=up([s.backward_peak(grads_exist) for s in stages]),
         held_grads=held,
         fwd_time=np.array([s.forward_seconds for s in stages], dtype=np.float64),
         bwd_time=np.array([s.backward_seconds for s in stages], dtype=np.float64),
@@ -97,11 +99,19 @@ class OptimalTable:
     """The filled dynamic-programming table for one chain and one slot size.
 
     ``time(m)`` is the least time of a whole training step within ``m`` slots; ``schedule(m)`` the
-    plan that achieves it. One table answers every budget up to ``slots`` slots.
+    plan that achieves it. One table answers every budget up to ``slots`` slots. Sizes are rounded
+    up (a plan always fits its budget) or, with ``nearest``, to the nearest slot (errors cancel
+    along long chains of small stages, and the plans must be checked with the simulator).
     """
 
     def __init__(
-        self, chain: Chain, slot_bytes: float, slots: int, *, grads_exist: bool = False
+        self,
+        chain: Chain,
+        slot_bytes: float,
+        slots: int,
+        *,
+        grads_exist: bool = False,
+        nearest: bool = False,
     ) -> None:
         if slot_bytes <= 0 or slots < 1:
             raise InvalidInput("the memory budget must be positive; give e.g. --memory 512MB")
@@ -115,7 +125,7 @@ class OptimalTable:
         self.slot_bytes = float(slot_bytes)
         self.slots = int(slots)
         self.grads_exist = grads_exist
-        self._z = _sizes(chain, self.slot_bytes, grads_exist)
+        self._z = _sizes(chain, self.slot_bytes, grads_exist, nearest)
         size = self.slots + 1
         # time[pin, s, t, m] and choice[pin, s, t, m]: -1 = graph first, j = checkpoint at j.
         self._time = np.full((2, n, n, size), np.inf)
@@ -326,6 +336,11 @@ def _fastest_within(
         table = OptimalTable(chain, slot_bytes, top, grads_exist=grads_exist)
         found = _fastest_fitting(table, memory_bytes, top)
         if found is None:
+            # Rounding up every size of a long chain can hide every plan; to the nearest slot
+            # the errors cancel (the simulator checks each plan).
+            near = OptimalTable(chain, slot_bytes, top, grads_exist=grads_exist, nearest=True)
+            found = _fastest_fitting(near, memory_bytes, top)
+        if found is None:
             # Coarse rounding can hide the smallest plans: the least-memory table has them.
             found = _fastest_fitting(_least_memory_table(chain, slots, grads_exist), memory_bytes)
         if found is None:
@@ -349,7 +364,10 @@ def _fastest_fitting(
             continue  # the same plan as a larger budget's
         tried.add(value)
         schedule = table.schedule(int(m))
-        if simulate(table.chain, schedule, grads_exist=table.grads_exist).peak_bytes <= memory_bytes:
+        if (
+            simulate(table.chain, schedule, grads_exist=table.grads_exist).peak_bytes
+            <= memory_bytes
+        ):
             return schedule
     return None
 
@@ -368,17 +386,18 @@ def _least_memory_table(chain: Chain, slots: int, grads_exist: bool) -> OptimalT
     return OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
 
 
-def minimum_memory(
-    chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
-) -> float:
+def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False) -> float:
     """The smallest activation budget (bytes) with which :func:`optimal` finds a plan: the least
     simulated peak of the plans of the least-memory table (and of storing everything)."""
-    best = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
-    table = _least_memory_table(chain, slots, grads_exist)
-    times = table.times()
-    for m in np.flatnonzero(np.isfinite(times))[:64]:
-        peak = simulate(chain, table.schedule(int(m)), grads_exist=grads_exist).peak_bytes
-        best = min(best, float(peak))
+    everything = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
+    best = everything
+    slot_bytes, count = resolution(chain, max(everything, 1), slots)
+    near = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist, nearest=True)
+    for table in (_least_memory_table(chain, slots, grads_exist), near):
+        times = table.times()
+        for m in np.flatnonzero(np.isfinite(times))[:64]:
+            peak = simulate(chain, table.schedule(int(m)), grads_exist=grads_exist).peak_bytes
+            best = min(best, float(peak))
     return best
 
 

@@ -1,0 +1,232 @@
+"""Evaluation: teacher vs student on held-out frames of this camera, and the store's numbers.
+
+Held-out frames are a second, independent stream of objects seen by the same synthetic camera
+(``SyntheticScene(seed, stream=1)``): never detected, tracked or stored. Each object wholly in
+view is cropped at its ground-truth box and classified by the teacher and by the student;
+accuracies are binned by the absolute off-axis angle. Label precision and recall compare the
+propagated labels of every tracked crop with ground truth: precision over the crops that got a
+label, recall over the crops of a real object. :func:`picture` draws sample frames with their
+tracks and the accuracy by angle as a PNG with Pillow.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+from PIL import Image, ImageDraw
+
+from edgetrain.insitu.detect import square_crop
+from edgetrain.insitu.network import INPUT
+from edgetrain.insitu.scene import MAX_ANGLE_DEG, SyntheticScene
+from edgetrain.insitu.store import Store
+from edgetrain.insitu.teacher import Teacher
+
+BIN_DEG = 15.0
+OFF_AXIS_DEG = 45.0  # "off-axis" in the summary: at least this far from the optical axis
+
+
+@dataclass(frozen=True)
+class AngleBin:
+    """Accuracy (fraction correct) of teacher and student on ``n`` held-out crops."""
+
+    from_deg: float
+    to_deg: float
+    n: int
+    teacher: float
+    student: float
+
+
+@dataclass(frozen=True)
+class Report:
+    """The eval report. Accuracies are fractions (None without ground truth); bytes are bytes."""
+
+    teacher_accuracy: float | None
+    student_accuracy: float | None
+    off_axis_teacher: float | None
+    off_axis_student: float | None
+    by_angle: list[AngleBin]
+    label_precision: float | None
+    label_recall: float | None
+    labelled_crops: int
+    tracked_crops: int
+    images: int
+    mean_image_bytes: float
+    stored_bytes: int
+    student_steps: int
+    student_total_steps: int
+    heldout_crops: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def heldout(
+    scene: SyntheticScene, frames: int, every: int = 2
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Ground-truth crops (INPUT x INPUT uint8) of held-out frames, labels and angles (degrees)."""
+    other = SyntheticScene(
+        scene.seed,
+        frames=frames,
+        width=scene.width,
+        height=scene.height,
+        classes=scene.classes,
+        fps=scene.fps,
+        stream=1,
+    )
+    crops, labels, angles = [], [], []
+    for index in range(30, frames, every):
+        frame = other.frame(index)
+        for truth in frame.truth:
+            if truth.inside:
+                crops.append(square_crop(frame.image, truth.box, INPUT))
+                labels.append(truth.label)
+                angles.append(truth.angle_deg)
+    return crops, np.array(labels), np.array(angles)
+
+
+def _predict(model: Any, crops: list[np.ndarray]) -> np.ndarray:
+    import torch
+
+    from edgetrain.insitu.network import to_input
+
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(crops), 256):
+            out.append(model(to_input(crops[start : start + 256])).argmax(dim=1).numpy())
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def label_quality(store: Store) -> tuple[float | None, float | None, int, int]:
+    """Precision and recall of the propagated labels against ground truth, and crop counts."""
+    crops = store.crops()
+    known = [c for c in crops if c[7] >= 0]
+    labelled = [c for c in crops if c[6] >= 0]  # a label on a crop of no real object is wrong
+    correct = sum(1 for c in labelled if c[6] == c[7])
+    precision = correct / len(labelled) if labelled else None
+    recall = correct / len(known) if known else None
+    return precision, recall, sum(1 for c in crops if c[6] >= 0), len(crops)
+
+
+def evaluate(
+    store: Store,
+    teacher: Teacher,
+    student: Any | None,
+    scene: SyntheticScene | None,
+    *,
+    heldout_frames: int | None = None,
+    student_steps: tuple[int, int] = (0, 0),
+) -> Report:
+    """The report for a store (``scene`` None: a real video, no ground truth)."""
+    by_angle: list[AngleBin] = []
+    teacher_acc = student_acc = off_t = off_s = None
+    n = 0
+    if scene is not None:
+        frames = heldout_frames or min(scene.frames, 1000)
+        crops, labels, angles = heldout(scene, frames)
+        n = len(crops)
+        t_pred = _predict(teacher.model, crops)
+        s_pred = _predict(student, crops) if student is not None else t_pred
+        t_ok, s_ok = t_pred == labels, s_pred == labels
+        teacher_acc, student_acc = float(t_ok.mean()), float(s_ok.mean())
+        off = np.abs(angles) >= OFF_AXIS_DEG
+        if off.any():
+            off_t, off_s = float(t_ok[off].mean()), float(s_ok[off].mean())
+        edges = np.arange(0.0, MAX_ANGLE_DEG + BIN_DEG, BIN_DEG)
+        for lo, hi in itertools.pairwise(edges):
+            mask = (np.abs(angles) >= lo) & (np.abs(angles) < hi)
+            if mask.any():
+                by_angle.append(
+                    AngleBin(
+                        float(lo),
+                        float(hi),
+                        int(mask.sum()),
+                        float(t_ok[mask].mean()),
+                        float(s_ok[mask].mean()),
+                    )
+                )
+    precision, recall, labelled, tracked = label_quality(store)
+    images = store.count()
+    stored = store.total_bytes()
+    return Report(
+        teacher_accuracy=teacher_acc,
+        student_accuracy=student_acc,
+        off_axis_teacher=off_t,
+        off_axis_student=off_s,
+        by_angle=by_angle,
+        label_precision=precision if scene is not None else None,
+        label_recall=recall if scene is not None else None,
+        labelled_crops=labelled,
+        tracked_crops=tracked,
+        images=images,
+        mean_image_bytes=stored / images if images else 0.0,
+        stored_bytes=stored,
+        student_steps=student_steps[0],
+        student_total_steps=student_steps[1],
+        heldout_crops=n,
+    )
+
+
+def picture(report: Report, store: Store, scene: SyntheticScene | None, path: Path) -> None:
+    """Sample frames with their tracks (left) and accuracy by angle (right), as a PNG."""
+    width, height = 320, 240
+    panels: list[Image.Image] = []
+    if scene is not None:
+        crops = store.crops()
+        frames = sorted({c[0] for c in crops})
+        picks = [frames[len(frames) * k // 4] for k in (1, 2, 3)] if len(frames) >= 4 else frames
+        for index in picks:
+            frame = scene.frame(index)
+            image = Image.fromarray(frame.image[..., ::-1].copy())
+            draw = ImageDraw.Draw(image)
+            for c in crops:
+                if c[0] != index:
+                    continue
+                color = (40, 220, 40) if c[6] >= 0 and c[6] == c[7] else (230, 40, 40)
+                if c[6] < 0:
+                    color = (200, 200, 200)
+                draw.rectangle(c[1:5], outline=color, width=2)
+                name = scene.class_names[c[6]] if c[6] >= 0 else "dropped"
+                draw.text((c[1], max(0, c[2] - 11)), f"t{c[5]} {name}", fill=color)
+            draw.text((4, 4), f"frame {index}", fill=(255, 255, 255))
+            panels.append(image.resize((width, height)))
+    chart = Image.new("RGB", (420, height * max(1, len(panels))), "white")
+    draw = ImageDraw.Draw(chart)
+    draw.text((10, 8), "accuracy on held-out frames by off-axis angle", fill="black")
+    draw.text((10, 22), "grey: teacher   blue: student", fill="black")
+    draw.text((10, 34), "frames: green label right, red wrong, grey track dropped", fill="black")
+    top, bottom = 64, chart.height - 40
+    if report.by_angle:
+        slot = (chart.width - 40) / len(report.by_angle)
+        for k, b in enumerate(report.by_angle):
+            x = 30 + k * slot
+            for j, (value, color) in enumerate(
+                ((b.teacher, (150, 150, 150)), (b.student, (40, 90, 220)))
+            ):
+                h = (bottom - top) * value
+                x0 = x + 6 + j * (slot - 12) / 2
+                draw.rectangle((x0, bottom - h, x0 + (slot - 12) / 2 - 2, bottom), fill=color)
+                draw.text((x0, bottom - h - 12), f"{100 * value:.0f}", fill="black")
+            draw.text((x + 6, bottom + 6), f"{b.from_deg:.0f}-{b.to_deg:.0f} deg", fill="black")
+    else:
+        draw.text((10, 60), "no ground truth (real video)", fill="black")
+    draw.line((28, top, 28, bottom), fill="black")
+    draw.line((28, bottom, chart.width - 10, bottom), fill="black")
+    left = Image.new("RGB", (width, chart.height), "white")
+    for k, p in enumerate(panels):
+        left.paste(p, (0, k * height))
+    out = Image.new("RGB", (width + chart.width, chart.height), "white")
+    out.paste(left, (0, 0))
+    out.paste(chart, (width, 0))
+    buffer = path.with_suffix(".tmp.png")
+    out.save(buffer, format="PNG")
+    buffer.replace(path)
+
+
+def resize_for_model(crop: np.ndarray) -> np.ndarray:
+    """A 224 x 224 crop at the classifiers' input size."""
+    return cv2.resize(crop, (INPUT, INPUT), interpolation=cv2.INTER_AREA)

@@ -1,0 +1,364 @@
+"""The node's local training set: 224 x 224 crops as WebP files, indexed in SQLite.
+
+Layout of a store directory::
+
+    store.sqlite     images (label, track, frame, time, confidence, source, file, sha256, bytes),
+                     crops (every tracked crop, labelled or not: what a resume skips), meta
+    images/<sha256[:20]>.webp
+
+Crash safety. A track's images are written first, each atomically (temporary file, fsync,
+rename), then its rows in one SQLite transaction. A crash before the commit leaves image files
+no row points to; :meth:`Store.open` deletes them (and stray temporary files) and reports how
+many. A row is never written before its image is on disk, so no row points to a missing file.
+Each row keeps its image's SHA-256: an image altered or torn later is detected when read,
+skipped and reported (:meth:`Store.images`), never trained on.
+
+Size cap. When the images exceed ``cap_bytes``, the store evicts the oldest image (by frame) of
+the label with the most images, until it fits: the set stays balanced across labels and the
+newest views are kept.
+
+Ground truth (synthetic scenes only) sits in the ``crops`` table's ``true_label`` column, read by
+evaluation only; the trainer reads the ``images`` table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from edgetrain.errors import CorruptFile, EdgetrainError, InvalidInput
+from edgetrain.insitu.files import DISK_FULL, DiskFull, write_files
+
+WEBP_QUALITY = 80  # Pillow WebP quality (<= 80); 224^2 crops of the synthetic scene average ~2 KB
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS images (
+    id INTEGER PRIMARY KEY,
+    file TEXT NOT NULL UNIQUE,
+    sha256 TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    label INTEGER NOT NULL,
+    track INTEGER NOT NULL,
+    frame INTEGER NOT NULL,
+    time REAL NOT NULL,
+    confidence REAL NOT NULL,
+    source TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS crops (
+    id INTEGER PRIMARY KEY,
+    frame INTEGER NOT NULL,
+    x0 INTEGER NOT NULL, y0 INTEGER NOT NULL, x1 INTEGER NOT NULL, y1 INTEGER NOT NULL,
+    track INTEGER NOT NULL,
+    label INTEGER NOT NULL,        -- the propagated label, -1 when the track was dropped
+    true_label INTEGER NOT NULL,   -- ground truth (synthetic scenes), -1 when unknown
+    angle REAL                     -- ground-truth off-axis angle, degrees (synthetic scenes)
+);
+CREATE INDEX IF NOT EXISTS crops_frame ON crops(frame);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class StoreError(EdgetrainError):
+    """The store cannot be used (not a store, or empty when images are needed)."""
+
+
+@dataclass(frozen=True)
+class Crop:
+    """One tracked crop waiting for its track's label.
+
+    ``image`` is the 224 x 224 x 3 uint8 crop (BGR); ``box`` is (x0, y0, x1, y1) in the frame;
+    ``confidence`` the teacher's top probability on it; ``vote`` whether it counted as a vote;
+    ``true_label``/``angle_deg`` ground truth when the scene knows it (-1 / None otherwise).
+    """
+
+    frame: int
+    seconds: float
+    box: tuple[int, int, int, int]
+    image: np.ndarray
+    confidence: float
+    teacher_label: int
+    vote: bool
+    true_label: int = -1
+    angle_deg: float | None = None
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """A row of the ``images`` table."""
+
+    id: int
+    file: str
+    sha256: str
+    bytes: int
+    label: int
+    track: int
+    frame: int
+    seconds: float
+    confidence: float
+    source: str
+
+
+@dataclass(frozen=True)
+class OpenReport:
+    """What :meth:`Store.open` cleaned up: image files without a row, temporary files."""
+
+    orphans_removed: int
+    temporaries_removed: int
+
+
+def encode_webp(image: np.ndarray) -> bytes:
+    """A BGR uint8 crop as WebP bytes at :data:`WEBP_QUALITY`."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(image[..., ::-1])).save(
+        buffer, format="WEBP", quality=WEBP_QUALITY, method=1
+    )
+    return buffer.getvalue()
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    """WebP (or any Pillow image) bytes to a BGR uint8 array; raises on a broken image."""
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = np.asarray(image.convert("RGB"))
+    return np.ascontiguousarray(rgb[..., ::-1])
+
+
+class Store:
+    """A store directory. Use :meth:`open`; close with :meth:`close` (or ``with``)."""
+
+    def __init__(self, directory: Path, db: sqlite3.Connection, cap_bytes: int | None) -> None:
+        self.directory = directory
+        self.images_dir = directory / "images"
+        self.db = db
+        self.cap_bytes = cap_bytes
+        self.evicted = 0
+
+    @classmethod
+    def open(
+        cls, directory: str | Path, *, cap_bytes: int | None = None, create: bool = True
+    ) -> tuple[Store, OpenReport]:
+        """Open (or create) a store and clean what an interrupted write left behind."""
+        path = Path(directory)
+        if path.exists() and not path.is_dir():
+            raise InvalidInput(f"store {path} is a file, not a directory; give a directory")
+        db_path = path / "store.sqlite"
+        if not db_path.exists() and not create:
+            raise StoreError(f"{path} is not an in-situ store (no store.sqlite); run `insitu run`")
+        try:
+            (path / "images").mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(db_path, isolation_level=None, timeout=30)
+            db.execute("PRAGMA journal_mode=DELETE")
+            db.execute("PRAGMA synchronous=FULL")
+            db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            if "disk" in str(exc) or "full" in str(exc):
+                raise DiskFull(f"no room to create the store in {path}; free space") from exc
+            raise CorruptFile(
+                f"{db_path} is not a readable SQLite database ({exc}); move it away to start a "
+                "new store"
+            ) from exc
+        except OSError as exc:
+            if exc.errno in DISK_FULL:
+                raise DiskFull(f"no room to create the store in {path}; free space") from exc
+            raise InvalidInput(f"cannot create the store in {path}: {exc.strerror}") from exc
+        store = cls(path, db, cap_bytes)
+        return store, store._clean()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _clean(self) -> OpenReport:
+        known = {row[0] for row in self.db.execute("SELECT file FROM images")}
+        orphans = temporaries = 0
+        for path in self.images_dir.iterdir():
+            if path.name.startswith("."):
+                path.unlink(missing_ok=True)
+                temporaries += 1
+            elif path.name not in known:
+                path.unlink(missing_ok=True)
+                orphans += 1
+        return OpenReport(orphans, temporaries)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            if "full" in str(exc) or "disk" in str(exc):
+                raise DiskFull(
+                    f"no room to write {self.directory / 'store.sqlite'} ({exc}); free space on "
+                    "the disk or lower --store-cap, then run again: what is stored is intact"
+                ) from exc
+            raise
+
+    # -- meta -----------------------------------------------------------------------------
+    def get(self, key: str, default: str | None = None) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return default if row is None else str(row[0])
+
+    def set(self, **values: object) -> None:
+        with self._transaction() as db:
+            self._set(db, values)
+
+    @staticmethod
+    def _set(db: sqlite3.Connection, values: dict[str, object]) -> None:
+        db.executemany(
+            "INSERT INTO meta(key, value) VALUES (?, ?) "
+            "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+            [(k, str(v)) for k, v in values.items()],
+        )
+
+    # -- writing --------------------------------------------------------------------------
+    def add_track(
+        self, track: int, crops: list[Crop], label: int | None, meta: dict[str, object]
+    ) -> int:
+        """Store a finished track: its images when it has a ``label``, its crops either way,
+        and ``meta`` in the same transaction. Returns the number of images written."""
+        files: list[tuple[Crop, str, str, int]] = []
+        if label is not None:
+            contents: dict[str, bytes] = {}
+            for crop in crops:
+                data = encode_webp(crop.image)
+                digest = hashlib.sha256(data).hexdigest()
+                name = f"{digest[:20]}.webp"
+                contents[name] = data
+                files.append((crop, name, digest, len(data)))
+            write_files(self.images_dir, contents)
+        with self._transaction() as db:
+            for crop, name, digest, size in files:
+                agrees = crop.vote and crop.teacher_label == label
+                db.execute(
+                    "INSERT OR IGNORE INTO images(file, sha256, bytes, label, track, frame, time,"
+                    " confidence, source) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        name,
+                        digest,
+                        size,
+                        label,
+                        track,
+                        crop.frame,
+                        crop.seconds,
+                        crop.confidence,
+                        "teacher" if agrees else "track",
+                    ),
+                )
+            db.executemany(
+                "INSERT INTO crops(frame, x0, y0, x1, y1, track, label, true_label, angle)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        c.frame,
+                        *c.box,
+                        track,
+                        -1 if label is None else label,
+                        c.true_label,
+                        c.angle_deg,
+                    )
+                    for c in crops
+                ],
+            )
+            self._set(db, meta)
+        self._evict()
+        return len(files)
+
+    def _evict(self) -> None:
+        if self.cap_bytes is None:
+            return
+        while self.total_bytes() > self.cap_bytes:
+            row = self.db.execute(
+                "SELECT id, file FROM images WHERE label = (SELECT label FROM images GROUP BY "
+                "label ORDER BY COUNT(*) DESC, label LIMIT 1) ORDER BY frame, id LIMIT 1"
+            ).fetchone()
+            if row is None:
+                return
+            with self._transaction() as db:
+                db.execute("DELETE FROM images WHERE id = ?", (row[0],))
+            (self.images_dir / row[1]).unlink(missing_ok=True)  # a crash here leaves an orphan
+            self.evicted += 1
+
+    # -- reading --------------------------------------------------------------------------
+    def total_bytes(self) -> int:
+        return int(self.db.execute("SELECT COALESCE(SUM(bytes), 0) FROM images").fetchone()[0])
+
+    def count(self) -> int:
+        return int(self.db.execute("SELECT COUNT(*) FROM images").fetchone()[0])
+
+    def rows(self) -> tuple[list[StoredImage], list[str]]:
+        """Every well-formed row, by id, and one line per malformed row that was skipped."""
+        good: list[StoredImage] = []
+        problems: list[str] = []
+        for raw in self.db.execute(
+            "SELECT id, file, sha256, bytes, label, track, frame, time, confidence, source "
+            "FROM images ORDER BY id"
+        ):
+            try:
+                row = StoredImage(
+                    int(raw[0]),
+                    str(raw[1]),
+                    str(raw[2]),
+                    int(raw[3]),
+                    int(raw[4]),
+                    int(raw[5]),
+                    int(raw[6]),
+                    float(raw[7]),
+                    float(raw[8]),
+                    str(raw[9]),
+                )
+            except (TypeError, ValueError):
+                problems.append(f"row {raw[0]}: malformed values")
+                continue
+            if row.label < 0 or len(row.sha256) != 64 or "/" in row.file:
+                problems.append(f"row {row.id}: malformed values")
+                continue
+            good.append(row)
+        return good, problems
+
+    def read(self, row: StoredImage) -> np.ndarray:
+        """The image of ``row``, verified against its checksum; raises CorruptFile if it fails."""
+        path = self.images_dir / row.file
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise CorruptFile(f"image {row.file} of row {row.id} is missing") from exc
+        if hashlib.sha256(data).hexdigest() != row.sha256:
+            raise CorruptFile(f"image {row.file} of row {row.id} fails its checksum")
+        try:
+            return decode_image(data)
+        except Exception as exc:
+            raise CorruptFile(f"image {row.file} of row {row.id} does not decode") from exc
+
+    def crops(self) -> list[tuple[int, int, int, int, int, int, int, int, float | None]]:
+        """Every tracked crop: (frame, x0, y0, x1, y1, track, label, true_label, angle)."""
+        return [
+            tuple(r)
+            for r in self.db.execute(  # type: ignore[misc]
+                "SELECT frame, x0, y0, x1, y1, track, label, true_label, angle "
+                "FROM crops ORDER BY id"
+            )
+        ]
+
+    def seen_boxes(self, frame: int) -> list[tuple[int, int, int, int]]:
+        """Boxes of crops already stored for ``frame`` (a resumed run skips them)."""
+        return [
+            (int(r[0]), int(r[1]), int(r[2]), int(r[3]))
+            for r in self.db.execute("SELECT x0, y0, x1, y1 FROM crops WHERE frame = ?", (frame,))
+        ]

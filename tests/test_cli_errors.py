@@ -1,0 +1,186 @@
+"""Every bad path or flag a user can type: one line naming it, exit status 2, before any work.
+
+"Before any work" is checked by timing: each refusal comes back in well under the second that
+building the smallest chain takes; ``figure1``'s 50 s of curves must not run before ``--out`` is
+refused.
+"""
+
+import os
+import re
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
+from edgetrain.cli.main import cli
+
+PROGRESS_LINE = re.compile(r"^\d\d:\d\d:\d\d edgetrain: ")
+QUICK = "--model resnet18 --batch 2 --image 64"
+
+
+def refused(args: list[str]) -> str:
+    """Run ``edgetrain args``; assert exit 2, one line and no traceback; return the line."""
+    start = time.perf_counter()
+    result = CliRunner().invoke(cli, args)
+    seconds = time.perf_counter() - start
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert not any(PROGRESS_LINE.match(line) for line in lines), "work started: " + result.output
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("edgetrain: error: ")
+    assert seconds < 5, f"refused only after {seconds:.1f} s"
+    return lines[0]
+
+
+@pytest.fixture
+def existing_file(tmp_path):
+    path = tmp_path / "good.json"
+    path.write_text("{}")
+    return path
+
+
+@pytest.mark.parametrize("command", ["plan " + QUICK + " --save", "figure1 --out"])
+def test_an_output_under_a_file_is_refused(command, existing_file):
+    target = existing_file / ("p.json" if command.startswith("plan") else "fig.png")
+    line = refused([*command.split(), str(target)])
+    assert "is a file, not a directory" in line and str(existing_file) in line
+
+
+@pytest.mark.parametrize("command", ["plan " + QUICK + " --save", "figure1 --out"])
+def test_a_missing_directory_is_named_and_not_created(command, tmp_path):
+    missing = tmp_path / "no" / "such"
+    target = missing / ("p.json" if command.startswith("plan") else "fig.png")
+    line = refused([*command.split(), str(target)])
+    assert "does not exist" in line and str(missing) in line
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+@pytest.mark.parametrize("command", ["plan " + QUICK + " --save", "figure1 --out"])
+def test_a_directory_that_takes_no_files_is_refused(command):
+    target = "/proc/p.json" if command.startswith("plan") else "/proc/fig.png"
+    assert "cannot write in '/proc'" in refused([*command.split(), target])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_directory_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert "cannot write in" in refused(["plan", "--save", str(locked / "p.json")])
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["figure1", "--out", "fig.txt"], "must end in .png or .pdf or .svg (not .txt)"),
+        (["plan", "--save", "plan.yaml"], "must end in .json (not .yaml)"),
+        (["plan", "--save", "plan"], "must end in .json; e.g. plan.json"),
+    ],
+)
+def test_an_output_format_the_command_does_not_write_is_refused(args, message):
+    assert message in refused(args)
+
+
+def test_an_output_that_is_a_directory_is_refused(tmp_path):
+    folder = tmp_path / "out.png"
+    folder.mkdir()
+    assert "is a directory" in refused(["figure1", "--out", str(folder)])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--plan", "/no/such/plan.json"], "does not exist"),
+        (["train", "--plan", "/"], "is not a file"),
+    ],
+)
+def test_a_plan_to_read_must_be_a_readable_file(args, message):
+    assert message in refused(args)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--lr", "-1"], "'--lr': -1.0 is not in the range x>0"),
+        (["train", "--lr", "0"], "'--lr'"),
+        (["train", "--batch", "0"], "'--batch'"),
+        (["train", "--image", "-5"], "'--image'"),
+        (["train", "--seed", "-1"], "'--seed'"),
+        (["train", "--recompute", "0.5"], "'--recompute'"),
+        (["train", "--memory", "0"], "must be positive"),
+        (["train", "--memory", "-1GB"], "cannot read size"),
+        (["train", "--memory", "1GB", "--recompute", "2"], "not both"),
+        (["train", "--model", "vgg16"], "unknown model 'vgg16'; choose one of resnet18"),
+        (["train", "--model", "yolov2-16"], "no classifier head"),
+        (["plan", "--model", "unet"], "does not support unet (it is not an nn.Sequential chain"),
+        (["train", "--model", "resnet18-module"], "does not support resnet18-module"),
+        (["plan", "--batch", "-1"], "'--batch'"),
+        (["plan", "--image", "0"], "'--image'"),
+        (["plan", "--memory", "12 parsecs"], "cannot read size"),
+        (["plan", "--model", "resnet1"], "unknown model"),
+        (["plan", "--strategy", "magic"], "'--strategy'"),
+        (["plan", "--recompute", "x"], "'--recompute'"),
+        (["plan", "--recompute", "nan"], "'nan' is not a finite number"),
+        (["plan", "--recompute", "inf"], "'--recompute'"),
+        (["plan", "--memory", "1e999"], "not a finite number of bytes"),
+        (["train", "--lr", "nan"], "'--lr'"),
+        (["train", "--lr", "inf"], "'--lr'"),
+        (["figure1", "--max-rho", "nan"], "'--max-rho'"),
+        (["memory", "--batch", "1,-3"], "at least 1"),
+        (["memory", "--image", "2x2"], "whole number"),
+        (["memory", "--models", " , "], "at least one model"),
+        (["memory", "--models", "resnet18,alexnet"], "unknown model 'alexnet'"),
+        (["memory", "--device-memory", "0"], "must be positive"),
+        (["memory", "--measure-limit", "lots"], "cannot read size"),
+        (["revolve", "--steps", "-2", "--slots", "3"], "'--steps'"),
+        (["revolve", "--steps", "10", "--slots", "0"], "'--slots'"),
+        (["revolve", "--steps", "10"], "Missing option '--slots'"),
+        (["figure1", "--max-rho", "1"], "'--max-rho'"),
+        (["demo", "--steps", "0"], "'--steps'"),
+        (["demo", "--batch", "-1"], "'--batch'"),
+        (["demo", "--memory", "2XB"], "cannot read size"),
+        (["plan", "--no-such-flag"], "No such option"),
+        (["no-such-command"], "No such command"),
+    ],
+)
+def test_a_bad_flag_is_one_line_and_exit_2(args, message):
+    assert message in refused(args)
+
+
+def test_model_aliases_are_still_accepted(tmp_path):
+    result = CliRunner().invoke(
+        cli, ["plan", "--model", "ResNet_18", "--batch", "2", "--image", "64", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert '"model": "resnet18"' in result.stdout
+
+
+@pytest.mark.parametrize("command", ["plan", "train", "memory", "tiles"])
+def test_help_lists_the_models_the_command_supports(command):
+    from edgetrain.models import SEQUENTIAL_NAMES
+
+    text = CliRunner().invoke(cli, [command, "--help"]).output
+    supported = {
+        "plan": SEQUENTIAL_NAMES,
+        "train": [n for n in SEQUENTIAL_NAMES if n.startswith("resnet")],
+        "memory": SEQUENTIAL_NAMES,
+        "tiles": ["yolov2-16"],
+    }[command]
+    for name in supported:
+        assert name in text, (command, name)
+    if command == "train":
+        assert "yolov2-16" not in text
+
+
+def test_tiles_help_lists_the_device_profiles():
+    from edgetrain.devices import CLUSTERS
+
+    text = " ".join(CliRunner().invoke(cli, ["tiles", "--help"]).output.split())
+    for name in CLUSTERS:
+        assert name in text

@@ -1,0 +1,102 @@
+"""``edgetrain insitu run`` / ``eval`` end to end on a tiny synthetic scene, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgetrain.insitu.student import CHECKPOINT
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "--synthetic", "--frames", "250", "--classes", "3", "--epochs", "1", "--max-batch", "8",
+    "--threads", "1", "--idle-threshold", "1", "--teacher-views", "150", "--minutes", "5",
+]  # fmt: skip
+
+
+def edgetrain(args: list[str], cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "EDGETRAIN_CACHE_DIR": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-c", "from edgetrain.cli.main import main; main()", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> tuple[Path, dict]:
+    store = tmp_path_factory.mktemp("run") / "store"
+    first = edgetrain(["insitu", "run", *SMALL, "--store", str(store), "--json"], cache)
+    assert first.returncode == 0, first.stderr[-3000:]
+    return store, json.loads(first.stdout)
+
+
+def test_run_reports_then_a_rerun_resumes_without_storing_anything_twice(
+    first_run: tuple[Path, dict], cache: Path
+) -> None:
+    store, report = first_run
+    for key in ("teacher_accuracy", "student_accuracy", "label_precision", "label_recall"):
+        assert 0.0 <= report[key] <= 1.0
+    assert report["images"] > 0 and 0 < report["mean_image_bytes"] <= 10_000
+    assert report["by_angle"] and set(report["by_angle"][0]) == {
+        "from_deg", "to_deg", "n", "teacher", "student",
+    }  # fmt: skip
+    assert report["video_finished"] and report["training_finished"]
+    assert report["measured_peak_bytes"] <= report["memory_bytes"]
+    assert (store / "insitu.png").read_bytes()[:4] == b"\x89PNG"
+    again = edgetrain(["insitu", "run", *SMALL, "--store", str(store), "--json"], cache)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = json.loads(again.stdout)
+    assert resumed["images"] == report["images"]
+    assert resumed["tracked_crops"] == report["tracked_crops"]
+    assert resumed["student_steps"] == report["student_steps"] == report["student_total_steps"]
+    evaluated = edgetrain(["insitu", "eval", "--store", str(store), "--json"], cache)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert json.loads(evaluated.stdout)["student_accuracy"] == report["student_accuracy"]
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], text: str) -> None:
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgetrain: error:") and text in lines[0]
+
+
+def test_bad_input_ends_in_one_line_and_exit_2(tmp_path: Path, cache: Path) -> None:
+    bad = tmp_path / "clip.avi"
+    bad.write_bytes(b"garbage")
+    store = tmp_path / "s"
+    _one_line_error(
+        edgetrain(["insitu", "run", "--video", str(bad), "--store", str(store)], cache),
+        "cannot read video",
+    )
+    assert not store.exists()  # nothing was created before the check
+    _one_line_error(edgetrain(["insitu", "eval", "--store", str(tmp_path)], cache), "not an")
+    _one_line_error(
+        edgetrain(["insitu", "run", *SMALL, "--memory", "100KB", "--store", str(store)], cache),
+        "give more --memory",
+    )
+
+
+def test_a_corrupt_checkpoint_is_one_line_and_the_store_survives(
+    first_run: tuple[Path, dict], tmp_path: Path, cache: Path
+) -> None:
+    store = tmp_path / "store"
+    shutil.copytree(first_run[0], store)
+    images = sorted(p.name for p in (store / "images").iterdir())
+    (store / CHECKPOINT).write_bytes(b"edgetrain-state sha256=00 bytes=3\nabc")
+    _one_line_error(edgetrain(["insitu", "run", *SMALL, "--store", str(store)], cache), "checksum")
+    assert sorted(p.name for p in (store / "images").iterdir()) == images
