@@ -217,7 +217,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "simulate-ignores-backward-peak",
         "edgetrain/schedule.py",
-        "during = held + stage.backward_peak_bytes",
+        "during = held + stage.backward_peak(grads_exist)",
         "during = held",
         SIMULATOR_TESTS,
         "the simulator ignores a backward's transient peak",
