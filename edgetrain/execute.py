@@ -38,9 +38,13 @@ What is refused with one clear error (before any gradient, buffer or RNG state c
 Memory: what the step holds above what it started with (weights, buffers, input, and gradients if
 they exist) is the plan's ``Cost.peak_bytes`` for the sample input's shape, as counted by
 :class:`~edgetrain.measure.StorageCounter`, in both training loops (``zero_grad()`` setting
-gradients to ``None``, PyTorch's default, or keeping them): the parameter gradients a step creates
-are handed to autograd at the end of its backward. An input of another shape is planned for anew
-(``on_new_shape="replan"``, the default) or refused (``"error"``).
+gradients to ``None``, PyTorch's default, or keeping them): each parameter gradient leaves its
+stage as soon as autograd computes it, and is added in place to an existing ``.grad`` (kept
+gradients) or held, summed over the stages that use the parameter, for autograd to take at the
+end of the backward (``None`` gradients). An input of another shape is planned for anew
+(``on_new_shape="replan"``, the default) or refused (``"error"``). The loss the caller computes between the forward and the backward is the caller's: what it holds
+(for ``cross_entropy`` about twice the output's bytes, more for a large output such as a language
+model's logits) comes on top; leave room for it with ``reserve_bytes``.
 """
 
 from __future__ import annotations
