@@ -238,7 +238,7 @@ def _analysis(captured: Captured) -> _Analysis:
     live: dict[str, None] = {}
     for name, last in zip(captured.inputs, captured.input_last_use, strict=True):
         live[name] = None
-        dying.setdefault(last, []).append(name)
+        dying.setdefault(max(last, 0), []).append(name)  # an unused input dies at once
     table = [captured.inputs]
     base = _bases(captured)
     last_write = _last_writes(captured, base)

@@ -347,3 +347,17 @@ def test_live_values_match_the_definition_on_the_fx_graph(name, make, make_input
             and any(u.op == "output" or position.get(u, -1) >= cut for u in v.users)
         )
         assert live_values(captured, cut) == expected, cut
+
+
+class IgnoresItsSecondInput(nn.Module):
+    def forward(self, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * 2)
+
+
+def test_an_unused_input_is_not_live_after_the_start():
+    captured = capture(IgnoresItsSecondInput(), (torch.randn(2), torch.randn(3)))
+    assert live_values(captured, 0) == ("x", "unused")
+    assert live_values(captured, 1) == ("mul",)
+    net = segments(captured, [1])
+    x = torch.randn(2)
+    assert torch.equal(net((x, torch.randn(3))), torch.tanh(x * 2))
