@@ -144,6 +144,7 @@ def bench_model(name: str, batch: int, size: int, args: argparse.Namespace) -> l
             model.__class__ = type(f"{type(base).__name__}_budget_{budget:g}", (type(base),), {})
             compiled = torch.compile(model)
             step = _training_step(compiled, list(model.parameters()), x)
+            _progress(f"{name}: compiling at activation_memory_budget={budget:g}")
             start = time.perf_counter()
             with torch._functorch.config.patch(activation_memory_budget=budget):
                 step()  # compiles forward and backward with this budget
@@ -177,6 +178,7 @@ def bench_model(name: str, batch: int, size: int, args: argparse.Namespace) -> l
             with counter:
                 step()
             counted[config] = counter.peak_bytes
+    _progress(f"{name}: timing {len(configs)} configurations, {args.rounds} rounds")
     times = interleaved_medians(configs, rounds=args.rounds, warmup=0)
 
     rows = []
@@ -201,6 +203,10 @@ def bench_model(name: str, batch: int, size: int, args: argparse.Namespace) -> l
             }
         )
     return rows
+
+
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _peak(step: Callable[[], None], repeats: int) -> int:
