@@ -134,7 +134,7 @@ class Captured:
         index = self._cache.get("index")
         if index is None:
             index = self._cache["index"] = {n.name: i for i, n in enumerate(self.nodes)}
-        return index  # type: ignore[no-any-return]
+        return index
 
 
 def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> Captured:
