@@ -195,7 +195,9 @@ def bench_model(name: str, batch: int, size: int, args: argparse.Namespace) -> l
                 "step_s": step_s,
                 "step/plain": step_s / times["plain"] if step_s else None,
                 "step/compile@1": (
-                    step_s / reference if step_s and reference and config.startswith("c") else None
+                    step_s / reference
+                    if step_s and reference and config.startswith("compile")
+                    else None
                 ),
                 "compile_s": compile_s.get(config),
                 "weights_MiB": weights / MiB,
