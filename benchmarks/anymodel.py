@@ -155,6 +155,7 @@ def bench_model(name: str, batch: int, size: int, args: argparse.Namespace) -> l
             model.__class__ = type(f"{type(base).__name__}_budget_{budget:g}", (type(base),), {})
             compiled = torch.compile(model)
             step = _training_step(compiled, list(model.parameters()), x)
+            _progress(f"{name}: compiling at activation_memory_budget={budget:g}")
             start = time.perf_counter()
             with torch._functorch.config.patch(activation_memory_budget=budget):
                 step()  # compiles forward and backward with this budget
@@ -188,6 +189,7 @@ def bench_model(name: str, batch: int, size: int, args: argparse.Namespace) -> l
             with counter:
                 step()
             counted[config] = counter.peak_bytes
+    _progress(f"{name}: timing {len(configs)} configurations, {args.rounds} rounds")
     times = interleaved_medians(configs, rounds=args.rounds, warmup=0)
 
     rows = []
@@ -204,7 +206,9 @@ def bench_model(name: str, batch: int, size: int, args: argparse.Namespace) -> l
                 "step_s": step_s,
                 "step/plain": step_s / times["plain"] if step_s else None,
                 "step/compile@1": (
-                    step_s / reference if step_s and reference and config.startswith("c") else None
+                    step_s / reference
+                    if step_s and reference and config.startswith("compile")
+                    else None
                 ),
                 "compile_s": compile_s.get(config),
                 "weights_MiB": weights / MiB,
@@ -212,6 +216,10 @@ def bench_model(name: str, batch: int, size: int, args: argparse.Namespace) -> l
             }
         )
     return rows
+
+
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _peak(step: Callable[[], None], repeats: int) -> int:
