@@ -345,7 +345,8 @@ def test_memory_table_marks_in_red_exactly_the_rows_above_the_device(monkeypatch
     lines = [line for line in screen.getvalue().splitlines() if "resnet18" in line]
     assert len(lines) == len(rows)
     for line, row in zip(lines, rows, strict=True):
-        red = re.search(RED + re.escape(f"{row['total_bytes'] / 2**20:.2f}"), line)
+        total_mib = f"{row['total_bytes'] / 2**20:.2f}"  # the table is in MiB
+        red = re.search(RED + re.escape(total_mib), line)
         assert (red is not None) == (not row["fits"]), (row, line)
 
 
