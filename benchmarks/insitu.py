@@ -122,7 +122,7 @@ def idle_gate(store_dir: Path) -> dict[str, Any]:
     shutil.copytree(store_dir, work / "s", ignore=shutil.ignore_patterns(CHECKPOINT))
     events: list[tuple[float, bool]] = []
     teacher = load_teacher(CLASSES)
-    config = TrainConfig(threads=1, epochs=1, low_priority=False, idle_threshold=0.75)
+    config = TrainConfig(threads=1, epochs=1, low_priority=True, idle_threshold=0.75)
     deadline = time.monotonic() + 40
 
     def train() -> None:
@@ -143,9 +143,10 @@ def idle_gate(store_dir: Path) -> dict[str, Any]:
         time.sleep(0.1)
     time.sleep(4)
     paused_before = any(p for t, p in events[-5:])
-    stop = multiprocessing.Event()
+    stop = multiprocessing.get_context("spawn").Event()
     spinners = [
-        multiprocessing.Process(target=_spin, args=(stop,)) for _ in range(os.cpu_count() or 1)
+        multiprocessing.get_context("spawn").Process(target=_spin, args=(stop,))
+        for _ in range(os.cpu_count() or 1)
     ]
     load_at = time.monotonic()
     for p in spinners:
