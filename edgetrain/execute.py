@@ -42,7 +42,8 @@ gradients to ``None``, PyTorch's default, or keeping them): each parameter gradi
 stage as soon as autograd computes it, and is added in place to an existing ``.grad`` (kept
 gradients) or held, summed over the stages that use the parameter, for autograd to take at the
 end of the backward (``None`` gradients). An input of another shape is planned for anew
-(``on_new_shape="replan"``, the default) or refused (``"error"``). The loss the caller computes between the forward and the backward is the caller's: what it holds
+(``on_new_shape="replan"``, the default) or refused (``"error"``). The loss the caller computes
+between the forward and the backward is the caller's: what it holds
 (for ``cross_entropy`` about twice the output's bytes, more for a large output such as a language
 model's logits) comes on top; leave room for it with ``reserve_bytes``.
 """
