@@ -46,7 +46,7 @@ import itertools
 import operator
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +125,17 @@ class Captured:
     input_shapes: tuple[tuple[int, ...], ...]
     nodes: tuple[CapturedNode, ...]
     outputs: tuple[str, ...]
+    _cache: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def node(self, name: str) -> CapturedNode:
         """The node called ``name`` (KeyError if there is none)."""
-        for node in self.nodes:
-            if node.name == name:
-                return node
-        raise KeyError(name)
+        return self.nodes[self._index()[name]]
+
+    def _index(self) -> dict[str, int]:
+        index = self._cache.get("index")
+        if index is None:
+            index = self._cache["index"] = {n.name: i for i, n in enumerate(self.nodes)}
+        return index
 
 
 def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> Captured:
@@ -208,17 +212,7 @@ def live_values(captured: Captured, position: int) -> tuple[str, ...]:
     count = len(captured.nodes)
     if not 0 <= position <= count:
         raise InvalidInput(f"position {position} is outside the graph; use 0 to {count}")
-    if position == 0:
-        return captured.inputs
-    if position == count:
-        return captured.outputs
-    live = [
-        name
-        for name, last in zip(captured.inputs, captured.input_last_use, strict=True)
-        if last >= position
-    ]
-    live += [n.name for n in captured.nodes[:position] if n.last_use >= position]
-    return tuple(live)
+    return _analysis(captured).live[position]
 
 
 def cut_problem(captured: Captured, position: int) -> str | None:
@@ -226,11 +220,55 @@ def cut_problem(captured: Captured, position: int) -> str | None:
     count = len(captured.nodes)
     if not 0 < position < count:
         return f"position {position} is not between two nodes (use 1 to {count - 1})"
-    by_name = {n.name: n for n in captured.nodes}
+    return _analysis(captured).problems[position]
+
+
+@dataclass(frozen=True)
+class _Analysis:
+    live: tuple[tuple[str, ...], ...]  # per position 0..len(nodes)
+    problems: tuple[str | None, ...]  # per position; None = admissible (0 and the end: None)
+
+
+def _analysis(captured: Captured) -> _Analysis:
+    """Live sets and admissibility of every position, in one sweep; computed once per capture."""
+    cached = captured._cache.get("analysis")
+    if isinstance(cached, _Analysis):
+        return cached
+    count = len(captured.nodes)
+    dying: dict[int, list[str]] = {}
+    live: dict[str, None] = {}
+    for name, last in zip(captured.inputs, captured.input_last_use, strict=True):
+        live[name] = None
+        dying.setdefault(max(last, 0), []).append(name)  # an unused input dies at once
+    table = [captured.inputs]
     base = _bases(captured)
     last_write = _last_writes(captured, base)
-    for name in live_values(captured, position):
-        node = by_name.get(name)
+    problems: list[str | None] = [None]
+    for position in range(1, count):
+        node = captured.nodes[position - 1]
+        live[node.name] = None
+        dying.setdefault(node.last_use, []).append(node.name)
+        for name in dying.pop(position - 1, []):
+            live.pop(name, None)
+        table.append(tuple(live))
+        problems.append(_problem(captured, position, table[-1], base, last_write))
+    table.append(captured.outputs)
+    problems.append(None)
+    result = _Analysis(tuple(table), tuple(problems))
+    captured._cache["analysis"] = result
+    return result
+
+
+def _problem(
+    captured: Captured,
+    position: int,
+    live: tuple[str, ...],
+    base: dict[str, str],
+    last_write: dict[str, int],
+) -> str | None:
+    for name in live:
+        index = captured._index().get(name)
+        node = None if index is None else captured.nodes[index]
         if node is not None and not node.is_tensor:
             return f"{name} ({node.target}) is live across it and is not a tensor"
         writer = last_write.get(base[name])
@@ -244,12 +282,14 @@ def cut_problem(captured: Captured, position: int) -> str | None:
 
 def all_cuts(captured: Captured) -> tuple[int, ...]:
     """Every admissible cut position (live sets of any size), in order."""
-    return tuple(c for c in range(1, len(captured.nodes)) if cut_problem(captured, c) is None)
+    problems = _analysis(captured).problems
+    return tuple(c for c in range(1, len(captured.nodes)) if problems[c] is None)
 
 
 def articulation_cuts(captured: Captured) -> tuple[int, ...]:
     """The admissible cuts across which exactly one tensor is live."""
-    return tuple(c for c in all_cuts(captured) if len(live_values(captured, c)) == 1)
+    live = _analysis(captured).live
+    return tuple(c for c in all_cuts(captured) if len(live[c]) == 1)
 
 
 def block_cuts(captured: Captured, per_block: int = 2) -> tuple[int, ...]:

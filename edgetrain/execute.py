@@ -38,9 +38,13 @@ What is refused with one clear error (before any gradient, buffer or RNG state c
 Memory: what the step holds above what it started with (weights, buffers, input, and gradients if
 they exist) is the plan's ``Cost.peak_bytes`` for the sample input's shape, as counted by
 :class:`~edgetrain.measure.StorageCounter`, in both training loops (``zero_grad()`` setting
-gradients to ``None``, PyTorch's default, or keeping them): the parameter gradients a step creates
-are handed to autograd at the end of its backward. An input of another shape is planned for anew
-(``on_new_shape="replan"``, the default) or refused (``"error"``).
+gradients to ``None``, PyTorch's default, or keeping them): each parameter gradient leaves its
+stage as soon as autograd computes it, and is added in place to an existing ``.grad`` (kept
+gradients) or held, summed over the stages that use the parameter, for autograd to take at the
+end of the backward (``None`` gradients). An input of another shape is planned for anew
+(``on_new_shape="replan"``, the default) or refused (``"error"``). The loss the caller computes between the forward and the backward is the caller's: what it holds
+(for ``cross_entropy`` about twice the output's bytes, more for a large output such as a language
+model's logits) comes on top; leave room for it with ``reserve_bytes``.
 """
 
 from __future__ import annotations
@@ -48,16 +52,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from edgetrain import progress
 from edgetrain.chain import Chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.memory import fixed_training_bytes
+from edgetrain.paging import PageStore
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
 from edgetrain.profile import _check_model, profile
@@ -96,6 +102,9 @@ class Checkpointed(nn.Module):
         schedule: a ready plan (e.g. ``Schedule.load(path)``) instead of planning; refused if it
             was made for another model or input size.
         on_new_shape: "replan" (profile and plan again for an input of another shape) or "error".
+        page_dir: directory for the page files of a plan that pages activations out (``Po k`` /
+            ``Pi k``): the "SD card". Written by a background thread, checksummed, verified when
+            read back, deleted after use (see :mod:`edgetrain.paging`).
 
     Attributes:
         chain: the profiled chain. schedule: the plan. cost: its simulated cost (``peak_bytes``:
@@ -114,6 +123,7 @@ class Checkpointed(nn.Module):
         chain: Chain | None = None,
         schedule: Schedule | None = None,
         on_new_shape: str = "replan",
+        page_dir: str | Path | None = None,
     ) -> None:
         super().__init__()
         _refuse_hooks(model)
@@ -128,7 +138,14 @@ class Checkpointed(nn.Module):
         self._max_recompute = max_recompute
         self._params = list(self.model.parameters())
         self._grads_exist: bool | None = None
+        self.page_dir = None if page_dir is None else Path(page_dir)
+        if self.page_dir is not None:
+            PageStore(self.page_dir).close()  # refuse an unusable directory now, not mid-step
         self._plan(sample_input, chain, schedule)
+        if self.cost.pages_out and self.page_dir is None:
+            raise InvalidInput(
+                "this plan pages activations out to files; give page_dir= a writable directory"
+            )
 
     # -- planning ----------------------------------------------------------------------------------
 
@@ -320,6 +337,8 @@ class _Run:
     out_spec: Any = None
     out_flat: list[Any] = field(default_factory=list)
     done: bool = False
+    pages: PageStore | None = None
+    writing: Any = None  # a paged-out value, held until the operation after its page-out ends
 
     def output(self, outs: tuple[torch.Tensor, ...]) -> Any:
         """The caller's output: the function's tensors in the structure the model returned."""
@@ -331,12 +350,35 @@ class _Run:
     def execute(self, ops: list[tuple[int, int]]) -> None:
         for code, k in ops:
             kind = Op(code)
+            # A page-out's write overlaps the next operation; its memory goes when that ends.
+            written, self.writing = self.writing, None
             if kind is Op.DISCARD:
                 del self.plain[k]
             elif kind is Op.BACKWARD:
                 self._backward(k)
+            elif kind is Op.PAGE_OUT:
+                self.writing = self.plain.pop(k)
+                self._pages().put(str(k), tree_map(_detach, self.writing))
+            elif kind is Op.PAGE_IN:
+                self.plain[k] = self._pages().take(str(k))
             else:
                 self._forward(kind, k)
+            if written is not None:
+                self._pages().flush()
+                del written
+
+    def _pages(self) -> PageStore:
+        if self.pages is None:
+            assert self.net.page_dir is not None
+            self.pages = PageStore(self.net.page_dir)
+        return self.pages
+
+    def close_pages(self) -> None:
+        """Delete the step's page files (after its backward, or when it is abandoned)."""
+        self.writing = None
+        if self.pages is not None:
+            self.pages.close()
+            self.pages = None
 
     def _forward(self, kind: Op, k: int) -> None:
         x = self.plain[k]
@@ -400,6 +442,10 @@ class _Run:
             for device, dtype, enabled in self.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             yield
+
+
+def _detach(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def _autocast_state() -> list[tuple[str, torch.dtype, bool]]:
@@ -541,6 +587,7 @@ class _ScheduleFunction(torch.autograd.Function):
         run.graphs.clear()
         run.grads.clear()
         run.param_grads.clear()
+        run.close_pages()
         run.done = True
         ctx.watched = []
         return (None, None, *input_grads, *results)

@@ -13,6 +13,9 @@ activations are ``a[0]`` (the input) .. ``a[L]`` (the output):
                     ``a[k+1]``; leaves the gradient of ``a[k]`` and the parameter gradients it
                     creates, and frees the graph
 ``D k``             discard our reference to ``a[k]``
+``Po k``            page ``a[k]`` out to a file (a background write that overlaps the next
+                    operation; the memory is freed when that operation ends)
+``Pi k``            page ``a[k]`` back in from its file, as our reference
 ==================  =====================================================================
 
 The *forward phase* is everything before the first ``B``; it must have built the graph of the last
@@ -64,6 +67,8 @@ class Op(IntEnum):
     FORWARD_ALL = 2
     BACKWARD = 3
     DISCARD = 4
+    PAGE_OUT = 5
+    PAGE_IN = 6
 
     @property
     def code(self) -> str:
@@ -77,6 +82,8 @@ _CODES = {
     Op.FORWARD_ALL: "Fa",
     Op.BACKWARD: "B",
     Op.DISCARD: "D",
+    Op.PAGE_OUT: "Po",
+    Op.PAGE_IN: "Pi",
 }
 _BY_CODE = {code: op for op, code in _CODES.items()}
 
@@ -239,6 +246,8 @@ class Cost:
         forward_all_steps: forwards with grad (``Fa``).
         max_checkpoints: most activations held as checkpoints at once (the input not counted).
         peak_op: index of the operation at which the peak occurs.
+        pages_out / pages_in: paging operations (``Po`` / ``Pi``).
+        paged_bytes: bytes written by the page-outs.
     """
 
     peak_bytes: int
@@ -248,6 +257,9 @@ class Cost:
     forward_all_steps: int
     max_checkpoints: int
     peak_op: int
+    pages_out: int = 0
+    pages_in: int = 0
+    paged_bytes: int = 0
 
 
 def simulate(chain: Chain, schedule: Schedule, *, grads_exist: bool = False) -> Cost:
@@ -319,6 +331,9 @@ def _replay(
     seconds = 0.0
     forward_steps = 0
     forward_all = 0
+    paged = [False] * (n + 1)  # a[k] is in a page file
+    writing = 0  # bytes a page-out still holds until the operation after it ends
+    pages_out = pages_in = paged_bytes = 0
 
     def fail(i: int, kind: Op, k: int, why: str) -> InvalidSchedule:
         return InvalidSchedule(f"operation {i} ({kind.code}{k}) {why}")
@@ -353,7 +368,27 @@ def _replay(
     ):
         kind = Op(code)
         before = held
-        if kind is Op.DISCARD:
+        written, writing = writing, 0
+        if kind is Op.PAGE_OUT:
+            if not 0 < k < n or not plain[k]:
+                raise fail(i, kind, k, "pages out an activation that is not held")
+            if any(refs[piece] != 1 for piece in pieces[k]):
+                raise fail(i, kind, k, f"pages out a[{k}], which a graph still holds")
+            paged[k] = True
+            writing = release(k)  # still held, by the writer, until the next operation ends
+            pages_out += 1
+            paged_bytes += sum(sizes[piece] for piece in pieces[k])
+            during = before
+        elif kind is Op.PAGE_IN:
+            if not paged[k] or plain[k] or any(refs[piece] for piece in pieces[k]):
+                raise fail(i, kind, k, f"pages in a[{k}], which is not (only) in a page file")
+            paged[k] = False
+            plain[k] = True
+            checkpoints += 1
+            held += take(pieces[k])
+            pages_in += 1
+            during = held
+        elif kind is Op.DISCARD:
             if not 0 < k < n or not plain[k]:
                 raise fail(i, kind, k, "discards an activation that is not held")
             held -= release(k)
@@ -410,6 +445,7 @@ def _replay(
         max_checkpoints = max(max_checkpoints, checkpoints)
         if during > peak:
             peak, peak_op = during, i
+        held -= written
         if trace is not None:
             trace.append((before, during, held))
     if next_backward != -1:
@@ -425,6 +461,9 @@ def _replay(
         forward_all_steps=forward_all,
         max_checkpoints=max_checkpoints,
         peak_op=peak_op,
+        pages_out=pages_out,
+        pages_in=pages_in,
+        paged_bytes=paged_bytes,
     )
 
 

@@ -217,8 +217,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "simulate-ignores-backward-peak",
         "edgetrain/schedule.py",
-        "during = held + stage.backward_peak(",
-        "during = held + 0 * stage.backward_peak(",
+        "during = held + stage.backward_peak(grads_exist)",
+        "during = held",
         SIMULATOR_TESTS,
         "the simulator ignores a backward's transient peak",
     ),

@@ -329,3 +329,35 @@ def test_registered_models_capture_at_full_width(name):
     captured = capture(model, sample_input(name, 2, size))
     assert articulation_cuts(captured)
     assert all(n.is_tensor for n in captured.nodes if n.kind == "module")
+
+
+@pytest.mark.parametrize(("name", "make", "make_input"), small_models(), ids=lambda v: v)
+def test_live_values_match_the_definition_on_the_fx_graph(name, make, make_input):
+    torch.manual_seed(0)
+    captured = capture(make(), make_input())
+    graph = captured.graph_module.graph
+    order = [n for n in graph.nodes if n.op in ("call_module", "call_function", "call_method")]
+    position = {n: i for i, n in enumerate(order)}
+    values = [n for n in graph.nodes if n.op == "placeholder"] + order
+    for cut in range(1, len(order)):
+        expected = tuple(
+            v.name
+            for v in values
+            if position.get(v, -1) < cut
+            and any(u.op == "output" or position.get(u, -1) >= cut for u in v.users)
+        )
+        assert live_values(captured, cut) == expected, cut
+
+
+class IgnoresItsSecondInput(nn.Module):
+    def forward(self, x: torch.Tensor, unused: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * 2)
+
+
+def test_an_unused_input_is_not_live_after_the_start():
+    captured = capture(IgnoresItsSecondInput(), (torch.randn(2), torch.randn(3)))
+    assert live_values(captured, 0) == ("x", "unused")
+    assert live_values(captured, 1) == ("mul",)
+    net = segments(captured, [1])
+    x = torch.randn(2)
+    assert torch.equal(net((x, torch.randn(3))), torch.tanh(x * 2))

@@ -6,8 +6,17 @@ import importlib
 import importlib.util
 
 COMMAND_MODULES = (
-    "memory", "plan", "train", "figure", "revolve", "demo", "tiles", "models", "insitu",
-)  # fmt: skip
+    "memory",
+    "plan",
+    "train",
+    "figure",
+    "revolve",
+    "demo",
+    "tiles",
+    "models",
+    "insitu",
+    "poet",
+)
 
 for _name in COMMAND_MODULES:
     # Commands whose module is not part of this build are simply not offered; an import error

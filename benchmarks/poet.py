@@ -1,0 +1,234 @@
+"""POET's MILP on HiGHS: status, energy, gap and solve time at 100 %, 50 % and 30 % of the
+keep-everything peak, for hybrid, remat-only and paging-only plans.
+
+Graph: edgetrain's own ResNet-18 chain at CIFAR size (32x32; batch 2, because with batch 1 the
+last 1x1 feature map leaves BatchNorm one value per channel, which training rejects), analytic
+costs (FLOP counts) on the Cortex-M0+, Cortex-M4F and Cortex-A72 profiles. Both accountings:
+``poet`` (POET's problem: node outputs only, paging time free) and ``edgetrain`` (transient peaks
+and what autograd retains, paging time counted). Also POET's own linear-m0 instance, whose optima
+are known. ``python benchmarks/poet.py [--json] [--time-limit 60] [--runtime FACTOR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, interleaved_medians
+
+from edgetrain import graph as graphs
+from edgetrain.devices import energy
+from edgetrain.planners import milp, poet_check
+from edgetrain.profile import NOMINAL_FLOPS, model_chain
+
+DEVICES = ("m0", "m4f", "rpi4")
+FRACTIONS = (1.0, 0.5, 0.3)
+LINEAR = Path(__file__).resolve().parent.parent / "tests" / "data" / "poet_linear_m0.json"
+DATA = Path(__file__).resolve().parent / "data"
+# POET's own instances, exported with POET's builder (commit 6e63098, batch 1) in the
+# poet-instance-v1 format; see the README for how.
+POET_INSTANCES = ("resnet18_cifar_a72", "vgg16_cifar_a72")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--runtime", type=float, default=None, help="runtime factor (none)")
+    args = parser.parse_args()
+    chain = model_chain("resnet18", 2, 32)
+    rows = []
+    for device in DEVICES:
+        graph = graphs.from_chain(chain, energy.get(device), chain_flops_per_second=NOMINAL_FLOPS)
+        for accounting in ("poet", "edgetrain"):
+            peak = poet_check.evaluate(
+                graph, poet_check.store_all(graph), accounting
+            ).peak_ram_bytes
+            for fraction in FRACTIONS:
+                for mode in milp.MODES:
+                    result = milp.solve(
+                        graph,
+                        ram_bytes=peak * fraction,
+                        runtime_factor=args.runtime,
+                        mode=mode,
+                        accounting=accounting,
+                        time_limit=args.time_limit,
+                    )
+                    ev = result.evaluation
+                    rows.append(
+                        {
+                            "graph": f"resnet18@{device}",
+                            "accounting": accounting,
+                            "budget": f"{100 * fraction:.0f}%",
+                            "mode": mode,
+                            "status": result.status,
+                            "energy_J": result.energy_joules,
+                            "over_min_%": None
+                            if result.energy_joules is None
+                            else 100 * (result.energy_joules / graph.compute_joules - 1),
+                            "gap_%": None if result.gap is None else 100 * result.gap,
+                            "solve_s": result.solve_seconds,
+                            "recomputed": None if ev is None else ev.recomputed,
+                            "paged_out": None if ev is None else ev.paged_out,
+                            "smallest_ram_%": None
+                            if result.smallest_ram_bytes is None
+                            else 100 * result.smallest_ram_bytes / peak,
+                        }
+                    )
+    linear = graphs.load(LINEAR)
+    for ram in (None, 5000, 4000, 3500, 3000):
+        result = milp.solve(linear, ram_bytes=ram, runtime_factor=2.0, accounting="poet")
+        rows.append(
+            {
+                "graph": "POET linear@m0",
+                "accounting": "poet",
+                "budget": "none" if ram is None else f"{ram} B",
+                "mode": "hybrid",
+                "status": result.status,
+                "energy_J": result.energy_joules,
+                "over_min_%": None
+                if result.energy_joules is None
+                else 100 * (result.energy_joules / linear.compute_joules - 1),
+                "gap_%": None if result.gap is None else 100 * result.gap,
+                "solve_s": result.solve_seconds,
+                "recomputed": None if result.evaluation is None else result.evaluation.recomputed,
+                "paged_out": None if result.evaluation is None else result.evaluation.paged_out,
+                "smallest_ram_%": None
+                if result.smallest_ram_bytes is None
+                else 100 * result.smallest_ram_bytes / 7416,
+            }
+        )
+    for name in POET_INSTANCES:
+        instance = graphs.load(DATA / f"{name}.json")
+        peak = poet_check.evaluate(instance, poet_check.store_all(instance), "poet").peak_ram_bytes
+        budgets = [("3 MB", 3e6)] if name.startswith("resnet") else []
+        budgets += [("50%", 0.5 * peak), ("30%", 0.3 * peak)]
+        for label, ram in budgets:
+            result = milp.solve(
+                instance,
+                ram_bytes=ram,
+                runtime_factor=7.6,
+                accounting="poet",
+                time_limit=args.time_limit,
+            )
+            ev = result.evaluation
+            rows.append(
+                {
+                    "graph": f"POET {name}",
+                    "accounting": "poet",
+                    "budget": label,
+                    "mode": "hybrid",
+                    "status": result.status,
+                    "energy_J": result.energy_joules,
+                    "over_min_%": None
+                    if result.energy_joules is None
+                    else 100 * (result.energy_joules / instance.compute_joules - 1),
+                    "gap_%": None if result.gap is None else 100 * result.gap,
+                    "solve_s": result.solve_seconds,
+                    "recomputed": None if ev is None else ev.recomputed,
+                    "paged_out": None if ev is None else ev.paged_out,
+                    "smallest_ram_%": None
+                    if result.smallest_ram_bytes is None
+                    else 100 * result.smallest_ram_bytes / peak,
+                }
+            )
+    executor = paging_executor()
+    columns = list(rows[0])
+    emit(
+        "POET MILP on HiGHS (budgets as % of the keep-everything peak under each accounting)",
+        columns,
+        rows,
+        args.json,
+        extra={
+            "time_limit_s": args.time_limit,
+            "runtime_factor": args.runtime,
+            "paging_executor": executor,
+        },
+    )
+
+
+def paging_executor(rounds: int = 9) -> dict[str, object]:
+    """Step time of a plan that pages its checkpoints to a directory, against the same plan
+    without paging (medians of interleaved rounds), and both measured peaks."""
+    import tempfile
+
+    import torch
+    from torch import nn
+
+    from edgetrain import plan
+    from edgetrain.execute import Checkpointed
+    from edgetrain.measure import StorageCounter
+    from edgetrain.planners.optimal import minimum_memory, store_all
+    from edgetrain.profile import analytic_chain
+    from edgetrain.schedule import Op, Schedule, simulate
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(12):
+        layers += [nn.Linear(256, 256), nn.GELU()]
+    model = nn.Sequential(*layers, nn.Linear(256, 10))
+    x = torch.randn(1024, 256)
+    chain = analytic_chain(model, x)
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    base = plan(chain, "optimal", memory=(everything + minimum_memory(chain)) / 2)
+    ops = list(base)
+    paged = ops
+    for at, (kind, k) in enumerate(ops):  # page out every Fc checkpoint, in before its next use
+        if kind is not Op.FORWARD_CHECKPOINT or k == 0:
+            continue
+        use = next(
+            (u for u in range(at + 1, len(paged)) if paged[u][1] == k and paged[u][0] in _FWD),
+            None,
+        )
+        if use is None or use == at + 1:
+            continue
+        trial = [*paged[: at + 1], (Op.PAGE_OUT, k), *paged[at + 1 : use], (Op.PAGE_IN, k)]
+        trial += paged[use:]
+        try:
+            simulate(chain, Schedule.from_ops(chain.length, trial))
+        except Exception:
+            continue
+        paged = trial
+        break
+    paged_plan = Schedule.from_ops(chain.length, paged, "paged", {})
+    with tempfile.TemporaryDirectory() as directory:
+        nets = {
+            "no paging": Checkpointed(model, x, chain=chain, schedule=base),
+            "paging": Checkpointed(model, x, chain=chain, schedule=paged_plan, page_dir=directory),
+        }
+
+        def step(net: nn.Module) -> None:
+            model.zero_grad()
+            net(x).square().mean().backward()
+
+        times = interleaved_medians({k: (lambda n=n: step(n)) for k, n in nets.items()}, rounds)
+        peaks = {}
+        for name, net in nets.items():
+            counter = StorageCounter()
+            model.zero_grad()
+            with counter:
+                net(x).square().mean().backward()
+            peaks[name] = counter.peak_bytes
+    cost = simulate(chain, paged_plan)
+    return {
+        "model": "12 x (Linear 256 + GELU), batch 1024, float32, 1 thread, pages in a temp dir",
+        "pages_out": cost.pages_out,
+        "paged_bytes": cost.paged_bytes,
+        "step_s_no_paging": round(times["no paging"], 4),
+        "step_s_paging": round(times["paging"], 4),
+        "ratio": round(times["paging"] / times["no paging"], 3),
+        "measured_peak_no_paging": peaks["no paging"],
+        "measured_peak_paging": peaks["paging"],
+        "predicted_peak_paging": cost.peak_bytes,
+        "predicted_peak_no_paging": simulate(chain, base).peak_bytes,
+    }
+
+
+_FWD = (0, 1, 2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,627 @@
+"""POET's MILP on HiGHS: the least-energy plan of recomputation and paging under RAM and time.
+
+Patil et al., "POET: Training Neural Networks on Tiny Devices with Integrated Rematerialization and
+Paging", ICML 2022 (github.com/ShishirPatil/poet). For a :class:`~edgetrain.graph.TrainingGraph` of
+``T`` nodes, stage ``t`` computes node ``t`` and may recompute any earlier node; binaries per stage
+and node say what is computed (``R``), held in RAM or on flash entering the stage (``S_ram``,
+``S_flash``) and paged in or out during it (``page_in``, ``page_out``). The objective is energy
+(compute + page-in + page-out, joules); RAM and runtime are budgets. The constraints are written
+out in :mod:`edgetrain.planners.poet_check`, which checks every plan returned here independently.
+
+Two accountings (see :mod:`edgetrain.planners.poet_check`): ``poet`` is POET's problem exactly as
+its code states it (to compare with POET); ``edgetrain`` (the default) counts paging time in the
+runtime and counts memory as the executor holds it. Three modes: ``hybrid`` (both), ``remat``
+(no paging), ``paging`` (no recomputation).
+
+What is not POET's, to make HiGHS prove more, faster (the feasible set and optimum are POET's):
+
+* ``Free`` is continuous and disaggregated: ``Free ≤ R[t][k]``, ``Free ≤ 1 − S_ram[t+1][i]``,
+  ``Free ≤ 1 − R[t][j]`` for each later successor ``j``,
+  ``Free ≥ R[t][k] − S_ram[t+1][i] − ΣR[t][j]``;
+  with binary ``R``/``S`` it is forced to POET's 0/1 value and the LP relaxation is tighter than
+  POET's aggregated big-M pair. Parallel edges share one ``Free`` with a doubled coefficient.
+* Variables that must be 0 (``i > t``, ``S`` and paging for ``i ≥ t``, ``U[t][k]`` for ``k > t+1``)
+  are never created; fixed modes set bounds instead of adding rows.
+* The objective is scaled so the every-node-once energy (a proven lower bound) is 10⁶; gaps are
+  tight (relative 10⁻⁷ by default), since HiGHS's default 10⁻⁴ stops at non-optimal plans here.
+* When the keep-everything plan fits both budgets it is optimal (its energy is the lower bound)
+  and is returned without a solve.
+
+The answer says what it is: ``optimal``, ``feasible`` (time limit hit, with the gap and the lower
+bound), ``infeasible`` (proven; then the smallest RAM budget that meets the runtime budget is found
+by a second MILP minimising the budget, when it can be proven within the time limit) or
+``no_solution`` (nothing found within the limit, nothing proven).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from edgetrain.errors import InvalidInput
+from edgetrain.graph import TrainingGraph
+from edgetrain.planners.poet_check import (
+    ACCOUNTINGS,
+    MATRICES,
+    Accounting,
+    Evaluation,
+    evaluate,
+    store_all,
+    violations,
+)
+
+Mode = Literal["hybrid", "remat", "paging"]
+MODES: tuple[Mode, ...] = ("hybrid", "remat", "paging")
+Status = Literal["optimal", "feasible", "infeasible", "no_solution"]
+OBJECTIVE_SCALE = 1e6
+"""The every-node-once energy (a lower bound) is scaled to this many objective units."""
+
+Progress = Callable[[float, float | None, float | None], None]
+"""Called while solving with (elapsed seconds, best energy J or None, lower bound J or None)."""
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    """What the solver found, and what it proved.
+
+    Attributes:
+        status: ``optimal``, ``feasible``, ``infeasible`` or ``no_solution``.
+        accounting / mode: the problem solved.
+        ram_budget_bytes: the RAM budget (bytes; None = none).
+        runtime_budget_seconds: the runtime budget (seconds; None = none).
+        energy_joules: the plan's energy (J), recomputed from its matrices; None without a plan.
+        lower_bound_joules: proven lower bound on the optimum (J); None when nothing is proven.
+        gap: ``(energy − lower bound) / energy``; 0 when optimal; None without a plan.
+        solve_seconds: wall time of the solve(s) (s).
+        evaluation: the plan's peak RAM, runtime and energy split (see
+            :class:`~edgetrain.planners.poet_check.Evaluation`); None without a plan.
+        plan: the five 0/1 matrices (``T × T`` int arrays) keyed by name; None without a plan.
+        smallest_ram_bytes: when infeasible, the least RAM budget meeting the runtime budget, if
+            proven (None otherwise).
+        message: one line on how the answer was reached.
+        variables / constraints: size of the MILP (0 when none was built).
+    """
+
+    status: Status
+    accounting: Accounting
+    mode: Mode
+    ram_budget_bytes: float | None
+    runtime_budget_seconds: float | None
+    energy_joules: float | None
+    lower_bound_joules: float | None
+    gap: float | None
+    solve_seconds: float
+    evaluation: Evaluation | None = None
+    plan: dict[str, np.ndarray] | None = field(default=None, compare=False)
+    smallest_ram_bytes: float | None = None
+    message: str = ""
+    variables: int = 0
+    constraints: int = 0
+
+    def matrices(self) -> dict[str, list[list[int]]] | None:
+        """Per matrix, for each stage ``t`` the node ids whose variable is 1 (JSON-ready)."""
+        if self.plan is None:
+            return None
+        return {key: [np.flatnonzero(row).tolist() for row in self.plan[key]] for key in MATRICES}
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+
+class _Model:
+    """Columns and rows collected as arrays, then passed to HiGHS in one call."""
+
+    def __init__(self) -> None:
+        self.lower: list[float] = []
+        self.upper: list[float] = []
+        self.cost: list[float] = []
+        self.integer: list[int] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+        self.starts: list[int] = [0]
+        self.index: list[int] = []
+        self.value: list[float] = []
+
+    def col(self, lower: float, upper: float, *, integer: bool, cost: float = 0.0) -> int:
+        self.lower.append(lower)
+        self.upper.append(upper)
+        self.cost.append(cost)
+        self.integer.append(1 if integer else 0)
+        return len(self.lower) - 1
+
+    def row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> None:
+        merged: dict[int, float] = {}
+        for col, coef in terms:
+            if col >= 0:
+                merged[col] = merged.get(col, 0.0) + coef
+        for col, coef in merged.items():
+            if coef != 0.0:
+                self.index.append(col)
+                self.value.append(coef)
+        self.starts.append(len(self.index))
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+
+    @property
+    def num_cols(self) -> int:
+        return len(self.lower)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_lower)
+
+
+@dataclass
+class _Vars:
+    r: np.ndarray
+    s_ram: np.ndarray
+    s_flash: np.ndarray
+    page_in: np.ndarray
+    page_out: np.ndarray
+    budget: int  # column of the RAM budget when it is a variable, else -1
+
+
+def _build(
+    graph: TrainingGraph,
+    ram: float | None,
+    runtime: float | None,
+    mode: Mode,
+    accounting: Accounting,
+    *,
+    minimise_ram: bool = False,
+) -> tuple[_Model, _Vars, float, float]:
+    """The MILP; returns (model, variables, objective scale, memory scale)."""
+    inf = math.inf
+    t_count = len(graph)
+    nodes = graph.nodes
+    size = np.array([n.output_bytes for n in nodes])
+    work = np.array([n.workspace_bytes for n in nodes])
+    mem_scale = max(float(size.max()), 1.0) / 100.0  # memory rows in units of 1 % of the largest
+    lower = graph.compute_joules
+    obj_scale = OBJECTIVE_SCALE / lower if lower > 0 else OBJECTIVE_SCALE
+    paging = mode != "remat"
+    remat = mode != "paging"
+    model = _Model()
+    none = np.full((t_count, t_count), -1, dtype=np.int64)
+    r, s_ram, s_flash, p_in, p_out = (none.copy() for _ in range(5))
+    for t in range(t_count):
+        for i in range(t + 1):
+            fixed = 1.0 if i == t else None
+            upper = 1.0 if (remat or i == t) else 0.0
+            r[t, i] = model.col(
+                fixed or 0.0,
+                fixed or upper,
+                integer=True,
+                cost=0.0 if minimise_ram else nodes[i].compute_joules * obj_scale,
+            )
+        for i in range(t):
+            s_ram[t, i] = model.col(0.0, 1.0, integer=True)
+            if paging:
+                s_flash[t, i] = model.col(0.0, 1.0 if i < t - 1 else 0.0, integer=True)
+                p_in[t, i] = model.col(
+                    0.0,
+                    1.0,
+                    integer=True,
+                    cost=0.0 if minimise_ram else nodes[i].pagein_joules * obj_scale,
+                )
+                p_out[t, i] = model.col(
+                    0.0,
+                    1.0,
+                    integer=True,
+                    cost=0.0 if minimise_ram else nodes[i].pageout_joules * obj_scale,
+                )
+    budget_col = -1
+    if minimise_ram:
+        budget_col = model.col(0.0, inf, integer=False, cost=1.0)
+    ram_limit = inf if (ram is None or minimise_ram) else ram / mem_scale
+
+    # A value is computed from inputs in RAM.
+    for u, v in graph.unique_edges:
+        for t in range(v, t_count):
+            model.row([(r[t, v], 1.0), (r[t, u], -1.0), (s_ram[t, u], -1.0)], -inf, 0.0)
+    # What is in RAM or on flash entering t+1 was there, computed or paged during t.
+    for t in range(t_count - 1):
+        for i in range(t + 1):
+            model.row(
+                [(s_ram[t + 1, i], 1.0), (s_ram[t, i], -1.0), (r[t, i], -1.0), (p_in[t, i], -1.0)],
+                -inf,
+                0.0,
+            )
+            if paging:
+                model.row(
+                    [(s_flash[t + 1, i], 1.0), (s_flash[t, i], -1.0), (p_out[t, i], -1.0)],
+                    -inf,
+                    0.0,
+                )
+    if accounting == "edgetrain":
+        # A held value keeps what autograd saved with it.
+        for v, u in graph.retains:
+            for t in range(max(u, v) + 1, t_count):
+                model.row([(s_ram[t, v], 1.0), (s_ram[t, u], -1.0)], -inf, 0.0)
+    if paging:
+        for t in range(t_count):
+            for i in range(t):
+                model.row([(p_in[t, i], 1.0), (s_flash[t, i], -1.0)], -inf, 0.0)
+                model.row([(p_out[t, i], 1.0), (s_ram[t, i], -1.0)], -inf, 0.0)
+
+    # Free[t](i, k), one per distinct edge, weighted by its multiplicity under POET's accounting.
+    multiplicity: dict[tuple[int, int], int] = {}
+    for e in graph.edges:
+        multiplicity[e] = multiplicity.get(e, 0) + 1 if accounting == "poet" else 1
+    into: list[list[tuple[int, int, int]]] = [[] for _ in range(t_count)]  # k -> (i, mult, idx)
+    for e_idx, ((i, k), mult) in enumerate(multiplicity.items()):
+        into[k].append((i, mult, e_idx))
+    free: dict[tuple[int, int], int] = {}
+    for t in range(t_count):
+        for k in range(t + 1):
+            for i, _mult, e_idx in into[k]:
+                f = model.col(0.0, 1.0, integer=False)
+                free[t, e_idx] = f
+                later = [j for j in graph.successors(i) if k < j <= t]
+                keep = s_ram[t + 1, i] if t + 1 < t_count else -1
+                model.row([(f, 1.0), (r[t, k], -1.0)], -inf, 0.0)
+                if keep >= 0:
+                    model.row([(f, 1.0), (keep, 1.0)], -inf, 1.0)
+                for j in later:
+                    model.row([(f, 1.0), (r[t, j], 1.0)], -inf, 1.0)
+                model.row(
+                    [(f, 1.0), (r[t, k], -1.0), (keep, 1.0)] + [(r[t, j], 1.0) for j in later],
+                    0.0,
+                    inf,
+                )
+
+    def frees(t: int, k: int) -> list[tuple[int, float]]:
+        return [(free[t, e_idx], mult * size[i] / mem_scale) for i, mult, e_idx in into[k]]
+
+    # Memory.
+    for t in range(t_count):
+        base: list[tuple[int, float]] = [(s_ram[t, i], size[i] / mem_scale) for i in range(t)]
+        held = 0.0
+        if accounting == "edgetrain":
+            base += [(p_in[t, i], size[i] / mem_scale) for i in range(t)]
+            held = sum(size for stage, size in graph.held if stage <= t) / mem_scale
+        cap = ram_limit - held if accounting == "edgetrain" else ram_limit
+        if accounting == "poet":
+            # U[t][0..min(t+1, T-1)]; later levels equal U[t][t+1].
+            levels = [model.col(0.0, ram_limit, integer=False) for _ in range(min(t + 2, t_count))]
+            model.row(
+                [(levels[0], 1.0), (r[t, 0], -size[0] / mem_scale)] + [(c, -w) for c, w in base],
+                0.0,
+                0.0,
+            )
+            for k in range(1, len(levels)):
+                terms = [(levels[k], 1.0), (levels[k - 1], -1.0)]
+                if k <= t:
+                    terms.append((r[t, k], -size[k] / mem_scale))
+                terms += frees(t, k - 1)
+                model.row(terms, 0.0, 0.0)
+            if budget_col >= 0:
+                for level in levels:
+                    model.row([(level, 1.0), (budget_col, -1.0)], -inf, 0.0)
+        else:
+            # after[t][k] for k = 0..t; the level while k runs is after[t][k-1] + R[t][k]·m_k.
+            after = [model.col(0.0, inf, integer=False) for _ in range(t + 1)]
+            previous: list[tuple[int, float]] = [(c, w) for c, w in base]
+            for k in range(t + 1):
+                during = [*previous, (r[t, k], (size[k] + work[k]) / mem_scale)]
+                if budget_col >= 0:
+                    model.row([*during, (budget_col, -1.0)], -inf, -held)
+                else:
+                    model.row(during, -inf, cap)
+                model.row([(after[k], 1.0)] + [(c, -w) for c, w in during] + frees(t, k), 0.0, 0.0)
+                previous = [(after[k], 1.0)]
+
+    # Runtime.
+    if runtime is not None:
+        scale = runtime if runtime > 0 else 1.0
+        terms = [
+            (r[t, i], nodes[i].compute_seconds / scale)
+            for t in range(t_count)
+            for i in range(t + 1)
+        ]
+        if accounting == "edgetrain" and paging:
+            for t in range(t_count):
+                for i in range(t):
+                    terms.append((p_in[t, i], nodes[i].pagein_seconds / scale))
+                    terms.append((p_out[t, i], nodes[i].pageout_seconds / scale))
+        model.row(terms, -inf, runtime / scale * (1 + 1e-12))
+    return model, _Vars(r, s_ram, s_flash, p_in, p_out, budget_col), obj_scale, mem_scale
+
+
+def _run(
+    model: _Model,
+    time_limit: float,
+    rel_gap: float,
+    threads: int,
+    progress: Progress | None,
+    obj_scale: float,
+    start: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[Any, Any, np.ndarray | None, float, float | None, float]:
+    """Solve; returns (model status, highspy, solution or None, objective, dual bound, seconds)."""
+    import highspy
+
+    h = highspy.Highs()  # type: ignore[no-untyped-call]
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.setOptionValue("mip_rel_gap", float(rel_gap))
+    h.setOptionValue("mip_abs_gap", 1e-9)
+    h.setOptionValue("threads", int(threads))
+    h.setOptionValue("mip_feasibility_tolerance", 1e-9)
+    h.setOptionValue("primal_feasibility_tolerance", 1e-9)
+    lp = highspy.HighsLp()
+    lp.num_col_ = model.num_cols
+    lp.num_row_ = model.num_rows
+    lp.col_cost_ = np.array(model.cost, dtype=np.float64)
+    lp.col_lower_ = np.array(model.lower, dtype=np.float64)
+    lp.col_upper_ = np.array(model.upper, dtype=np.float64)
+    lp.row_lower_ = np.array(model.row_lower, dtype=np.float64)
+    lp.row_upper_ = np.array(model.row_upper, dtype=np.float64)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.start_ = np.array(model.starts, dtype=np.int32)
+    lp.a_matrix_.index_ = np.array(model.index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.array(model.value, dtype=np.float64)
+    lp.a_matrix_.num_col_ = model.num_cols
+    lp.a_matrix_.num_row_ = model.num_rows
+    lp.integrality_ = [
+        highspy.HighsVarType.kInteger if flag else highspy.HighsVarType.kContinuous
+        for flag in model.integer
+    ]
+    h.passModel(lp)
+    if start is not None:
+        # A partial start (the integer columns of a known plan): HiGHS completes the rest.
+        h.setSolution(len(start[0]), start[0].astype(np.int32), start[1].astype(np.float64))
+    if progress is not None:
+        last = [0.0]
+
+        def report(_kind: Any, _message: str, data: Any, _input: Any, _user: Any) -> None:
+            out = data
+            now = time.perf_counter() - began
+            if now - last[0] < 0.5:
+                return
+            last[0] = now
+            primal = out.mip_primal_bound
+            dual = out.mip_dual_bound
+            progress(
+                now,
+                primal / obj_scale if math.isfinite(primal) and abs(primal) < 1e30 else None,
+                dual / obj_scale if math.isfinite(dual) and abs(dual) < 1e30 else None,
+            )
+
+        h.setCallback(report, None)
+        h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+    began = time.perf_counter()
+    h.run()
+    seconds = time.perf_counter() - began
+    status = h.getModelStatus()
+    info = h.getInfo()
+    solution = None
+    if info.primal_solution_status == 2:  # feasible
+        solution = np.array(h.getSolution().col_value)
+    dual = float(info.mip_dual_bound)
+    dual_bound = dual / obj_scale if math.isfinite(dual) and abs(dual) < 1e30 else None
+    return status, highspy, solution, float(info.objective_function_value), dual_bound, seconds
+
+
+def _start_from(plan: dict[str, np.ndarray], v: _Vars) -> tuple[np.ndarray, np.ndarray]:
+    """The integer columns of ``plan`` as (column indices, values) for a MIP start."""
+    cols: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    for key, index in (
+        ("R", v.r),
+        ("S_ram", v.s_ram),
+        ("S_flash", v.s_flash),
+        ("page_in", v.page_in),
+        ("page_out", v.page_out),
+    ):
+        mask = index >= 0
+        cols.append(index[mask])
+        values.append(plan[key][mask].astype(np.float64))
+    return np.concatenate(cols), np.concatenate(values)
+
+
+def _plan_from(values: np.ndarray, v: _Vars) -> dict[str, np.ndarray]:
+    def matrix(cols: np.ndarray) -> np.ndarray:
+        out = np.zeros(cols.shape, dtype=np.int64)
+        mask = cols >= 0
+        out[mask] = np.rint(values[cols[mask]]).astype(np.int64)
+        return out
+
+    return {
+        "R": matrix(v.r),
+        "S_ram": matrix(v.s_ram),
+        "S_flash": matrix(v.s_flash),
+        "page_in": matrix(v.page_in),
+        "page_out": matrix(v.page_out),
+    }
+
+
+def solve(
+    graph: TrainingGraph,
+    *,
+    ram_bytes: float | None = None,
+    runtime_factor: float | None = None,
+    mode: Mode = "hybrid",
+    accounting: Accounting = "edgetrain",
+    time_limit: float = 60.0,
+    rel_gap: float = 1e-7,
+    threads: int = 1,
+    progress: Progress | None = None,
+    find_smallest_ram: bool = True,
+    warm_start: bool = True,
+) -> MilpResult:
+    """The least-energy plan for ``graph`` within ``ram_bytes`` of RAM and a runtime of
+    ``runtime_factor`` times the every-node-once compute time (POET's multiplier).
+
+    Raises :class:`InvalidInput` for a bad mode, accounting or budget; an infeasible budget is a
+    result (``status == "infeasible"``), not an error.
+    """
+    if mode not in MODES:
+        raise InvalidInput(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+    if accounting not in ACCOUNTINGS:
+        raise InvalidInput(f"unknown accounting {accounting!r}; choose poet or edgetrain")
+    if ram_bytes is not None and not ram_bytes > 0:
+        raise InvalidInput(f"RAM budget must be positive bytes, got {ram_bytes}")
+    if runtime_factor is not None and not runtime_factor > 0:
+        raise InvalidInput(f"runtime factor must be positive (e.g. 1.5), got {runtime_factor}")
+    if not time_limit > 0:
+        raise InvalidInput(f"time limit must be positive seconds, got {time_limit}")
+    runtime = None if runtime_factor is None else runtime_factor * graph.compute_seconds
+    common: dict[str, Any] = {
+        "accounting": accounting,
+        "mode": mode,
+        "ram_budget_bytes": ram_bytes,
+        "runtime_budget_seconds": runtime,
+    }
+    began = time.perf_counter()
+
+    # The keep-everything plan reaches the lower bound: when it fits, it is optimal.
+    everything = store_all(graph)
+    cost = evaluate(graph, everything, accounting)
+    fits_ram = ram_bytes is None or cost.peak_ram_bytes <= ram_bytes
+    fits_time = runtime is None or cost.runtime_seconds <= runtime * (1 + 1e-12)
+    if fits_ram and fits_time:
+        return MilpResult(
+            status="optimal",
+            energy_joules=cost.energy_joules,
+            lower_bound_joules=graph.compute_joules,
+            gap=0.0,
+            solve_seconds=time.perf_counter() - began,
+            evaluation=cost,
+            plan=everything,
+            message="keep-everything fits: its energy is the every-node-once lower bound",
+            **common,
+        )
+    if runtime is not None and graph.compute_seconds > runtime * (1 + 1e-12):
+        return MilpResult(
+            status="infeasible",
+            energy_joules=None,
+            lower_bound_joules=None,
+            gap=None,
+            solve_seconds=time.perf_counter() - began,
+            message="the runtime budget is below one computation of every node",
+            **common,
+        )
+
+    start = None
+    warm = ""
+    if mode == "hybrid" and warm_start:
+        # Paging-only and remat-only are much smaller searches; the better of their plans is a
+        # hybrid plan too, and HiGHS starts from it instead of hunting for a first incumbent.
+        best: MilpResult | None = None
+        for sub_mode in ("paging", "remat"):
+            sub = solve(
+                graph,
+                ram_bytes=ram_bytes,
+                runtime_factor=runtime_factor,
+                mode=sub_mode,
+                accounting=accounting,
+                time_limit=max(min(0.15 * time_limit, 30.0), 0.5),
+                rel_gap=rel_gap,
+                threads=threads,
+                find_smallest_ram=False,
+            )
+            if sub.energy_joules is not None and (
+                best is None or sub.energy_joules < best.energy_joules  # type: ignore[operator]
+            ):
+                best = sub
+        if best is not None and best.plan is not None:
+            start_plan = best.plan
+            warm = f"; started from the {best.mode}-only plan ({best.energy_joules:.6g} J)"
+    model, variables, obj_scale, _ = _build(graph, ram_bytes, runtime, mode, accounting)
+    if warm:
+        start = _start_from(start_plan, variables)
+    left = max(time_limit - (time.perf_counter() - began), 0.5)
+    status, highspy, values, _objective, dual, seconds = _run(
+        model, left, rel_gap, threads, progress, obj_scale, start
+    )
+    size: dict[str, Any] = {"variables": model.num_cols, "constraints": model.num_rows}
+    ms = highspy.HighsModelStatus
+    if values is not None and status not in (ms.kInfeasible,):
+        plan = _plan_from(values, variables)
+        broken = violations(graph, plan, accounting)
+        if broken:
+            raise AssertionError(f"the MILP returned an invalid plan: {broken[0]}")
+        result = evaluate(graph, plan, accounting)
+        energy = result.energy_joules
+        optimal = status == ms.kOptimal
+        bound = energy if optimal and dual is None else dual
+        if bound is not None:
+            bound = min(bound, energy)
+        gap = 0.0 if energy == 0 else (energy - bound) / energy if bound is not None else None
+        return MilpResult(
+            status="optimal" if optimal else "feasible",
+            energy_joules=energy,
+            lower_bound_joules=bound,
+            gap=gap,
+            solve_seconds=time.perf_counter() - began,
+            evaluation=result,
+            plan=plan,
+            message=f"HiGHS: {_status_text(status)} in {seconds:.2f} s{warm}",
+            **size,
+            **common,
+        )
+    if status in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
+        # Every variable is bounded and costs are >= 0: "unbounded or infeasible" is infeasible.
+        smallest = None
+        note = ""
+        if find_smallest_ram and ram_bytes is not None:
+            left = max(time_limit - (time.perf_counter() - began), 1.0)
+            smallest, note = _smallest_ram(graph, runtime, mode, accounting, left, threads)
+        return MilpResult(
+            status="infeasible",
+            energy_joules=None,
+            lower_bound_joules=None,
+            gap=None,
+            solve_seconds=time.perf_counter() - began,
+            smallest_ram_bytes=smallest,
+            message=f"HiGHS proved the budgets infeasible in {seconds:.2f} s{note}",
+            **size,
+            **common,
+        )
+    return MilpResult(
+        status="no_solution",
+        energy_joules=None,
+        lower_bound_joules=dual,
+        gap=None,
+        solve_seconds=time.perf_counter() - began,
+        message=(
+            f"HiGHS: {_status_text(status)} after {seconds:.2f} s "
+            "without a plan; raise --time-limit"
+        ),
+        **size,
+        **common,
+    )
+
+
+def _smallest_ram(
+    graph: TrainingGraph,
+    runtime: float | None,
+    mode: Mode,
+    accounting: Accounting,
+    time_limit: float,
+    threads: int,
+) -> tuple[float | None, str]:
+    """The least RAM budget that meets ``runtime`` (bytes), by a MILP minimising the budget."""
+    model, variables, _, _ = _build(graph, None, runtime, mode, accounting, minimise_ram=True)
+    status, highspy, values, _objective, _dual, _seconds = _run(
+        model, time_limit, 1e-9, threads, None, 1.0
+    )
+    ms = highspy.HighsModelStatus
+    if status == ms.kOptimal and values is not None:
+        plan = _plan_from(values, variables)
+        peak = evaluate(graph, plan, accounting).peak_ram_bytes
+        return peak, f"; the smallest RAM for this runtime is {peak:.0f} bytes"
+    if status in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
+        return None, "; no RAM budget meets this runtime budget"
+    return None, "; the smallest feasible RAM was not proven within the time limit"
+
+
+def _status_text(status: Any) -> str:
+    import highspy
+
+    return str(highspy.Highs().modelStatusToString(status))  # type: ignore[no-untyped-call]
