@@ -436,7 +436,10 @@ def show(results: list[Result]) -> None:
         )
     counts = {s: sum(r.status == s for r in results) for s in sorted({r.status for r in results})}
     table.caption = ", ".join(f"{n} {s}" for s, n in counts.items())
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
+        console = Console(width=160)
+    console.print(table)
 
 
 def main(argv: list[str] | None = None) -> int:
