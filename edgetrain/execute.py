@@ -154,15 +154,16 @@ class Checkpointed(nn.Module):
         self.chain = chain if chain is not None else profile(self.model, sample)
         self._signature = signature(sample)
         if schedule is None:
-            progress.note(f"planning {self.chain.length} stages of {self.chain.name}")
-            schedule = plan_for_device(
-                self.chain,
-                self.strategy,
-                device_bytes=self._device,
-                fixed_bytes=fixed_training_bytes(self.chain) + self.reserve_bytes,
-                recompute=self._max_recompute,
-                grads_exist=self.grads_exist,
-            )
+            # Shown only when planning takes more than a couple of seconds (long chains).
+            with progress.task(f"planning {self.chain.length} stages of {self.chain.name}"):
+                schedule = plan_for_device(
+                    self.chain,
+                    self.strategy,
+                    device_bytes=self._device,
+                    fixed_bytes=fixed_training_bytes(self.chain) + self.reserve_bytes,
+                    recompute=self._max_recompute,
+                    grads_exist=self.grads_exist,
+                )
         else:
             _check_made_for(schedule, self.chain)
         self.schedule = schedule
