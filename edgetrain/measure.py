@@ -77,11 +77,3 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (each shared storage counted once)."""
     sizes = {storage_key(t): int(t.untyped_storage().nbytes()) for t in tensors}
     return sum(sizes.values())
-
-
-def module_bytes(module: torch.nn.Module) -> tuple[int, int, int]:
-    """(parameter bytes, gradient bytes of trainable parameters, buffer bytes) of ``module``."""
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
-    return params, grads, buffers

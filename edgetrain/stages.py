@@ -6,10 +6,12 @@ the run: both go through :func:`run_forward`, :func:`run_forward_with_grad` and
 
 A stage run with grad keeps exactly what autograd saves and nothing else. Its input enters through
 a *tap*: a view of the input made by an autograd function that saves nothing, so the input's
-storage stays alive only if the stage's own operations save it. Its trainable parameters enter the
-same way (through :func:`torch.func.functional_call`), so their gradients are returned to the
-caller instead of being written to ``.grad`` and no parameter hook runs here: the executor hands
-the gradients to autograd once, as plain autograd would. Of the stage's output the graph keeps only
+storage stays alive only if the stage's own operations save it. Its trainable parameters enter as
+leaves of their own that share the parameters' storage (through
+:func:`torch.func.functional_call`); a post-accumulate hook hands each one's gradient to the
+executor's sink the moment autograd has it, and clears it there, so nothing is written to the
+parameter's ``.grad`` and no hook of the user's runs here: the executor hands the gradients to
+autograd once per step, as plain autograd would. Of the stage's output the graph keeps only
 the gradient edges (:class:`torch.autograd.graph.GradientEdge`), not the tensors: the output's
 storage too stays alive only if autograd saved it.
 
@@ -82,11 +84,6 @@ class StageGraph:
     inputs: list[list[torch.Tensor] | None]
     input_anchor: torch.Tensor | None = None
     params: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def differentiable(self) -> bool:
-        """Whether any output carries a gradient back (else the backward does nothing)."""
-        return any(edge is not None for edge in self.outputs)
 
 
 def run_forward(module: nn.Module, x: Any, *, stage: int = 0, name: str = "") -> Any:
