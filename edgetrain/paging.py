@@ -23,7 +23,6 @@ import hashlib
 import io
 import os
 import queue
-import tempfile
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from edgetrain.errors import CorruptFile, InvalidInput
+from edgetrain.schedule import atomic_write_bytes
 
 _PREFIX = "edgetrain-page-"
 
@@ -142,7 +142,7 @@ class PageStore:
                     del buffer
                     with self._lock:
                         self._checksums[key] = hashlib.sha256(data).hexdigest()
-                    self._write(self._path(key), data)
+                    atomic_write_bytes(self._path(key), data, sync_directory=False)
                     self.bytes_written += len(data)
                     del data
             except OSError as exc:
@@ -150,18 +150,6 @@ class PageStore:
             finally:
                 value = None
                 self._done[key].set()
-
-    def _write(self, path: Path, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
 
     def _raise_pending(self) -> None:
         error: Any = self._error

@@ -215,16 +215,25 @@ def _parse_op(token: str) -> tuple[Op, int]:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, sync_directory: bool = True) -> None:
+    """Write ``data`` to ``path`` (temp file, fsync, rename): a crash leaves the old file or the
+    new one, never part of one. ``sync_directory`` also flushes the rename itself to disk (a
+    file that must outlive a power cut; a page deleted after the step needs no such thing)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if not sync_directory:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
