@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, storage_bytes, storage_key
 from edgetrain.stages import (
+    empty_like,
     group_children,
     leaves,
     run_backward,
@@ -166,13 +168,8 @@ def _profile(
                 known, out = memo[key]
                 # The twin's parameters all got gradients, or none did: so do this one's.
                 trainable = {id(p) for p in module.parameters() if p.requires_grad}
-                result = _Measured(
-                    **{
-                        **known.__dict__,
-                        "param_grad_ids": trainable if known.param_grad_ids else set(),
-                    }
-                )
-                x = _empty_like(out)
+                result = replace(known, param_grad_ids=trainable if known.param_grad_ids else set())
+                x = empty_like(out)
             else:
                 result, x = _profile_stage(
                     name,
@@ -202,34 +199,29 @@ def _shares_parameters(module: nn.Module, measured: list[tuple[str, nn.Module, i
     return any(mine & {id(p) for p in m.parameters()} for _, m, _, _ in measured)
 
 
-def _empty_like(value: Any) -> Any:
-    flat, spec = tree_flatten(value)
-    return tree_unflatten(
-        [torch.empty_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec
-    )
-
-
+@dataclass(frozen=True)
 class _Measured:
-    """One stage's measured costs, before parameters shared between stages are sorted out."""
+    """One stage's measured costs, before parameters shared between stages are sorted out
+    (fields as in :class:`~edgetrain.chain.Stage`; ``param_grad_ids``: the parameters that got a
+    gradient)."""
 
-    def __init__(self, **values: Any) -> None:
-        self.output_bytes: int = values["output_bytes"]
-        self.saved_bytes: int = values["saved_bytes"]
-        self.saves_input: bool = values["saves_input"]
-        self.saves_output: bool = values["saves_output"]
-        self.forward_peak_bytes: int = values["forward_peak_bytes"]
-        self.forward_grad_peak_bytes: int = values["forward_grad_peak_bytes"]
-        self.backward_peak_bytes: int = values["backward_peak_bytes"]
-        self.backward_peak_kept_bytes: int = values["backward_peak_kept_bytes"]
-        self.forward_seconds: float = values["forward_seconds"]
-        self.backward_seconds: float = values["backward_seconds"]
-        self.layer_output_bytes: int = values["layer_output_bytes"]
-        self.output_requires_grad: bool = values["output_requires_grad"]
-        self.param_grad_ids: set[int] = values["param_grad_ids"]
-        self.leaf_bytes: tuple[int, ...] = values.get("leaf_bytes", ())
-        self.carried: tuple[tuple[int, int], ...] = values.get("carried", ())
-        self.saved_inputs: tuple[int, ...] | None = values.get("saved_inputs")
-        self.saved_outputs: tuple[int, ...] | None = values.get("saved_outputs")
+    output_bytes: int
+    saved_bytes: int
+    saves_input: bool
+    saves_output: bool
+    forward_peak_bytes: int
+    forward_grad_peak_bytes: int
+    backward_peak_bytes: int
+    backward_peak_kept_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+    layer_output_bytes: int
+    output_requires_grad: bool
+    param_grad_ids: set[int]
+    leaf_bytes: tuple[int, ...] = ()
+    carried: tuple[tuple[int, int], ...] = ()
+    saved_inputs: tuple[int, ...] | None = None
+    saved_outputs: tuple[int, ...] | None = None
 
 
 def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage]:

@@ -222,15 +222,15 @@ def group_children(model: nn.Sequential, sample: Any) -> list[tuple[str, nn.Modu
     group_input: set[int] = set()
     open_group = False  # the current stage so far returns a view of its own input
     x = _detached(sample)
-    seen: dict[tuple[str, str, str], tuple[bool, bool, Any]] = {}
+    seen: dict[tuple[str, str], tuple[bool, bool, Any]] = {}
     for index, (name, child) in enumerate(children):
         assert child is not None
-        key = (repr(child), _signature(x), str(id(child)))
+        key = (repr(child), signature(x))
         on_meta = all(t.device.type == "meta" for t in leaves(x))
-        if on_meta and key[:2] in {k[:2] for k in seen}:
+        if on_meta and key in seen:
             # Shapes alone decide the outcome on meta tensors: reuse an identical child's.
-            in_place, aliased, like = next(v for k, v in seen.items() if k[:2] == key[:2])
-            out = x if aliased else _empty_like(like)
+            in_place, aliased, like = seen[key]
+            out = x if aliased else empty_like(like)
         else:
             versions = [t._version for t in leaves(x)]
             try:
@@ -240,7 +240,7 @@ def group_children(model: nn.Sequential, sample: Any) -> list[tuple[str, nn.Modu
                 # mismatch between them (sizes that do not chain, dtypes, devices).
                 first = str(exc).strip().splitlines()[0]
                 raise InvalidInput(
-                    f"layer {index} ({name}) fails on an input of {_signature(x)}: {first}; "
+                    f"layer {index} ({name}) fails on an input of {signature(x)}: {first}; "
                     "check that the layers' sizes and dtypes chain"
                 ) from exc
             in_place = [t._version for t in leaves(x)] != versions
@@ -286,19 +286,15 @@ def _detached(value: Any) -> Any:
     return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
-def _empty_like(value: Any) -> Any:
+def empty_like(value: Any) -> Any:
+    """An activation of the same structure, shapes and dtypes, uninitialised."""
     flat, spec = tree_flatten(value)
     return tree_unflatten(
         [torch.empty_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec
     )
 
 
-def _signature(value: Any) -> str:
+def signature(value: Any) -> str:
     """Shapes and dtypes of an activation, for messages and memo keys."""
     parts = [f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in leaves(value)]
     return "shape " + parts[0] if len(parts) == 1 else "shapes " + ", ".join(parts)
-
-
-def signature(value: Any) -> str:
-    """Public form of the activation signature (shapes and dtypes)."""
-    return _signature(value)
