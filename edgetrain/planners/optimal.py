@@ -212,12 +212,8 @@ class OptimalTable:
                     # s..j-1 again from a[s].
                     cand = reach[j, t[:, None], back(own)[:, None]]
                     cand += windows[pin, s[:, None], j - 1, back(after)[:, None]]
-                    np.copyto(
-                        cand,
-                        np.inf,
-                        where=m[None, None, :]
-                        < (own + entry_rest)[:, None, None] + walk[:, :, None],
-                    )
+                    reached = (own + entry_rest)[:, None] + walk  # peak walking to a[j]
+                    np.copyto(cand, np.inf, where=m[None, None, :] < reached[:, :, None])
                     pick = np.argmin(cand, axis=1)
                     value = np.take_along_axis(cand, pick[:, None, :], axis=1)[:, 0, :]
                     value -= prefix[s][:, None]
