@@ -179,9 +179,8 @@ class Chain:
         ``k`` returns it (see :attr:`Stage.input_gradient_bytes`), else the size of ``a[k]``."""
         if not self.requires_grad(k):
             return 0
-        if k < self.length and self.stages[k].input_gradient_bytes is not None:
-            return self.stages[k].input_gradient_bytes
-        return self.activation_bytes(k)
+        measured = self.stages[k].input_gradient_bytes if k < self.length else None
+        return self.activation_bytes(k) if measured is None else measured
 
     @property
     def weight_bytes(self) -> int:

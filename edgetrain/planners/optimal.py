@@ -159,7 +159,8 @@ class OptimalTable:
         reach = sliding_window_view(self._reach, size, axis=-1)
 
         def back(offset: np.ndarray) -> np.ndarray:
-            return pad - np.minimum(offset, pad)
+            index: np.ndarray = pad - np.minimum(offset, pad)
+            return index
 
         # Reaching a[k+1] from a[k]: a[k] + the forward's peak, and a[k+1] once it is done.
         step = np.maximum(np.concatenate([[0], z.act[1:n]]) + z.fwd_peak, z.act[1:])
