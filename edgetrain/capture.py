@@ -292,7 +292,7 @@ def articulation_cuts(captured: Captured) -> tuple[int, ...]:
     return tuple(c for c in all_cuts(captured) if len(live[c]) == 1)
 
 
-ALL_CUTS_UP_TO = 160
+ALL_CUTS_UP_TO = 256
 """Stages a model may be cut into at every admissible position; beyond that, fewer cuts keep the
 planner's O(stages³) work near a second."""
 
