@@ -145,10 +145,10 @@ def run_command(
     )
     if recompute < 1:
         raise InvalidInput(f"--recompute must be at least 1, got {recompute}")
-    # Fail on an infeasible budget or an unreadable video before any long work.
-    batch_plan = plan_batch(classifier(classes), config, find_largest=True)
+    # Fail on an unreadable video or an infeasible budget before any long work.
     meta = _source_meta(video, seed, frames, classes, teacher_views)
     source = _open_source(meta)
+    batch_plan = plan_batch(classifier(classes), config, find_largest=True)
     deadline = time.monotonic() + 60 * minutes
     store, cleaned = Store.open(store_dir, cap_bytes=parse_bytes(store_cap) if store_cap else None)
     with store:

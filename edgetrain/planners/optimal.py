@@ -366,8 +366,11 @@ def _fastest_within(
             near = OptimalTable(chain, slot_bytes, top, grads_exist=grads_exist, nearest=True)
             found = _fastest_fitting(near, memory_bytes, top)
         if found is None:
-            # Coarse rounding can hide the smallest plans: the least-memory table has them.
-            found = _fastest_fitting(_least_memory_table(chain, slots, grads_exist), memory_bytes)
+            # Coarse rounding can hide the smallest plans: the least-memory tables have them.
+            for table in _least_memory_tables(chain, slots, grads_exist):
+                found = _fastest_fitting(table, memory_bytes)
+                if found is not None:
+                    break
         if found is None:
             return None
         schedule = found
@@ -380,15 +383,15 @@ def _fastest_fitting(
 ) -> Schedule | None:
     """The fastest of the table's plans (budgets ``top`` down to 0) whose exact peak fits."""
     times = table.times()[: (table.slots if top is None else top) + 1]
-    tried: set[float] = set()
+    tried: set[bytes] = set()
     for m in np.argsort(times, kind="stable"):
-        value = float(times[m])
-        if not np.isfinite(value):
+        if not np.isfinite(times[m]):
             break
-        if value in tried:
-            continue  # the same plan as a larger budget's
-        tried.add(value)
         schedule = table.schedule(int(m))
+        key = schedule.kinds.tobytes() + schedule.indices.tobytes()
+        if key in tried:
+            continue  # the same plan as another budget's
+        tried.add(key)
         if (
             simulate(table.chain, schedule, grads_exist=table.grads_exist).peak_bytes
             <= memory_bytes
@@ -411,14 +414,23 @@ def _least_memory_table(chain: Chain, slots: int, grads_exist: bool) -> OptimalT
     return OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
 
 
-def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False) -> float:
-    """The smallest activation budget (bytes) with which :func:`optimal` finds a plan: the least
-    simulated peak of the plans of the least-memory table (and of storing everything)."""
-    everything = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
-    best = everything
+def _least_memory_tables(
+    chain: Chain, slots: int, grads_exist: bool
+) -> tuple[OptimalTable, OptimalTable]:
+    """The tables whose plans :func:`minimum_memory` searches (and :func:`optimal` last): the
+    least-memory table, and a table rounded to the nearest slot at the resolution of the
+    store-everything peak."""
+    everything = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
     slot_bytes, count = resolution(chain, max(everything, 1), slots)
     near = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist, nearest=True)
-    for table in (_least_memory_table(chain, slots, grads_exist), near):
+    return _least_memory_table(chain, slots, grads_exist), near
+
+
+def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False) -> float:
+    """The smallest activation budget (bytes) with which :func:`optimal` finds a plan: the least
+    simulated peak of the plans of the least-memory tables (and of storing everything)."""
+    best = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
+    for table in _least_memory_tables(chain, slots, grads_exist):
         times = table.times()
         for m in np.flatnonzero(np.isfinite(times))[:64]:
             peak = simulate(chain, table.schedule(int(m)), grads_exist=grads_exist).peak_bytes
