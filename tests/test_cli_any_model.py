@@ -74,6 +74,20 @@ def not_a_model():
 
 def branchy():
     return Branchy()
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y, y.sum()
+
+
+def pair():
+    return Pair(), torch.randn(2, 4)
 """
 
 
@@ -225,6 +239,11 @@ def test_mistakes_with_models_exit_2_with_one_line(tmp_path, command, args, mess
     assert message in line
     if "unknown model" in message:
         assert all(name in line for name in MODEL_NAMES)
+
+
+def test_train_refuses_a_model_that_returns_no_single_tensor_in_one_line(user_file):
+    line = error_line("train", "--model-file", f"{user_file}:pair", "--steps", "1")
+    assert "returns one floating-point tensor, got tuple" in line
 
 
 @pytest.mark.parametrize("command", ["plan", "train"])
