@@ -229,6 +229,14 @@ def test_a_factory_that_returns_its_example_input_sets_the_shape(user_file):
         (["--model", "unet", "--input-shape", "2,3,16,16"], "--input-shape is for --model-file"),
         (["--model", "resnet19"], "unknown model 'resnet19'; choose one of"),
         (["--model", "unet", "--image", "24"], "use a multiple of 16"),
+        (
+            ["--model-file", "{dir}/my_model.py:boom", "--memory", "1GB", "--recompute", "2"],
+            "give --memory or --recompute, not both",
+        ),
+        (
+            ["--model-file", "{dir}/my_model.py:build_with_input", "--batch", "4"],
+            "returns its own example input",
+        ),
     ],
 )
 def test_mistakes_with_models_exit_2_with_one_line(tmp_path, command, args, message):

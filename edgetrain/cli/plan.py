@@ -85,6 +85,8 @@ def plan_command(
     captured by running it once without grad. Without --memory or --recompute the plan stores
     everything. Sizes are printed in MiB/GiB (2^20/2^30 bytes).
     """
+    if memory is not None and recompute is not None:
+        raise InvalidInput("give --memory or --recompute, not both")
     choice = choose_model(model_name, model_file, input_shape, batch, image, default="resnet101")
     chain, shape = _chain(choice)
     fixed = fixed_training_bytes(chain, optimizer)

@@ -3,7 +3,8 @@
 The factory is a function of no arguments in that file. It returns the model (an ``nn.Module``),
 or a pair ``(model, example_input)`` whose tensor fixes the input a training step feeds the model
 (its shape and dtype: token ids for a language model, say). Loading *runs the user's code*: the
-file is imported as a fresh module (not added to ``sys.modules``) and the function is called.
+file is imported as a fresh module (not added to ``sys.modules``; its directory is on
+``sys.path`` meanwhile, so it can import the modules beside it) and the function is called.
 
 Every way this can go wrong that the user controls is an :class:`~edgetrain.errors.InvalidInput`
 with one line: no colon or no function name, no such file (checked before anything runs, see
@@ -13,7 +14,10 @@ result that is neither a module nor a (module, tensor) pair.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,8 +52,8 @@ class UserModel:
             if shape is not None:
                 raise InvalidInput(
                     f"{self.spec} returns its own example input, of shape "
-                    f"{tuple(self.example_input.shape)}; drop the input shape given here, "
-                    "or return only the model"
+                    f"{tuple(self.example_input.shape)}; drop the shape given (--input-shape, "
+                    "--batch or --image on the command line), or return only the model"
                 )
             return self.example_input
         return torch.randn(shape if shape is not None else default_shape)
@@ -79,21 +83,23 @@ def load_model_file(spec: str) -> UserModel:
     if module_spec is None or module_spec.loader is None:
         raise InvalidInput(f"model file {str(path)!r} is not a Python module; give a .py file")
     module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise InvalidInput(
-            f"importing {str(path)!r} failed: {_one_line(exc)}; fix the file"
-        ) from exc
-    factory = getattr(module, function, None)
-    if not callable(factory):
-        raise InvalidInput(
-            f"{str(path)!r} has no function {function!r}; define def {function}(): {FACTORY_FORMS}"
-        )
-    try:
-        built = factory()
-    except Exception as exc:
-        raise InvalidInput(f"{spec} raised {_one_line(exc)}; fix the factory") from exc
+    with _importable_from(path.resolve().parent):
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise InvalidInput(
+                f"importing {str(path)!r} failed: {_one_line(exc)}; fix the file"
+            ) from exc
+        factory = getattr(module, function, None)
+        if not callable(factory):
+            raise InvalidInput(
+                f"{str(path)!r} has no function {function!r}; "
+                f"define def {function}(): {FACTORY_FORMS}"
+            )
+        try:
+            built = factory()
+        except Exception as exc:
+            raise InvalidInput(f"{spec} raised {_one_line(exc)}; fix the factory") from exc
     example = None
     if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
         built, example = built
@@ -113,6 +119,19 @@ def load_factory(spec: str) -> nn.Module:
     """Import ``path.py`` and return the model ``function()`` builds for
     ``spec = "path.py:function"`` (an example input it returns with it is dropped)."""
     return load_model_file(spec).model
+
+
+@contextlib.contextmanager
+def _importable_from(directory: Path) -> Iterator[None]:
+    """Put ``directory`` first on ``sys.path`` while the user's file loads and its factory runs,
+    as ``python my_model.py`` would, so the file can import the modules beside it."""
+    entry = str(directory)
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if entry in sys.path:
+            sys.path.remove(entry)
 
 
 def _one_line(exc: Exception) -> str:
