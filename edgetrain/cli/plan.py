@@ -185,7 +185,10 @@ def describe(chain: Chain, schedule: Schedule, fixed_total: int) -> dict[str, An
 
     ``graphs_kept`` counts stages whose first forward keeps its autograd graph (never recomputed),
     ``max_checkpoints`` the most stage inputs held as checkpoints at once, ``recomputed_stages``
-    the stages run forward more than once.
+    the stages run forward more than once; ``predicted_seconds`` is the plan's compute time from
+    the chain's stage times (for a chain from shapes, FLOP counts at
+    :data:`~edgetrain.profile.NOMINAL_FLOPS`: relative, not this device's). Per stage,
+    ``output_bytes`` adds up every tensor crossing the cut after it, ``tensors`` counts them.
     """
     # fixed_total holds the parameters' gradients from the last step, so the step adds to them
     cost = simulate(chain, schedule, grads_exist=True)
