@@ -292,12 +292,24 @@ def articulation_cuts(captured: Captured) -> tuple[int, ...]:
     return tuple(c for c in all_cuts(captured) if len(live[c]) == 1)
 
 
-def block_cuts(captured: Captured, per_block: int = 2) -> tuple[int, ...]:
-    """Where edgetrain cuts a captured model into stages: every articulation cut (between
-    blocks), and inside each block the ``per_block`` admissible cuts with the least live bytes
-    (a cut inside a residual block carries the trunk and the skip). Finer stages let the
-    planner recompute inside blocks; ``per_block=0`` gives one stage per block."""
+ALL_CUTS_UP_TO = 256
+"""Stages a model may be cut into at every admissible position; beyond that, fewer cuts keep the
+planner's O(stages³) work near a second."""
+
+
+def block_cuts(
+    captured: Captured, per_block: int = 2, *, all_up_to: int = ALL_CUTS_UP_TO
+) -> tuple[int, ...]:
+    """Where edgetrain cuts a captured model into stages: at every admissible position when
+    that makes at most ``all_up_to`` stages; otherwise every articulation cut (between blocks),
+    and inside each block the ``per_block`` admissible cuts with the least live bytes (a cut
+    inside a residual block carries the trunk and the skip). Finer stages let the planner
+    recompute inside blocks (the U-Net at batch 4, 128²: least memory 0.33 × plain autograd cut
+    everywhere, 67 stages; 0.66 × with 2 cuts per block, 16 stages); ``per_block=0`` gives one
+    stage per block."""
     admissible = all_cuts(captured)
+    if len(admissible) < all_up_to:
+        return admissible
     between = set(articulation_cuts(captured))
     sizes = {n.name: n.bytes for n in captured.nodes}
     chosen = set(between)

@@ -63,10 +63,15 @@ class Stage:
             trunk and the skip), the storage bytes of each; empty for one tensor.
         carried: ``(output tensor, input tensor)`` pairs: tensors passed through unchanged (the
             same storage in the input and the output).
+        shared_leaves: ``(output tensor, earlier output tensor)`` pairs: tensors of the output
+            that share one storage (``q, k, v = qkv.chunk(3)``), counted once.
         saved_inputs, saved_outputs: which input and output tensors the graph holds, when
             only some of them (None: all of them or none, as ``saves_input``/``saves_output``).
         backward_peak_kept_bytes: the backward's peak when parameter gradients exist and are
             added to in place (None: as ``backward_peak_bytes``).
+        input_gradient_bytes: the distinct storages of the gradient its backward returns for
+            its input (None: the input's size). Less than the input when tensors share one
+            gradient: an addition hands its output's gradient to both of its inputs.
     """
 
     name: str
@@ -87,9 +92,11 @@ class Stage:
     output_requires_grad: bool = True
     leaf_bytes: tuple[int, ...] = ()
     carried: tuple[tuple[int, int], ...] = ()
+    shared_leaves: tuple[tuple[int, int], ...] = ()
     saved_inputs: tuple[int, ...] | None = None
     saved_outputs: tuple[int, ...] | None = None
     backward_peak_kept_bytes: int | None = None
+    input_gradient_bytes: int | None = None
 
     def backward_peak(self, grads_exist: bool) -> int:
         """The backward's peak when parameter gradients are created (held from then on) or,
@@ -168,8 +175,12 @@ class Chain:
         return self.input_requires_grad if k == 0 else self.stages[k - 1].output_requires_grad
 
     def gradient_of_activation_bytes(self, k: int) -> int:
-        """Size of the gradient of ``a[k]`` (0 when it needs none)."""
-        return self.activation_bytes(k) if self.requires_grad(k) else 0
+        """Size of the gradient of ``a[k]`` (0 when it needs none): as the backward of stage
+        ``k`` returns it (see :attr:`Stage.input_gradient_bytes`), else the size of ``a[k]``."""
+        if not self.requires_grad(k):
+            return 0
+        measured = self.stages[k].input_gradient_bytes if k < self.length else None
+        return self.activation_bytes(k) if measured is None else measured
 
     @property
     def weight_bytes(self) -> int:
@@ -224,6 +235,8 @@ class Chain:
                 s.saved_inputs,
                 s.saved_outputs,
                 s.backward_peak_kept_bytes,
+                *([[list(c) for c in s.shared_leaves]] if s.shared_leaves else []),
+                *([s.input_gradient_bytes] if s.input_gradient_bytes is not None else []),
             ]
             for s in self.stages
         ]
@@ -278,8 +291,9 @@ def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
     for key in ("leaf_bytes", "saved_inputs", "saved_outputs"):
         if isinstance(out.get(key), list):
             out[key] = tuple(int(v) for v in out[key])
-    if isinstance(out.get("carried"), list):
-        out["carried"] = tuple((int(a), int(b)) for a, b in out["carried"])
+    for key in ("carried", "shared_leaves"):
+        if isinstance(out.get(key), list):
+            out[key] = tuple((int(a), int(b)) for a, b in out[key])
     return out
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -37,6 +37,7 @@ from edgetrain.stages import (
     empty_like,
     group_children,
     leaves,
+    module_key,
     run_backward,
     run_forward,
     run_forward_with_grad,
@@ -102,12 +103,10 @@ def _analytic(
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"edgetrain plans an nn.Module, got {type(model).__name__}")
     if _on_meta(model) or _any_meta(sample_input):
-        model = model if _on_meta(model) else copy.deepcopy(model).to("meta")
+        model = model if _on_meta(model) else _meta_copy(model)
         sample_input = _to_meta(sample_input)
     stages = as_stages(model, sample_input)
-    meta_model = stages if _on_meta(stages) else copy.deepcopy(stages).to("meta")
-    if stages is not model:
-        _show_code(meta_model)
+    meta_model = stages if _on_meta(stages) else _meta_copy(stages)
     chain = _profile(
         meta_model,
         _to_meta(sample_input),
@@ -123,16 +122,6 @@ def _analytic(
         chain.input_requires_grad,
         name=type(model).__name__,
     )
-
-
-def _show_code(stages: nn.Module) -> None:
-    """Make each captured segment's ``repr`` include its code. On meta tensors the profiler and
-    :func:`~edgetrain.stages.group_children` reuse the costs of a stage with the same ``repr``
-    and input, but an fx GraphModule's ``repr`` leaves its code out (a ``tanh`` segment and a
-    ``mean`` segment both print ``GraphModule()``). Only for the meta copy planning uses."""
-    for module in stages.modules():
-        if isinstance(module, fx.GraphModule):
-            object.__setattr__(module, "extra_repr", lambda code=module.code: code)
 
 
 def _to_meta(sample_input: Any) -> Any:
@@ -178,6 +167,17 @@ def _operations(segment: nn.Module) -> list[str]:
                 continue
             names.append(getattr(node.target, "__name__", str(node.target)))
     return names
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """The model with every parameter and buffer on the meta device, without copying data; a
+    tensor shared by several modules (a tied weight) stays one tensor."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(_meta_like(p.detach()), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = _meta_like(b)
+    return copy.deepcopy(model, memo)
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -251,7 +251,7 @@ def _profile(
         needs_grad = any(t.requires_grad for t in leaves(sample_input))
         for index, (name, module, span) in enumerate(groups):
             done(detail=name)
-            key = (repr(module), signature(x), needs_grad)
+            key = (module_key(module), signature(x), needs_grad)
             if timer is None and key in memo and not _shares_parameters(module, measured):
                 known, out = memo[key]
                 # The twin's parameters all got gradients, or none did: so do this one's.
@@ -308,8 +308,10 @@ class _Measured:
     param_grad_ids: set[int]
     leaf_bytes: tuple[int, ...] = ()
     carried: tuple[tuple[int, int], ...] = ()
+    shared_leaves: tuple[tuple[int, int], ...] = ()
     saved_inputs: tuple[int, ...] | None = None
     saved_outputs: tuple[int, ...] | None = None
+    input_gradient_bytes: int | None = None
 
 
 def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage]:
@@ -323,9 +325,13 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
         buffers.append(_new_bytes(module.buffers(), buffers_seen))
     grads_seen: set[int] = set()
     created = [0] * len(measured)
+    summed = [0] * len(measured)
     for k in reversed(range(len(measured))):
         _, module, _, result = measured[k]
         fresh = [p for p in module.parameters() if id(p) in result.param_grad_ids]
+        # A gradient a later stage created (a tied weight) is summed with this stage's out of
+        # place when gradients are created during the step: one more of it during the backward.
+        summed[k] = sum(p.numel() * p.element_size() for p in fresh if id(p) in grads_seen)
         created[k] = _new_bytes(iter(fresh), grads_seen)
     return [
         Stage(
@@ -336,7 +342,7 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             saves_output=r.saves_output,
             forward_peak_bytes=r.forward_peak_bytes,
             forward_grad_peak_bytes=r.forward_grad_peak_bytes,
-            backward_peak_bytes=r.backward_peak_bytes,
+            backward_peak_bytes=r.backward_peak_bytes + summed[k],
             backward_peak_kept_bytes=r.backward_peak_kept_bytes,
             weight_bytes=weights[k],
             gradient_bytes=created[k],
@@ -348,8 +354,10 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             output_requires_grad=r.output_requires_grad,
             leaf_bytes=r.leaf_bytes,
             carried=r.carried,
+            shared_leaves=r.shared_leaves,
             saved_inputs=r.saved_inputs,
             saved_outputs=r.saved_outputs,
+            input_gradient_bytes=r.input_gradient_bytes,
         )
         for k, (name, _, span, r) in enumerate(measured)
     ]
@@ -416,6 +424,12 @@ def _profile_stage(
         out_keys = [storage_key(t) for t in leaves(y)]
         # Output tensors passed through unchanged: the same storage as an input tensor.
         carried = tuple((i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys)
+        # Output tensors sharing one storage (views of one result): one piece of memory.
+        shared = tuple(
+            (i, out_keys.index(key))
+            for i, key in enumerate(out_keys)
+            if out_keys.index(key) < i and i not in dict(carried)
+        )
         new_out = [t for i, t in enumerate(leaves(y)) if i not in dict(carried)]
         new_saved_bytes = storage_bytes([t for t in new_out if storage_key(t) in saved])
         leaf_bytes = tuple(int(t.untyped_storage().nbytes()) for t in leaves(y))
@@ -432,9 +446,11 @@ def _profile_stage(
             for edge, t in zip(graph.outputs, leaves(out), strict=True)
         ]
         base = counter.reset_peak()
-        run_backward(graph, grad_out)
+        input_grads = [g for g in run_backward(graph, grad_out) if g is not None]
         backward_peak = counter.peak_bytes - base
-        del graph
+        # An addition hands its output's gradient to both inputs: one storage, not two.
+        input_gradient_bytes = storage_bytes(input_grads) if input_grads else None
+        del graph, input_grads
         # Again, as in a loop that keeps gradients: each is added in place as it is computed.
         y, graph = run_forward_with_grad(
             module, x, needs_input_grad=needs_grad, params=params, sink=kept_sink, stage=index
@@ -466,8 +482,10 @@ def _profile_stage(
         saves_output=saves_output,
         leaf_bytes=leaf_bytes if several_out or carried else (),
         carried=carried,
+        shared_leaves=shared,
         saved_inputs=saved_in_leaves if several_in else None,
         saved_outputs=saved_out_leaves if several_out or carried else None,
+        input_gradient_bytes=input_gradient_bytes,
         forward_peak_bytes=forward_peak,
         forward_grad_peak_bytes=forward_grad_peak,
         backward_peak_bytes=backward_peak,

@@ -313,11 +313,14 @@ def _replay(
     for stage in stages:
         previous = pieces[-1]
         carried = dict(stage.carried)
+        shared = dict(stage.shared_leaves)
         own: list[int] = []
         for leaf in range(stage.output_leaves):
             if leaf in carried:
                 j = carried[leaf]
                 own.append(previous[j] if j < len(previous) else 0)
+            elif shared.get(leaf, leaf) < leaf:
+                own.append(own[shared[leaf]])  # a view of an earlier tensor of this output
             else:
                 sizes.append(stage.leaf_bytes[leaf] if stage.leaf_bytes else stage.output_bytes)
                 own.append(len(sizes) - 1)

@@ -225,12 +225,13 @@ def group_children(model: nn.Sequential, sample: Any) -> list[tuple[str, nn.Modu
     seen: dict[tuple[str, str], tuple[bool, bool, Any]] = {}
     for index, (name, child) in enumerate(children):
         assert child is not None
-        key = (repr(child), signature(x))
+        key = (module_key(child), signature(x))
         on_meta = all(t.device.type == "meta" for t in leaves(x))
         if on_meta and key in seen:
-            # Shapes alone decide the outcome on meta tensors: reuse an identical child's.
+            # Shapes alone decide the outcome on meta tensors: reuse an identical child's
+            # (only when it made a new tensor: a view must be made from this input).
             in_place, aliased, like = seen[key]
-            out = x if aliased else empty_like(like)
+            out = empty_like(like)
         else:
             versions = [t._version for t in leaves(x)]
             try:
@@ -249,7 +250,8 @@ def group_children(model: nn.Sequential, sample: Any) -> list[tuple[str, nn.Modu
             aliased = bool(
                 {storage_key(t) for t in leaves(out) if id(t) not in passed} & _storages(x)
             )
-            seen[key] = (in_place, aliased, out)
+            if not (in_place or aliased):
+                seen[key] = (in_place, aliased, out)
         if groups and (in_place or aliased or open_group):
             groups[-1].append((name, child))
         elif in_place:
@@ -275,6 +277,12 @@ def group_children(model: nn.Sequential, sample: Any) -> list[tuple[str, nn.Modu
             names = "+".join(n for n, _ in group)
             result.append((names, nn.Sequential(*(m for _, m in group)), len(group)))
     return result
+
+
+def module_key(module: nn.Module) -> str:
+    """What a module computes, for memo keys: its repr, and for a captured segment (whose repr
+    names only its submodules) its code."""
+    return repr(module) + str(getattr(module, "code", ""))
 
 
 def _storages(value: Any) -> set[int]:

@@ -162,7 +162,7 @@ def test_models_command_lists_every_registered_model():
     from edgetrain.cli.main import cli
 
     result = CliRunner().invoke(cli, ["models", "--json"], catch_exceptions=False)
-    rows = json.loads(result.output)
+    rows = json.loads(result.stdout)
     assert [r["name"] for r in rows] == list(MODEL_NAMES)
     assert {r["name"] for r in rows if r["sequential"]} == set(SEQUENTIAL_NAMES)
     text = CliRunner().invoke(cli, ["models"], catch_exceptions=False).output

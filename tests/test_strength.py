@@ -331,7 +331,7 @@ def test_memory_table_marks_in_red_exactly_the_rows_above_the_device(monkeypatch
 
     args = ["memory", "--models", "resnet18", "--batch", "1,3,5,10", "--device-memory", "400MiB"]
     result = CliRunner().invoke(cli, [*args, "--json"], catch_exceptions=False)
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     rows = data["rows"]
     for row in rows:
         assert row["fits"] == (row["total_bytes"] <= data["device_memory_bytes"]), row

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from edgetrain.chain import Chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput
@@ -127,8 +128,17 @@ class OptimalTable:
         self.grads_exist = grads_exist
         self._z = _sizes(chain, self.slot_bytes, grads_exist, nearest)
         size = self.slots + 1
-        # time[pin, s, t, m] and choice[pin, s, t, m]: -1 = graph first, j = checkpoint at j.
-        self._time = np.full((2, n, n, size), np.inf)
+        z = self._z
+        # No sub-problem is ever shifted by more than this many slots (see _fill).
+        widest = max(
+            int(z.act.max()), int(z.act[n] + z.grad[n]), int((z.extra + 2 * z.act.max()).max())
+        )
+        self._pad = min(size, widest)
+        # time[pin, s, t, m] (a view of a table with ``_pad`` slots of inf before m = 0) and
+        # choice[pin, s, t, m]: -1 = graph first, j = checkpoint at j.
+        self._padded = np.full((2, n, n, self._pad + size), np.inf)
+        self._time = self._padded[..., self._pad :]
+        self._reach = np.full((n, n, self._pad + size), np.inf)
         self._choice = np.full((2, n, n, size), -2, dtype=np.int32)
         self._fill()
 
@@ -138,8 +148,20 @@ class OptimalTable:
         z = self._z
         n = self.chain.length
         size = self.slots + 1
+        pad = self._pad
         m = np.arange(size)
         prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
+        # windows[pin, s, t, pad - o] is time[pin, s, t] shifted right by o slots (inf below o):
+        # what a sub-problem leaves when o slots are held outside it. Reading a shifted row is
+        # then one contiguous copy. ``reach`` is the same for pin 0 plus the forward time before
+        # the sub-chain (prefix[s]), so a checkpoint's candidates need one addition.
+        windows = sliding_window_view(self._padded, size, axis=-1)
+        reach = sliding_window_view(self._reach, size, axis=-1)
+
+        def back(offset: np.ndarray) -> np.ndarray:
+            index: np.ndarray = pad - np.minimum(offset, pad)
+            return index
+
         # Reaching a[k+1] from a[k]: a[k] + the forward's peak, and a[k+1] once it is done.
         step = np.maximum(np.concatenate([[0], z.act[1:n]]) + z.fwd_peak, z.act[1:])
         for span in range(n):
@@ -150,6 +172,19 @@ class OptimalTable:
             # The caller's output, once the forward is done; its gradient, once the loss is.
             after = np.where(top, z.act[n] + z.grad[n], 0)
             entry_rest = grad_in + z.held_grads[t + 1]
+            if span > 0:
+                q = np.arange(1, span + 1)  # split j = s + q
+                j = s[:, None] + q[None, :]
+                walk = np.maximum.accumulate(
+                    np.concatenate(
+                        [
+                            np.maximum(z.fwd_peak[s], z.act[s + 1])[:, None],
+                            step[np.minimum(s[:, None] + q[None, :-1], n - 1)],
+                        ],
+                        axis=1,
+                    ),
+                    axis=1,
+                )  # walk[:, q-1]: peak of reaching a[s+q] from a[s]
             for pin in (0, 1):
                 own = np.zeros_like(s) if pin else z.act[s]
                 graph = z.extra[s] + np.where(z.saves_input[s] & (pin == 0), z.act[s], 0)
@@ -164,42 +199,32 @@ class OptimalTable:
                 left_b = z.grad[s] + z.held_grads[s] + after
                 base = z.fwd_time[s] + z.bwd_time[s]
                 peak_b = np.maximum(peak_b, left_b)
+                ok = m[None, :] >= np.maximum(peak_f, peak_b)[:, None]
                 if span == 0:
-                    best = np.where(m >= np.maximum(peak_f, peak_b)[:, None], base[:, None], np.inf)
+                    best = np.where(ok, base[:, None], np.inf)
                 else:
                     pinned = z.pins_output[s].astype(np.int64)
                     shift = graph + pinned * z.act[s + 1]
-                    inner = np.where(
-                        pinned[:, None] == 1, self._time[1, s + 1, t], self._time[0, s + 1, t]
-                    )
-                    inner = _shift_each(inner, shift)
-                    ok = m >= np.maximum(peak_f, peak_b)[:, None]
+                    inner = windows[pinned, s + 1, t, back(shift)]
                     best = np.where(ok, base[:, None] + inner, np.inf)
                 choice = np.full(best.shape, -1, dtype=np.int32)
                 if span > 0:
-                    q = np.arange(1, span + 1)  # split j = s + q
-                    j = s[:, None] + q[None, :]
-                    walk = np.maximum.accumulate(
-                        np.concatenate(
-                            [
-                                np.maximum(z.fwd_peak[s], z.act[s + 1])[:, None],
-                                step[np.minimum(s[:, None] + q[None, :-1], n - 1)],
-                            ],
-                            axis=1,
-                        ),
-                        axis=1,
-                    )  # walk[:, q-1]: peak of reaching a[s+q] from a[s]
-                    peak_walk = (own + entry_rest)[:, None] + walk
-                    right = _shift_each(self._time[0, j, t[:, None]], own[:, None])
-                    left = _shift_each(self._time[pin, s[:, None], j - 1], after[:, None])
-                    cand = (prefix[j] - prefix[s][:, None])[:, :, None] + right + left
-                    cand = np.where(m[None, None, :] >= peak_walk[:, :, None], cand, np.inf)
+                    # Checkpoint at j: forward to a[j], the sub-chain j..t owning a[j], then
+                    # s..j-1 again from a[s].
+                    cand = reach[j, t[:, None], back(own)[:, None]]
+                    cand += windows[pin, s[:, None], j - 1, back(after)[:, None]]
+                    reached = (own + entry_rest)[:, None] + walk  # peak walking to a[j]
+                    np.copyto(cand, np.inf, where=m[None, None, :] < reached[:, :, None])
                     pick = np.argmin(cand, axis=1)
                     value = np.take_along_axis(cand, pick[:, None, :], axis=1)[:, 0, :]
-                    better = value < best
+                    value -= prefix[s][:, None]
+                    # Ties (to rounding) go to graph first, the plan with fewer operations.
+                    better = value < best * (1 - 1e-12)
                     best = np.where(better, value, best)
                     choice = np.where(better, (s[:, None] + 1 + pick).astype(np.int32), choice)
                 self._time[pin, s, t] = best
+                if pin == 0:
+                    self._reach[s, t, pad:] = best + prefix[s][:, None]
                 self._choice[pin, s, t] = np.where(np.isfinite(best), choice, -2)
 
     # -- queries -----------------------------------------------------------------------------------

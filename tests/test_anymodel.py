@@ -1,0 +1,146 @@
+"""Any model (issue 9): ``Checkpointed`` on models written the usual way (residual additions in
+``forward()``, long skips, attention, tied weights, frozen layers), captured with torch.fx and
+cut into stages (the registered models, narrower where that keeps the suite fast). For every
+model, optimal plans half-way to and at the least memory, and Revolve with 3 slots: gradients
+and BatchNorm buffers equal plain autograd's bitwise (float64, same input and
+RNG state), and the measured peak (live tensor storages) equals the prediction within 5 %."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import edgetrain
+from edgetrain.execute import Checkpointed, as_stages
+from edgetrain.measure import StorageCounter
+from edgetrain.models import build, sample_input
+from edgetrain.models.mobilenetv2 import MobileNetV2
+from edgetrain.models.tiny_lm import TinyLM
+from edgetrain.models.unet import UNet
+from edgetrain.models.vit import ViT
+from edgetrain.planners.optimal import minimum_memory, store_all
+from edgetrain.planners.revolve import revolve
+from edgetrain.profile import analytic_chain
+from edgetrain.schedule import simulate
+
+F64 = torch.float64
+
+
+class ResidualMLP(nn.Module):
+    """A user's model: a frozen embedding layer, then blocks ``x = x + f(norm(x))`` with GELU and
+    SiLU, written with ordinary (not in-place) additions."""
+
+    def __init__(self, width: int = 48, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(12, width)
+        self.embed.requires_grad_(False)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
+        self.ups = nn.ModuleList(nn.Linear(width, 2 * width) for _ in range(depth))
+        self.downs = nn.ModuleList(nn.Linear(2 * width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for i, (norm, up, down) in enumerate(zip(self.norms, self.ups, self.downs, strict=True)):
+            act = nn.functional.gelu if i % 2 else nn.functional.silu
+            x = x + down(act(up(norm(x))))
+        return self.head(x)
+
+
+CASES = [
+    ("residual-mlp", lambda: ResidualMLP(), lambda: torch.randn(16, 12)),
+    ("resnet18-module", lambda: build("resnet18-module"), lambda: sample_input("resnet18", 2, 32)),
+    ("mobilenetv2", lambda: MobileNetV2(10, width=0.35), lambda: torch.randn(2, 3, 32, 32)),
+    ("unet", lambda: UNet(base=8, depth=3), lambda: torch.randn(1, 3, 32, 32)),
+    (
+        "vit",
+        lambda: ViT(image_size=32, patch=8, dim=48, depth=2, heads=2, num_classes=10),
+        lambda: torch.randn(2, 3, 32, 32),
+    ),
+    (
+        "tinylm-tied",
+        lambda: TinyLM(vocab=64, context=16, dim=32, depth=2, heads=2),
+        lambda: torch.randint(0, 64, (2, 16)),
+    ),
+]
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    """A loss whose gradient is a new tensor of the output's size, as a real loss's is."""
+    return (out.double().square().sum() + out.double().sum()) / out.numel()
+
+
+def train_step(net: nn.Module, x: torch.Tensor, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    out = net(x)
+    loss_of(out).backward()
+    return out.detach()
+
+
+def measured_peak(net: nn.Module, x: torch.Tensor) -> int:
+    """The step's peak: forward, then backward from a loss gradient made when the forward is
+    done (what the loss would hand back; the loss's own temporaries are not the model's)."""
+    for p in net.parameters():
+        p.grad = None  # PyTorch's default zero_grad()
+    counter = StorageCounter()
+    with counter:  # the usual loop: the output stays referenced until the step ends
+        out = net(x)
+        out.backward(torch.full_like(out, 1 / out.numel()))
+        del out
+    return counter.peak_bytes
+
+
+def same_state(ours: nn.Module, plain: nn.Module) -> None:
+    for (name, p), q in zip(ours.named_parameters(), plain.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(ours.named_buffers(), plain.buffers(), strict=True):
+        assert torch.equal(b, c), name
+
+
+def schedules(chain):
+    """Optimal plans half-way to the least memory and at the least, and Revolve with 3 slots."""
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    least = minimum_memory(chain)
+    plans = [
+        edgetrain.plan(chain, "optimal", memory=budget)
+        for budget in ((everything + least) / 2, least)
+    ]
+    return [*plans, revolve(chain, 3)]
+
+
+@pytest.mark.parametrize(("name", "make", "make_input"), CASES, ids=[c[0] for c in CASES])
+def test_any_model_trains_exactly_under_every_plan(name, make, make_input):
+    torch.manual_seed(0)
+    model = make().to(F64)
+    x = make_input()
+    x = x.to(F64) if x.is_floating_point() else x
+    stages = as_stages(model, x)
+    chain = analytic_chain(stages, x)
+    for schedule in schedules(chain):
+        ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+        net = Checkpointed(ours, x, chain=chain, schedule=schedule)
+        assert torch.equal(train_step(net, x, seed=3), train_step(plain, x, seed=3))
+        same_state(ours, plain)
+
+
+@pytest.mark.parametrize(("name", "make", "make_input"), CASES, ids=[c[0] for c in CASES])
+def test_any_model_holds_what_the_plan_predicts(name, make, make_input):
+    torch.manual_seed(0)
+    model = make()
+    x = make_input()
+    stages = as_stages(model, x)
+    chain = analytic_chain(stages, x)
+    plain = measured_peak(model, x)
+    for schedule in schedules(chain):
+        net = Checkpointed(model, x, chain=chain, schedule=schedule)
+        measured = measured_peak(net, x)
+        predicted = net.cost.peak_bytes  # for the loop the step ran: gradients set to None
+        assert measured == pytest.approx(predicted, rel=0.05), (name, schedule.params)
+        if schedule.strategy == "optimal":  # a budget the planner chose under: never above
+            assert measured <= schedule.params["budget_bytes"] * 1.02, name
+            # nor above plain autograd, but for the output's gradient, which autograd holds
+            # for the executor until the backward ends (plain autograd frees it earlier)
+            assert measured <= plain * 1.02 + chain.gradient_of_activation_bytes(chain.length)
