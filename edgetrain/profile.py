@@ -16,6 +16,7 @@ restored afterwards.
 from __future__ import annotations
 
 import copy
+import operator
 import statistics
 import time
 from collections.abc import Iterator
@@ -82,15 +83,90 @@ def analytic_chain(
 ) -> Chain:
     """The chain of ``model`` from shapes alone, on meta tensors: no data, no timing.
 
-    ``sample_input`` may be a meta tensor (``torch.empty(shape, device="meta")``) or a real one
-    (only its shape, dtype and ``requires_grad`` are used). The model is copied to the meta device
-    unless it is already there. Stage times are FLOP counts over ``flops_per_second``.
+    ``model`` is an ``nn.Sequential`` (its children are the stages) or any module torch.fx can
+    trace, captured and cut into stages as :class:`~edgetrain.execute.Checkpointed` cuts it
+    (:func:`~edgetrain.execute.as_stages`); a captured chain's stages are named for the first
+    and last operation they run (``layer1.0.conv1..layer1.0.bn1``). ``sample_input`` may be a
+    meta tensor (``torch.empty(shape, device="meta")``) or a real one (only its shape, dtype and
+    ``requires_grad`` are used; a model with a ``forward()`` on real weights is captured by
+    running it once without grad on it). The model is copied to the meta device unless it is
+    already there. Stage times are FLOP counts over ``flops_per_second``.
     """
-    _check_model(model)
-    meta_model = model if _on_meta(model) else _meta_copy(model)
+    return _analytic(model, sample_input, flops_per_second=flops_per_second, flops=True)
+
+
+def _analytic(
+    model: nn.Module, sample_input: Any, *, flops_per_second: float, flops: bool
+) -> Chain:
+    from edgetrain.execute import as_stages
+
+    if not isinstance(model, nn.Module):
+        raise InvalidInput(f"edgetrain plans an nn.Module, got {type(model).__name__}")
+    if _on_meta(model) or _any_meta(sample_input):
+        model = model if _on_meta(model) else _meta_copy(model)
+        sample_input = _to_meta(sample_input)
+    stages = as_stages(model, sample_input)
+    meta_model = stages if _on_meta(stages) else _meta_copy(stages)
+    chain = _profile(
+        meta_model,
+        _to_meta(sample_input),
+        timer=None,
+        flops_per_second=flops_per_second,
+        flops=flops,
+    )
+    if stages is model:
+        return chain
+    return Chain(
+        tuple(_segment_names(stages, chain)),
+        chain.input_bytes,
+        chain.input_requires_grad,
+        name=type(model).__name__,
+    )
+
+
+def _to_meta(sample_input: Any) -> Any:
     flat, spec = tree_flatten(sample_input)
-    x = tree_unflatten([_meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
-    return _profile(meta_model, x, timer=None, flops_per_second=flops_per_second)
+    return tree_unflatten([_meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
+
+
+def _any_meta(sample_input: Any) -> bool:
+    return any(t.device.type == "meta" for t in leaves(sample_input))
+
+
+def _segment_names(stages: nn.Sequential, chain: Chain) -> Iterator[Stage]:
+    """The chain's stages renamed for the first and last operation of the captured segments
+    each runs (a stage may run several consecutive segments, see ``Stage.span``)."""
+    segments = [m for m in stages._modules.values() if m is not None]
+    start = 0
+    for stage in chain.stages:
+        operations = [
+            name
+            for segment in segments[start : start + stage.span]
+            for name in _operations(segment)
+        ]
+        start += stage.span
+        if not operations:
+            yield stage
+            continue
+        first, last = operations[0], operations[-1]
+        yield stage.renamed(first if first == last else f"{first}..{last}")
+
+
+def _operations(segment: nn.Module) -> list[str]:
+    """The operations an fx segment runs, by module path, function or method name (the
+    unpacking of its input tuple left out)."""
+    graph = getattr(segment, "graph", None)
+    if graph is None:
+        return []
+    names = []
+    for node in graph.nodes:
+        if node.op == "call_module" or node.op == "call_method":
+            names.append(str(node.target))
+        elif node.op == "call_function":
+            if node.target is operator.getitem and node.args[0].op == "placeholder":
+                continue
+            names.append(getattr(node.target, "__name__", str(node.target)))
+    return names
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -506,18 +582,24 @@ class _LayerOutputs:
 
 def model_chain(name: str, batch: int, image: int, *, timing: bool = True) -> Chain:
     """The analytic chain of a registered model (see :mod:`edgetrain.models`) for a batch of
-    ``batch`` square RGB images of side ``image``, built on the meta device (no memory, no data).
+    ``batch`` square RGB images of side ``image`` (or ``batch`` sequences of ``image`` token ids,
+    for a model that takes tokens), built on the meta device (no memory, no data). A model with
+    a ``forward()`` is captured and cut into stages as in :func:`analytic_chain`.
 
     ``timing=False`` skips the FLOP count (stage times are then 0): enough for memory tables.
     """
-    from edgetrain.models import build, canonical_name, check_image
+    from edgetrain.models import MODELS, build, canonical_name, check_image
 
     if batch < 1:
         raise InvalidInput(f"batch must be at least 1, got {batch}")
     key = canonical_name(name)
     check_image(key, image, batch)
+    info = MODELS[key]
     with torch.device("meta"):
-        model = build(key)
-    sample = torch.empty(batch, 3, image, image, device="meta")
-    chain = _profile(model, sample, timer=None, flops_per_second=NOMINAL_FLOPS, flops=timing)
+        model = build(key, image=image)
+    if info.input == "tokens":
+        sample = torch.empty(batch, image, dtype=torch.long, device="meta")
+    else:
+        sample = torch.empty(batch, 3, image, image, device="meta")
+    chain = _analytic(model, sample, flops_per_second=NOMINAL_FLOPS, flops=timing)
     return Chain(chain.stages, chain.input_bytes, chain.input_requires_grad, name=key)

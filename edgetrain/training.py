@@ -1,7 +1,11 @@
 """A short training run on synthetic data with a checkpointing plan, measuring what it holds.
 
 Used by ``edgetrain train`` and ``edgetrain demo``; also a worked example of the library API.
-Synthetic data: random images and labels from a fixed seed (nothing can be downloaded here).
+Synthetic data (nothing can be downloaded here): the caller's input batch, and a target drawn
+from a fixed seed once the model's first output shows its shape. The loss follows the output:
+a ``(batch, classes)`` output (a classifier) gets cross-entropy against random class labels,
+any other tensor (a segmentation map, a feature map, a language model's logits) the mean
+squared error against a random standard normal target of its shape.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edgetrain.errors import InvalidInput
 from edgetrain.execute import Checkpointed
 from edgetrain.measure import StorageCounter, storage_bytes
 from edgetrain.memory import OPTIMIZER_STATES
@@ -25,6 +30,7 @@ class TrainReport:
 
     Attributes:
         steps: optimizer steps taken.
+        loss: ``"cross-entropy"`` or ``"mean squared error"`` (see the module docstring).
         predicted_peak_bytes: the plan's peak plus weights, gradients, buffers, input and
             optimizer state.
         plain_peak_bytes: the same for plain autograd (everything stored).
@@ -36,6 +42,7 @@ class TrainReport:
     """
 
     steps: int
+    loss: str
     predicted_peak_bytes: int
     plain_peak_bytes: int
     measured_peak_bytes: int
@@ -65,10 +72,38 @@ def held_before_step(
     return storage_bytes(held)
 
 
+class _Loss:
+    """The synthetic loss for an output: chosen, with its random target, on the first output."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.target: torch.Tensor | None = None
+        self.name = ""
+
+    def __call__(self, out: object) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            what = type(out).__name__ if not isinstance(out, torch.Tensor) else str(out.dtype)
+            raise InvalidInput(
+                f"train needs a model that returns one floating-point tensor, got {what}; "
+                "return the tensor a loss would be computed on"
+            )
+        if self.target is None:
+            if out.dim() == 2:
+                self.name = "cross-entropy"
+                self.target = torch.randint(
+                    0, out.shape[1], (out.shape[0],), generator=self.generator
+                )
+            else:
+                self.name = "mean squared error"
+                self.target = torch.randn(out.shape, generator=self.generator, dtype=out.dtype)
+        if self.name == "cross-entropy":
+            return nn.functional.cross_entropy(out, self.target)
+        return nn.functional.mse_loss(out, self.target)
+
+
 def train(
     net: Checkpointed,
-    batch_shape: tuple[int, ...],
-    classes: int,
+    inputs: torch.Tensor,
     steps: int,
     *,
     optimizer: str = "momentum",
@@ -76,13 +111,11 @@ def train(
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
 ) -> TrainReport:
-    """Train ``net`` for ``steps`` steps on random data; measure memory on the second step."""
-    generator = torch.Generator().manual_seed(seed)
-    images = torch.randn(batch_shape, generator=generator)
-    labels = torch.randint(0, classes, (batch_shape[0],), generator=generator)
+    """Train ``net`` for ``steps`` steps on ``inputs`` and a random target (see the module
+    docstring); measure memory on the second step."""
     params = [p for p in net.parameters() if p.requires_grad]
     opt = make_optimizer(optimizer, params, lr)
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = _Loss(seed)
     state_bytes = OPTIMIZER_STATES[optimizer] * sum(p.numel() * p.element_size() for p in params)
     predicted = net.predicted_peak_bytes + state_bytes
     plain = net.plain_peak_bytes + state_bytes
@@ -94,17 +127,18 @@ def train(
         opt.zero_grad(set_to_none=False)
         start = time.perf_counter()
         if step == measure_at:
-            before = held_before_step(params, net, opt, [images, labels])
+            held = [inputs] if loss_fn.target is None else [inputs, loss_fn.target]
+            before = held_before_step(params, net, opt, held)
             counter = StorageCounter()
             with counter:
-                loss = loss_fn(net(images), labels)
+                loss = loss_fn(net(inputs))
                 loss.backward()
             measured = before + counter.peak_bytes
             # The loop this step ran in (gradients kept) is the one the prediction is for.
             predicted = net.predicted_peak_bytes + state_bytes
             plain = net.plain_peak_bytes + state_bytes
         else:
-            loss = loss_fn(net(images), labels)
+            loss = loss_fn(net(inputs))
             loss.backward()
         opt.step()
         if step != measure_at:
@@ -114,6 +148,7 @@ def train(
             on_step(step, losses[-1])
     return TrainReport(
         steps=steps,
+        loss=loss_fn.name,
         predicted_peak_bytes=predicted,
         plain_peak_bytes=plain,
         measured_peak_bytes=measured,

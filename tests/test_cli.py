@@ -67,7 +67,7 @@ def test_memory_measure_prints_measured_beside_predicted():
         (["plan", "--memory", "2GB", "--recompute", "2"], "not both"),
         (["revolve", "--steps", "0", "--slots", "3"], "0 is not in the range x>=1"),
         (["train", "--model", "resnet18", "--steps", "0"], "0 is not in the range x>=1"),
-        (["train", "--model", "yolov2-16", "--image", "64"], "no classifier"),
+        (["train", "--model", "yolov3", "--image", "64"], "unknown model 'yolov3'"),
     ],
 )
 def test_user_mistakes_exit_2_with_one_line(args, message):

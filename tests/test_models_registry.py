@@ -1,6 +1,7 @@
 """The model registry: every name builds and runs, inputs are checked, user factories load."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from edgetrain.models import (
     canonical_name,
     check_image,
     load_factory,
+    load_model_file,
     sample_input,
 )
 from edgetrain.models.mobilenetv2 import MobileNetV2
@@ -108,6 +110,9 @@ def build():
 
 def not_a_model():
     return 42
+
+def raises():
+    return 1 / 0
 """
 
 
@@ -118,6 +123,19 @@ def test_load_factory_builds_the_users_model(tmp_path):
     assert isinstance(model, nn.Sequential) and model(torch.randn(2, 4)).shape == (2, 3)
 
 
+def test_a_model_file_imports_the_modules_beside_it(tmp_path):
+    (tmp_path / "edgetrain_test_layers.py").write_text(
+        "import torch.nn as nn\n\ndef block():\n    return nn.Linear(4, 3)\n"
+    )
+    (tmp_path / "net.py").write_text(
+        "import torch\nfrom edgetrain_test_layers import block\n\n"
+        "def build():\n    return block(), torch.randn(2, 4)\n"
+    )
+    user = load_model_file(f"{tmp_path}/net.py:build")
+    assert isinstance(user.model, nn.Linear) and user.example_input.shape == (2, 4)
+    assert str(tmp_path) not in sys.path
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -126,6 +144,7 @@ def test_load_factory_builds_the_users_model(tmp_path):
         ("{dir}/my_model.py:not_a_model", "returned int, not an nn.Module"),
         ("{dir}/my_model.py", "is not FILE.py:FUNCTION"),
         ("{dir}/broken.py:build", "importing .* failed: SyntaxError"),
+        ("{dir}/my_model.py:raises", "raised ZeroDivisionError: division by zero"),
     ],
 )
 def test_load_factory_mistakes_are_one_line(tmp_path, spec, message):

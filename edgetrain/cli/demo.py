@@ -11,7 +11,7 @@ import click
 
 from edgetrain import progress
 from edgetrain.cli.main import register
-from edgetrain.cli.options import POSITIVE, SIZE_HELP, Size
+from edgetrain.cli.options import POSITIVE, SIZE_HELP, ModelChoice, Size
 from edgetrain.cli.output import console, table
 from edgetrain.cli.train import run_training
 from edgetrain.memory import PAPER_DEPTHS, paper_cells, paper_estimate, to_mb
@@ -71,7 +71,15 @@ def demo(steps: int, memory: int, batch: int) -> None:
         f"({100 * (ours / paper - 1):+.2f}%)\n"
     )
     report = run_training(
-        "resnet18", memory, None, steps, batch, 224, "optimal", "momentum", 0.01, 0, progress=True
+        ModelChoice(name="resnet18", file=None, batch=batch, image=224),
+        memory,
+        None,
+        steps,
+        "optimal",
+        "momentum",
+        0.01,
+        0,
+        progress=True,
     )
     console.print(
         table(

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -226,9 +227,168 @@ class ModelList(ModelName):
         return "MODEL[,MODEL...]"
 
 
-def resnet_names() -> tuple[str, ...]:
-    """The Sequential models with a classifier head: what ``train`` supports."""
-    return tuple(n for n in model_names() if n.startswith("resnet"))
+class ModelFile(_Checked):
+    """A user's model factory, ``FILE.py:FUNCTION``: the form and the file are checked (it exists,
+    is a .py file); nothing in it runs until the command loads it. Gives a str."""
+
+    name = "model_file"
+
+    def check(self, value: str) -> str:
+        from edgetrain.models.factory import model_file_path
+
+        model_file_path(value)
+        return value
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return "FILE.py:FUNCTION"
+
+
+class Shape(_Checked):
+    """A tensor shape, comma-separated whole numbers ("8,3,32,32"); gives a tuple of ints."""
+
+    name = "shape"
+
+    def check(self, value: str) -> tuple[int, ...]:
+        return tuple(int_list(value, "--input-shape"))
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        return "N,..."
+
+
+MODEL_FILE_HELP = (
+    "Your own model instead of --model: FILE.py:FUNCTION, where FUNCTION takes no arguments "
+    "and returns the model (an nn.Module), or (model, example_input) with one example tensor "
+    "that fixes the input (shape and dtype). This imports FILE and calls FUNCTION: it runs "
+    "your code. The input is the example if returned, else --input-shape, else --batch RGB "
+    "images of side --image. The model must be traceable by torch.fx."
+)
+"""The help of ``--model-file`` (plan and train)."""
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The model and input a command was given (checked; nothing built or run yet).
+
+    Attributes:
+        name: a registered model (``--model``), or None for a user's file.
+        file: ``FILE.py:FUNCTION`` (``--model-file``), or None.
+        batch: images (or sequences) per step.
+        image: image side in pixels (sequence length for a model that takes tokens).
+        shape: for a file model, the input shape the user gave (``--input-shape``, or ``--batch``
+            / ``--image`` typed on the command line), None when they gave none.
+    """
+
+    name: str | None
+    file: str | None
+    batch: int
+    image: int
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        """The model's name in tables and reports (a file without its directory)."""
+        if self.name is not None:
+            return self.name
+        path, _, function = str(self.file).rpartition(":")
+        return f"{Path(path).name}:{function}"
+
+    @property
+    def default_shape(self) -> tuple[int, ...]:
+        """The input of a file model whose factory gives none: a batch of square RGB images."""
+        return (self.batch, 3, self.image, self.image)
+
+
+def model_options(default: str, what: str) -> Callable[[Any], Any]:
+    """Add --model, --model-file, --input-shape, --batch and --image to a command; ``default``
+    is the model when neither --model nor --model-file is given, ``what`` ("to plan for") ends
+    --model's help."""
+    options = [
+        click.option(
+            "--model",
+            "model_name",
+            type=ModelName(all_model_names(), reason=""),
+            default=None,
+            help=f"Registered model {what} (default {default}); `edgetrain models` lists them.",
+        ),
+        click.option("--model-file", type=ModelFile(), default=None, help=MODEL_FILE_HELP),
+        click.option(
+            "--input-shape",
+            type=Shape(),
+            default=None,
+            help="Input shape for --model-file whose factory returns only the model, e.g. "
+            "8,3,64,64 (a standard normal float tensor).",
+        ),
+        click.option(
+            "--batch", type=POSITIVE, default=8, show_default=True, help="Images per step."
+        ),
+        click.option(
+            "--image",
+            type=POSITIVE,
+            default=224,
+            show_default=True,
+            help="Image side (px); sequence length for a model that takes tokens (tinylm).",
+        ),
+    ]
+
+    def decorate(command: Any) -> Any:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def choose_model(
+    model_name: str | None,
+    model_file: str | None,
+    input_shape: tuple[int, ...] | None,
+    batch: int,
+    image: int,
+    default: str,
+) -> ModelChoice:
+    """Check what :func:`model_options` read, before anything is built: --model and --model-file
+    exclude each other, --input-shape goes with --model-file only and not with --batch or
+    --image, and a registered model's image (or sequence length) must fit it."""
+    from click.core import ParameterSource
+
+    from edgetrain.models import check_image
+
+    ctx = click.get_current_context()
+    typed = [
+        flag
+        for flag, key in (("--batch", "batch"), ("--image", "image"))
+        if ctx.get_parameter_source(key) not in (ParameterSource.DEFAULT, None)
+    ]
+    if model_name is not None and model_file is not None:
+        raise InvalidInput("give --model or --model-file, not both")
+    if model_file is None:
+        if input_shape is not None:
+            raise InvalidInput(
+                "--input-shape is for --model-file; a registered model takes --batch and --image"
+            )
+        name = model_name if model_name is not None else default
+        check_image(name, image, batch)
+        return ModelChoice(name=name, file=None, batch=batch, image=image)
+    if input_shape is not None and typed:
+        raise InvalidInput(f"give --input-shape or {' and '.join(typed)}, not both")
+    shape = (
+        input_shape if input_shape is not None else ((batch, 3, image, image) if typed else None)
+    )
+    return ModelChoice(name=None, file=model_file, batch=batch, image=image, shape=shape)
+
+
+def input_words(shape: tuple[int, ...]) -> str:
+    """``(8, 3, 224, 224)`` -> "batch 8, 224x224"; any other shape as it is."""
+    if len(shape) == 4 and shape[1] == 3 and shape[2] == shape[3]:
+        return f"batch {shape[0]}, {shape[2]}x{shape[3]}"
+    return f"input {tuple(shape)}"
+
+
+def all_model_names() -> tuple[str, ...]:
+    """Every registered model: what ``plan`` and ``train`` take."""
+    from edgetrain.models import MODEL_NAMES
+
+    return MODEL_NAMES
 
 
 class FiniteRange(click.FloatRange):

@@ -9,28 +9,30 @@ import click
 from edgetrain import progress
 from edgetrain.chain import Chain
 from edgetrain.cli.main import register
-from edgetrain.cli.options import POSITIVE, RECOMPUTE, SIZE_HELP, ModelName, OutputFile, Size
+from edgetrain.cli.options import (
+    RECOMPUTE,
+    SIZE_HELP,
+    ModelChoice,
+    OutputFile,
+    Size,
+    choose_model,
+    input_words,
+    model_options,
+)
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
 from edgetrain.memory import OPTIMIZER_STATES, fixed_training_bytes
+from edgetrain.models import MODELS
+from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
 from edgetrain.planners.search import plan_for_device
-from edgetrain.profile import model_chain
+from edgetrain.profile import NOMINAL_FLOPS, analytic_chain, model_chain
 from edgetrain.schedule import Op, Schedule, simulate
 from edgetrain.units import format_bytes, mib
 
 
 @click.command(name="plan")
-@click.option(
-    "--model",
-    "model_name",
-    type=ModelName(),
-    default="resnet101",
-    show_default=True,
-    help="Model to plan for (the registry's nn.Sequential models; `edgetrain models` lists all).",
-)
-@click.option("--batch", type=POSITIVE, default=8, show_default=True, help="Images per step.")
-@click.option("--image", type=POSITIVE, default=224, show_default=True, help="Image side (px).")
+@model_options(default="resnet101", what="to plan for")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="optimal", show_default=True)
 @click.option(
     "--memory",
@@ -60,7 +62,9 @@ from edgetrain.units import format_bytes, mib
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (sizes in bytes) instead.")
 def plan_command(
-    model_name: str,
+    model_name: str | None,
+    model_file: str | None,
+    input_shape: tuple[int, ...] | None,
     batch: int,
     image: int,
     strategy: str,
@@ -72,15 +76,19 @@ def plan_command(
 ) -> None:
     """Plan which activations to store and which to recompute.
 
-    The chain comes from shapes alone (meta tensors); stage times are FLOP estimates, so the
-    plan suits any device. Without --memory or --recompute the plan stores everything.
-    Sizes are printed in MiB/GiB (2^20/2^30 bytes).
+    A registered model's chain comes from shapes alone (meta tensors); stage times are FLOP
+    estimates, so the plan suits any device. A model with a forward() (the -module ResNets,
+    mobilenetv2, unet, vit-tiny, tinylm, --model-file) is captured with torch.fx and cut into
+    stages between its blocks and inside them; each stage is named for the first and last
+    operation it runs, and "tensors" counts what crosses the cut after it (2 inside a residual
+    block: the trunk and the skip). A --model-file model is built by running your factory and
+    captured by running it once without grad. Without --memory or --recompute the plan stores
+    everything. Sizes are printed in MiB/GiB (2^20/2^30 bytes).
     """
-    from edgetrain.models import check_image
-
-    check_image(model_name, image, batch)
-    progress.note(f"building the chain of {model_name} (batch {batch}, {image}x{image})")
-    chain = model_chain(model_name, batch, image)
+    if memory is not None and recompute is not None:
+        raise InvalidInput("give --memory or --recompute, not both")
+    choice = choose_model(model_name, model_file, input_shape, batch, image, default="resnet101")
+    chain, shape = _chain(choice)
     fixed = fixed_training_bytes(chain, optimizer)
     budget = (
         "everything stored"
@@ -99,18 +107,33 @@ def plan_command(
                 f"cannot write the plan to {save_path!r} ({exc.strerror}); pick another path"
             ) from exc
     report = describe(chain, schedule, fixed)
-    report.update(model=chain.name, batch=batch, image=image, optimizer=optimizer)
+    report.update(
+        model=chain.name,
+        batch=shape[0],
+        image=image if choice.name is not None else None,
+        input_shape=list(shape),
+        optimizer=optimizer,
+    )
     if as_json:
         emit_json(report)
         return
+    several = any(s["tensors"] > 1 for s in report["stages"])
     console.print(
         table(
-            f"{strategy} plan for {chain.name}, batch {batch}, {image}x{image}",
-            ["stage", "output MiB", "forwards", "first forward", "recomputed"],
+            f"{strategy} plan for {chain.name}, {input_words(shape)}",
+            [
+                "stage",
+                "output MiB",
+                *(["tensors"] if several else []),
+                "forwards",
+                "first forward",
+                "recomputed",
+            ],
             [
                 [
                     s["name"],
                     f"{mib(s['output_bytes']):.2f}",
+                    *([s["tensors"]] if several else []),
                     s["forward_runs"],
                     s["first_forward"],
                     s["recomputations"],
@@ -124,9 +147,30 @@ def plan_command(
         f"predicted peak {format_bytes(report['peak_bytes'])} "
         f"(fixed {format_bytes(fixed)} + activations "
         f"{format_bytes(report['activation_peak_bytes'])}), "
-        f"recompute factor {report['recompute_factor']:.3f}; {report['summary']}"
-        + (f"; saved to {save_path}" if save_path else "")
+        f"recompute factor {report['recompute_factor']:.3f}, "
+        f"{report['predicted_seconds']:.3g} s per step at {NOMINAL_FLOPS / 1e9:g} GFLOP/s; "
+        f"{report['summary']}" + (f"; saved to {save_path}" if save_path else "")
     )
+
+
+def _chain(choice: ModelChoice) -> tuple[Chain, tuple[int, ...]]:
+    """The analytic chain of the chosen model and the input shape it is for: a registered model
+    on meta tensors, a user's built by their factory and captured on its input."""
+    if choice.name is not None:
+        shape = (
+            (choice.batch, choice.image)
+            if MODELS[choice.name].input == "tokens"
+            else choice.default_shape
+        )
+        progress.note(f"building the chain of {choice.name} ({input_words(shape)})")
+        return model_chain(choice.name, choice.batch, choice.image), shape
+    progress.note(f"running {choice.file} to build the model")
+    user = load_model_file(str(choice.file))
+    sample = user.sample(choice.shape, choice.default_shape)
+    progress.note(f"capturing {type(user.model).__name__} on an input {tuple(sample.shape)}")
+    chain = analytic_chain(user.model, sample)
+    named = Chain(chain.stages, chain.input_bytes, chain.input_requires_grad, name=choice.label)
+    return named, tuple(sample.shape)
 
 
 _FIRST = {
@@ -141,7 +185,10 @@ def describe(chain: Chain, schedule: Schedule, fixed_total: int) -> dict[str, An
 
     ``graphs_kept`` counts stages whose first forward keeps its autograd graph (never recomputed),
     ``max_checkpoints`` the most stage inputs held as checkpoints at once, ``recomputed_stages``
-    the stages run forward more than once.
+    the stages run forward more than once; ``predicted_seconds`` is the plan's compute time from
+    the chain's stage times (for a chain from shapes, FLOP counts at
+    :data:`~edgetrain.profile.NOMINAL_FLOPS`: relative, not this device's). Per stage,
+    ``output_bytes`` adds up every tensor crossing the cut after it, ``tensors`` counts them.
     """
     # fixed_total holds the parameters' gradients from the last step, so the step adds to them
     cost = simulate(chain, schedule, grads_exist=True)
@@ -159,6 +206,7 @@ def describe(chain: Chain, schedule: Schedule, fixed_total: int) -> dict[str, An
             "forward_runs": runs[k],
             "first_forward": first[k],
             "recomputations": runs[k] - 1,
+            "tensors": max(1, len(stage.leaf_bytes)),
         }
         for k, stage in enumerate(chain.stages)
     ]
@@ -170,6 +218,7 @@ def describe(chain: Chain, schedule: Schedule, fixed_total: int) -> dict[str, An
         "activation_peak_bytes": cost.peak_bytes,
         "fixed_bytes": fixed_total,
         "recompute_factor": round(cost.recompute_factor, 6),
+        "predicted_seconds": cost.seconds,
         "stages_total": chain.length,
         "graphs_kept": graphs,
         "max_checkpoints": cost.max_checkpoints,

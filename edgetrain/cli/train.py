@@ -1,9 +1,11 @@
-"""``edgetrain train``: train a model on synthetic data within a memory budget."""
+"""``edgetrain train``: train a model (registered, or the user's own) on synthetic data within a
+memory budget, and report the measured peak beside the predicted one."""
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict
+from typing import Any
 
 import click
 import torch
@@ -17,15 +19,18 @@ from edgetrain.cli.options import (
     RECOMPUTE,
     SIZE_HELP,
     InputFile,
-    ModelName,
+    ModelChoice,
     Size,
-    resnet_names,
+    choose_model,
+    input_words,
+    model_options,
 )
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
 from edgetrain.execute import Checkpointed
 from edgetrain.memory import OPTIMIZER_STATES
-from edgetrain.models import build, canonical_name, check_image
+from edgetrain.models import build, sample_input
+from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
 from edgetrain.schedule import Schedule
 from edgetrain.training import train
@@ -33,14 +38,7 @@ from edgetrain.units import format_bytes
 
 
 @click.command(name="train")
-@click.option(
-    "--model",
-    "model_name",
-    type=ModelName(resnet_names(), reason="it has no classifier head; use tiles"),
-    default="resnet18",
-    show_default=True,
-    help="Model to train (the ResNets: they have a classifier head).",
-)
+@model_options(default="resnet18", what="to train")
 @click.option(
     "--memory",
     type=Size(),
@@ -54,8 +52,6 @@ from edgetrain.units import format_bytes
     help="Largest recompute factor (at least 1) instead of --memory.",
 )
 @click.option("--steps", type=POSITIVE, default=5, show_default=True, help="Training steps.")
-@click.option("--batch", type=POSITIVE, default=8, show_default=True, help="Images per step.")
-@click.option("--image", type=POSITIVE, default=224, show_default=True, help="Image side (px).")
 @click.option("--strategy", type=click.Choice(STRATEGIES), default="optimal", show_default=True)
 @click.option(
     "--optimizer",
@@ -76,12 +72,14 @@ from edgetrain.units import format_bytes
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (sizes in bytes) instead.")
 def train_command(
-    model_name: str,
+    model_name: str | None,
+    model_file: str | None,
+    input_shape: tuple[int, ...] | None,
+    batch: int,
+    image: int,
     memory: int | None,
     recompute: float | None,
     steps: int,
-    batch: int,
-    image: int,
     strategy: str,
     optimizer: str,
     lr: float,
@@ -89,20 +87,24 @@ def train_command(
     plan_path: str | None,
     as_json: bool,
 ) -> None:
-    """Train on random images: profile, plan within the budget, run, and measure the peak.
+    """Train on synthetic data: profile, plan within the budget, run, and measure the peak.
 
-    Sizes are printed in MiB/GiB (2^20/2^30 bytes). Progress goes to stderr.
+    Any registered model or your own (--model-file); one with a forward() is captured with
+    torch.fx and cut into stages as `edgetrain plan` shows. The data is the input batch (random,
+    from --seed) and a random target: cross-entropy against class labels for a (batch, classes)
+    output, mean squared error against a random tensor of the output's shape otherwise (the
+    loss's own memory comes on top of the prediction). Sizes are printed in MiB/GiB (2^20/2^30
+    bytes). Progress goes to stderr.
     """
     if memory is not None and recompute is not None:
         raise InvalidInput("give --memory or --recompute, not both")
+    choice = choose_model(model_name, model_file, input_shape, batch, image, default="resnet18")
     schedule = Schedule.load(plan_path) if plan_path else None
     report = run_training(
-        model_name,
+        choice,
         memory,
         recompute,
         steps,
-        batch,
-        image,
         strategy,
         optimizer,
         lr,
@@ -113,18 +115,23 @@ def train_command(
     if as_json:
         emit_json(report)
         return
+    shape = tuple(report["input_shape"])  # type: ignore[arg-type]
     console.print(
         table(
-            f"{report['model']}: {steps} steps, batch {batch}, {image}x{image}, {strategy}",
+            f"{report['model']}: {steps} steps, {input_words(shape)}, {strategy}",
             ["", "value"],
             [
+                ["stages", str(report["stages"])],
                 ["plain autograd would need", format_bytes(report["plain_peak_bytes"])],
                 ["predicted peak", format_bytes(report["predicted_peak_bytes"])],
                 ["measured peak", format_bytes(report["measured_peak_bytes"])],
                 ["measured / predicted", f"{report['measured_over_predicted']:.4f}"],
                 ["median step time", f"{report['step_seconds']:.3f} s"],
                 ["recompute factor (plan)", f"{report['recompute_factor']:.3f}"],
-                ["loss first -> last", f"{report['first_loss']:.4f} -> {report['last_loss']:.4f}"],
+                [
+                    f"loss ({report['loss']}) first -> last",
+                    f"{report['first_loss']:.4f} -> {report['last_loss']:.4f}",
+                ],
             ],
             caption="memory: weights, gradients, optimizer state, buffers, input and activations; "
             "measured as live tensor storages on the second step; MiB = 2^20 bytes",
@@ -133,12 +140,10 @@ def train_command(
 
 
 def run_training(
-    model_name: str,
+    choice: ModelChoice,
     memory: int | None,
     recompute: float | None,
     steps: int,
-    batch: int,
-    image: int,
     strategy: str,
     optimizer: str,
     lr: float,
@@ -146,32 +151,31 @@ def run_training(
     *,
     progress: bool,
     schedule: Schedule | None = None,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """Build, profile, plan and train; the report as a dict (also used by ``edgetrain demo``).
 
     ``progress``: show progress on stderr (building, profiling, each step with its loss).
     """
     if steps < 1:
         raise InvalidInput(f"--steps must be at least 1, got {steps}")
-    if batch < 1:
-        raise InvalidInput(f"--batch must be at least 1, got {batch}")
     if lr <= 0:
         raise InvalidInput(f"--lr must be above 0, got {lr}; e.g. --lr 0.01")
-    name = canonical_name(model_name)
-    if not name.startswith("resnet"):
-        raise InvalidInput(f"{name} has no classifier head; train a resnet, or use tiles")
-    check_image(name, image, batch)
     with contextlib.ExitStack() as stack:
         if not progress:
             stack.enter_context(progress_api.quiet())
-        progress_api.note(
-            f"building {name} and profiling it on this machine (batch {batch}, {image}x{image})"
-        )
         torch.manual_seed(seed)
-        model = build(name)
-        sample = torch.randn(batch, 3, image, image)
+        if choice.name is not None:
+            progress_api.note(f"building {choice.name} and profiling it on this machine")
+            model = build(choice.name, image=choice.image)
+            sample = sample_input(choice.name, choice.batch, choice.image)
+        else:
+            progress_api.note(f"running {choice.file} to build the model")
+            user = load_model_file(str(choice.file))
+            model = user.model
+            sample = user.sample(choice.shape, choice.default_shape)
+            progress_api.note(f"capturing and profiling {type(model).__name__} on this machine")
         state = OPTIMIZER_STATES[optimizer] * sum(
-            p.numel() * p.element_size() for p in model.parameters()
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         )
         net = Checkpointed(
             model,
@@ -182,23 +186,23 @@ def run_training(
             reserve_bytes=state,
             schedule=schedule,
         )
-        classes = 1000
-        with progress_api.task(f"training {name}", total=steps) as step:
+        with progress_api.task(f"training {choice.label}", total=steps) as step:
             result = train(
                 net,
-                tuple(sample.shape),
-                classes,
+                sample,
                 steps,
                 optimizer=optimizer,
                 lr=lr,
                 seed=seed,
                 on_step=lambda _done, loss: step(detail=f"loss {loss:.4f}"),
             )
-    report: dict[str, object] = {
-        "model": name,
-        "batch": batch,
-        "image": image,
+    report: dict[str, Any] = {
+        "model": choice.label,
+        "batch": int(sample.shape[0]),
+        "image": choice.image if choice.name is not None else None,
+        "input_shape": list(sample.shape),
         "strategy": strategy,
+        "stages": net.chain.length,
         **asdict(result),
     }
     report["measured_over_predicted"] = result.measured_peak_bytes / result.predicted_peak_bytes

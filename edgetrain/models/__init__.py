@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from edgetrain.errors import InvalidInput
-from edgetrain.models.factory import load_factory
+from edgetrain.models.factory import UserModel, load_factory, load_model_file
 from edgetrain.models.mobilenetv2 import MobileNetV2
 from edgetrain.models.resnet import ARCHITECTURES, resnet
 from edgetrain.models.resnet_module import resnet_module
@@ -34,10 +34,12 @@ __all__ = [
     "MODEL_NAMES",
     "SEQUENTIAL_NAMES",
     "ModelInfo",
+    "UserModel",
     "build",
     "canonical_name",
     "check_image",
     "load_factory",
+    "load_model_file",
     "sample_input",
 ]
 

@@ -1,23 +1,67 @@
 """Load a user's own model from a Python file: ``load_factory("my_model.py:build")``.
 
-The file is imported as a fresh module (not added to ``sys.modules``), the named function is
-called with no arguments, and what it returns must be an ``nn.Module``. Every way this can go
-wrong that the user controls (no such file, no colon, no such function, an import that raises,
-a result that is not a module) is an :class:`~edgetrain.errors.InvalidInput` with one line.
+The factory is a function of no arguments in that file. It returns the model (an ``nn.Module``),
+or a pair ``(model, example_input)`` whose tensor fixes the input a training step feeds the model
+(its shape and dtype: token ids for a language model, say). Loading *runs the user's code*: the
+file is imported as a fresh module (not added to ``sys.modules``; its directory is on
+``sys.path`` meanwhile, so it can import the modules beside it) and the function is called.
+
+Every way this can go wrong that the user controls is an :class:`~edgetrain.errors.InvalidInput`
+with one line: no colon or no function name, no such file (checked before anything runs, see
+:func:`model_file_path`), an import that raises, no such function, a factory that raises, a
+result that is neither a module nor a (module, tensor) pair.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from edgetrain.errors import InvalidInput
 
+FACTORY_FORMS = "return model or (model, example_input)"
+"""What a factory may return, in the words error messages use."""
 
-def load_factory(spec: str) -> nn.Module:
-    """Import ``path.py`` and return ``function()`` for ``spec = "path.py:function"``."""
+
+@dataclass(frozen=True)
+class UserModel:
+    """What a user's factory built.
+
+    Attributes:
+        spec: ``"path.py:function"`` as given.
+        model: the module.
+        example_input: the input the factory returned with it, or None (the caller decides).
+    """
+
+    spec: str
+    model: nn.Module
+    example_input: torch.Tensor | None
+
+    def sample(self, shape: tuple[int, ...] | None, default_shape: tuple[int, ...]) -> torch.Tensor:
+        """The input a step feeds the model: the factory's example input; else a standard normal
+        float tensor of ``shape`` (given by the user) or ``default_shape``. A ``shape`` given
+        for a factory that returns its own example is refused (one of them would be ignored)."""
+        if self.example_input is not None:
+            if shape is not None:
+                raise InvalidInput(
+                    f"{self.spec} returns its own example input, of shape "
+                    f"{tuple(self.example_input.shape)}; drop the shape given (--input-shape, "
+                    "--batch or --image on the command line), or return only the model"
+                )
+            return self.example_input
+        return torch.randn(shape if shape is not None else default_shape)
+
+
+def model_file_path(spec: str) -> tuple[Path, str]:
+    """The file and function named by ``"path.py:function"``, checked without running anything:
+    the form, and that the file exists and is a readable regular file."""
     path_text, sep, function = spec.rpartition(":")
     if not sep or not path_text or not function.isidentifier():
         raise InvalidInput(
@@ -26,24 +70,71 @@ def load_factory(spec: str) -> nn.Module:
     path = Path(path_text)
     if not path.is_file():
         raise InvalidInput(f"model file {path_text!r} does not exist; give the path of a .py file")
+    if path.suffix != ".py":
+        raise InvalidInput(f"model file {path_text!r} is not a .py file; give a Python file")
+    return path, function
+
+
+def load_model_file(spec: str) -> UserModel:
+    """Import ``path.py`` and call ``function()`` for ``spec = "path.py:function"``; see the
+    module docstring for what the function may return."""
+    path, function = model_file_path(spec)
     module_spec = importlib.util.spec_from_file_location(f"_edgetrain_user_{path.stem}", path)
     if module_spec is None or module_spec.loader is None:
-        raise InvalidInput(f"model file {path_text!r} is not a Python module; give a .py file")
+        raise InvalidInput(f"model file {str(path)!r} is not a Python module; give a .py file")
     module = importlib.util.module_from_spec(module_spec)
+    with _importable_from(path.resolve().parent):
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise InvalidInput(
+                f"importing {str(path)!r} failed: {_one_line(exc)}; fix the file"
+            ) from exc
+        factory = getattr(module, function, None)
+        if not callable(factory):
+            raise InvalidInput(
+                f"{str(path)!r} has no function {function!r}; "
+                f"define def {function}(): {FACTORY_FORMS}"
+            )
+        try:
+            built = factory()
+        except Exception as exc:
+            raise InvalidInput(f"{spec} raised {_one_line(exc)}; fix the factory") from exc
+    example = None
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module):
+        built, example = built
+        if not isinstance(example, torch.Tensor):
+            raise InvalidInput(
+                f"{spec} returned (model, {type(example).__name__}); the example input must "
+                f"be one tensor: {FACTORY_FORMS}"
+            )
+    if not isinstance(built, nn.Module):
+        raise InvalidInput(
+            f"{spec} returned {type(built).__name__}, not an nn.Module; {FACTORY_FORMS}"
+        )
+    return UserModel(spec=spec, model=built, example_input=example)
+
+
+def load_factory(spec: str) -> nn.Module:
+    """Import ``path.py`` and return the model ``function()`` builds for
+    ``spec = "path.py:function"`` (an example input it returns with it is dropped)."""
+    return load_model_file(spec).model
+
+
+@contextlib.contextmanager
+def _importable_from(directory: Path) -> Iterator[None]:
+    """Put ``directory`` first on ``sys.path`` while the user's file loads and its factory runs,
+    as ``python my_model.py`` would, so the file can import the modules beside it."""
+    entry = str(directory)
+    sys.path.insert(0, entry)
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise InvalidInput(
-            f"importing {path_text!r} failed: {type(exc).__name__}: {exc}; fix the file"
-        ) from exc
-    factory = getattr(module, function, None)
-    if not callable(factory):
-        raise InvalidInput(
-            f"{path_text!r} has no function {function!r}; define def {function}(): return model"
-        )
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise InvalidInput(
-            f"{spec} returned {type(model).__name__}, not an nn.Module; return the model itself"
-        )
-    return model
+        yield
+    finally:
+        if entry in sys.path:
+            sys.path.remove(entry)
+
+
+def _one_line(exc: Exception) -> str:
+    """``Type: first line of the message``."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
