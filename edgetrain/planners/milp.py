@@ -80,6 +80,9 @@ WARM_SHARE = 0.3
 """Share of the time limit the restricted search for a start (``hybrid`` mode) may use."""
 TIME_MARGIN = 0.05
 """Share of the time limit kept back for HiGHS overrunning its own limit."""
+WARM_MIN_NODES = 60
+"""``remat`` and ``paging`` start from a restricted search only on graphs this large (smaller ones
+HiGHS solves in a second or two alone); ``hybrid`` always does."""
 WARM_REL_GAP = 1e-5
 """The restricted search stops within this relative gap of its own optimum."""
 
@@ -646,7 +649,7 @@ def solve(
 
     start_plan: dict[str, np.ndarray] | None = None
     warm = ""
-    if mode == "hybrid" and warm_start:
+    if warm_start and (mode == "hybrid" or len(graph) >= WARM_MIN_NODES):
         # The same MILP over a neighbourhood of plausible plans (a few percent of the variables,
         # see _neighbourhood) finds a plan at or near the optimum in seconds; HiGHS starts the
         # full model from it, so its own time goes into the lower bound.
