@@ -31,6 +31,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit
 
@@ -41,7 +43,7 @@ from edgetrain.errors import InfeasibleBudget
 from edgetrain.planners import milp, plan, poet_check
 from edgetrain.planners.optimal import store_all
 from edgetrain.profile import NOMINAL_FLOPS
-from edgetrain.schedule import simulate
+from edgetrain.schedule import Op, Schedule, simulate
 
 FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4)
 # Device seconds = chain seconds: a node's joules are its seconds (1 W), paging never used.
@@ -155,6 +157,74 @@ def dag_graph(captured: object, fine: Chain) -> graphs.TrainingGraph:
     )
 
 
+def dp_plan(
+    fine: Chain, graph: graphs.TrainingGraph, budget: float
+) -> dict[str, np.ndarray] | None:
+    """The per-op chain DP's plan at ``budget`` as the DAG MILP's matrices (a start for it).
+
+    ``R``: every node once in its own stage; a forward the schedule recomputes between ``B k+1``
+    and ``B k`` is recomputed in the stage of ``B k``. ``S_ram``: a value is held entering a stage
+    exactly when a later stage reads it before recomputing it, then widened so that a held node
+    holds what it ``retains``. The two memory models differ a little, so the DP is asked for 100,
+    95 .. 80 % of ``budget`` until its plan fits ``budget`` in the DAG's model; None if none does.
+    """
+    for share in (1.0, 0.95, 0.9, 0.85, 0.8):
+        try:
+            schedule = plan(fine, "optimal", memory=share * budget)
+        except InfeasibleBudget:
+            return None
+        matrices = _as_matrices(schedule, fine.length, graph)
+        if poet_check.evaluate(graph, matrices, "edgetrain").peak_ram_bytes <= budget:
+            return matrices
+    return None
+
+
+def _as_matrices(schedule: Schedule, n: int, graph: graphs.TrainingGraph) -> dict[str, np.ndarray]:
+    t_count = len(graph)
+    r = np.eye(t_count, dtype=np.int64)
+    pending: list[int] = []
+    started = False
+    for kind, k in schedule:
+        if kind is Op.BACKWARD:
+            started = True
+            for j in pending:
+                r[2 * n - k, j] = 1
+            pending = []
+        elif started and kind in (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL):
+            pending.append(k)
+    s_ram = np.zeros((t_count, t_count), dtype=np.int64)
+    for i in range(t_count):
+        readers = graph.successors(i)
+        need = False  # walking back from the end: is i read before it is recomputed?
+        for t in range(t_count - 1, i, -1):
+            if any(r[t, j] for j in readers):
+                need = True
+            if r[t, i]:
+                need = False  # computed here: earlier stages need not hold it
+            elif need:
+                s_ram[t, i] = 1
+    changed = True
+    while changed:  # a held node holds what it retains, from where that was last computed
+        changed = False
+        for v, u in graph.retains:
+            for t in np.flatnonzero(s_ram[:, v] > s_ram[:, u]):
+                for back in range(int(t), u, -1):
+                    if s_ram[back, u]:
+                        break
+                    s_ram[back, u] = 1
+                    changed = True
+                    if r[back - 1, u]:
+                        break
+    zero = np.zeros_like(r)
+    return {
+        "R": r,
+        "S_ram": s_ram,
+        "S_flash": zero,
+        "page_in": zero.copy(),
+        "page_out": zero.copy(),
+    }
+
+
 def ignored_bytes(fine: Chain) -> int:
     """Saved tensors the DAG leaves out (saved besides inputs by an operation whose output is not
     saved: BatchNorm's batch statistics), in bytes, all operations together."""
@@ -214,6 +284,7 @@ def main() -> None:
                 accounting="edgetrain",
                 time_limit=args.time_limit,
                 find_smallest_ram=False,
+                initial_plan=dp_plan(fine, graph, budget),
             )
             ev = result.evaluation
             rows.append(

@@ -358,3 +358,39 @@ def test_a_start_that_pages_out_twice_enters_the_model_paging_out_once(
     assert sum(outs) == 1
     flash = [chosen.get(int(c), 0.0) for c in variables.s_flash[held[0] + 1 :, i] if c >= 0]
     assert flash and all(v == 1 for v in flash)
+
+
+def test_a_given_plan_starts_the_solver_and_a_broken_one_is_ignored(
+    linear: G.TrainingGraph,
+) -> None:
+    best = milp.solve(linear, ram_bytes=3500, runtime_factor=2.0, accounting="poet")
+    assert best.plan is not None and best.energy_joules is not None
+    again = milp.solve(
+        linear, ram_bytes=3500, runtime_factor=2.0, accounting="poet", initial_plan=best.plan
+    )
+    assert again.status == "optimal"
+    assert again.energy_joules == pytest.approx(best.energy_joules, rel=1e-9)
+    assert "given plan" in again.message or "restricted search" in again.message
+    broken = {k: v.copy() for k, v in best.plan.items()}
+    broken["S_ram"][:] = 0
+    ignored = milp.solve(
+        linear,
+        ram_bytes=3500,
+        runtime_factor=2.0,
+        accounting="poet",
+        initial_plan=broken,
+        warm_start=False,
+    )
+    assert ignored.status == "optimal" and "given plan" not in ignored.message
+    assert ignored.energy_joules == pytest.approx(best.energy_joules, rel=1e-9)
+    # A plan over the RAM budget is no start either.
+    everything = check.store_all(linear)
+    over = milp.solve(
+        linear,
+        ram_bytes=3500,
+        runtime_factor=2.0,
+        accounting="poet",
+        initial_plan=everything,
+        warm_start=False,
+    )
+    assert "given plan" not in over.message

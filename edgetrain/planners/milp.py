@@ -593,9 +593,14 @@ def solve(
     progress: Progress | None = None,
     find_smallest_ram: bool = True,
     warm_start: bool = True,
+    initial_plan: dict[str, np.ndarray] | None = None,
 ) -> MilpResult:
     """The least-energy plan for ``graph`` within ``ram_bytes`` of RAM and a runtime of
     ``runtime_factor`` times the every-node-once compute time (POET's multiplier).
+
+    ``initial_plan`` (the five ``T × T`` 0/1 matrices, e.g. a chain planner's plan) starts HiGHS
+    when it passes :func:`~edgetrain.planners.poet_check.violations`, fits both budgets and the
+    mode; the restricted search's plan (``warm_start``) replaces it when that is cheaper.
 
     Raises :class:`InvalidInput` for a bad mode, accounting or budget; an infeasible budget is a
     result (``status == "infeasible"``), not an error.
@@ -649,11 +654,17 @@ def solve(
 
     start_plan: dict[str, np.ndarray] | None = None
     warm = ""
+    given = math.inf
+    if initial_plan is not None:
+        given = _usable(graph, initial_plan, ram_bytes, runtime, mode, accounting)
+        if math.isfinite(given):
+            start_plan = {key: np.asarray(initial_plan[key]) for key in MATRICES}
+            warm = f"; started from the given plan ({given:.6g} J)"
     if warm_start and (mode == "hybrid" or len(graph) >= WARM_MIN_NODES):
         # The same MILP over a neighbourhood of plausible plans (a few percent of the variables,
         # see _neighbourhood) finds a plan at or near the optimum in seconds; HiGHS starts the
         # full model from it, so its own time goes into the lower bound.
-        start_plan, energy = _restricted(
+        found, energy = _restricted(
             graph,
             ram_bytes,
             runtime,
@@ -664,7 +675,8 @@ def solve(
             progress,
             began,
         )
-        if start_plan is not None:
+        if found is not None and energy < given:
+            start_plan = found
             warm = (
                 f"; started from a restricted search's plan ({energy:.6g} J, found in "
                 f"{time.perf_counter() - began:.1f} s)"
@@ -707,7 +719,7 @@ def solve(
         smallest = None
         note = ""
         if find_smallest_ram and ram_bytes is not None:
-            left = max(time_limit - (time.perf_counter() - began), 1.0)
+            left = max((1 - TIME_MARGIN) * time_limit - (time.perf_counter() - began), 1.0)
             smallest, note = _smallest_ram(graph, runtime, mode, accounting, left, threads)
         return MilpResult(
             status="infeasible",
@@ -733,6 +745,32 @@ def solve(
         **size,
         **common,
     )
+
+
+def _usable(
+    graph: TrainingGraph,
+    plan: dict[str, np.ndarray],
+    ram: float | None,
+    runtime: float | None,
+    mode: Mode,
+    accounting: Accounting,
+) -> float:
+    """The energy (J) of ``plan`` when it is a valid start for this problem, else infinity."""
+    try:
+        if violations(graph, plan, accounting):
+            return math.inf
+        cost = evaluate(graph, plan, accounting)
+    except (KeyError, ValueError):
+        return math.inf
+    if ram is not None and cost.peak_ram_bytes > ram * (1 + 1e-9):
+        return math.inf
+    if runtime is not None and cost.runtime_seconds > runtime * (1 + 1e-12):
+        return math.inf
+    if mode == "remat" and (cost.paged_in or cost.paged_out):
+        return math.inf
+    if mode == "paging" and cost.recomputed:
+        return math.inf
+    return cost.energy_joules
 
 
 def _restricted(
