@@ -33,8 +33,9 @@ every plan POET allows or an equally cheap one, and every plan it admits is one 
 * ``hybrid`` starts HiGHS from the best plan of the same MILP restricted to plausible plans
   (:func:`_neighbourhood`: recompute a value only within 3 edges of a stage's node, page in just
   before a read, page out soon after the value is made), a few percent of the variables, given up
-  to 30 % of the time limit. On POET's instances it finds the best plan known in seconds, so the
-  full model's time goes into the lower bound.
+  to 30 % of the time limit (``remat`` and ``paging`` too on graphs of 60 nodes or more). On
+  POET's instances it finds the best plan known in seconds, so the full model's time goes into
+  the lower bound. A plan of the caller's (``initial_plan``) can start it as well.
 * Variables that must be 0 (``i > t``, ``S`` and paging for ``i ≥ t``, ``U[t][k]`` for ``k > t+1``)
   are never created; fixed modes set bounds instead of adding rows.
 * The objective is scaled so the every-node-once energy (a proven lower bound) is 10⁶; gaps are
@@ -652,6 +653,8 @@ def solve(
             **common,
         )
 
+    if progress is not None:
+        progress(time.perf_counter() - began, None, None)  # solving starts: say so at once
     start_plan: dict[str, np.ndarray] | None = None
     warm = ""
     given = math.inf
