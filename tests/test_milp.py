@@ -257,3 +257,140 @@ def test_matrices_list_the_ids_set_per_stage(linear: G.TrainingGraph) -> None:
             rebuilt[t, ids] = 1
         assert (rebuilt == result.plan[key]).all()
     json.dumps(listed)
+
+
+# Paging a few bytes costs about as much as recomputing a stage: optima mix both.
+PAGING = replace(
+    UNIT,
+    name="paging",
+    pagein_bytes_per_second=8.0,
+    pageout_bytes_per_second=8.0,
+    pagein_latency_seconds=0.25,
+    pageout_latency_seconds=0.25,
+)
+
+
+def _optimum(
+    graph: G.TrainingGraph, ram: float, accounting: str, **build: object
+) -> tuple[str, float | None]:
+    """Solve one formulation of the MILP to optimality: (status, energy of its plan in J)."""
+    model, variables, scale, _ = milp._build(
+        graph, ram, 2.0 * graph.compute_seconds, "hybrid", accounting, **build
+    )
+    status, highspy, values, _objective, _dual, _seconds = milp._run(
+        model, 60.0, 1e-9, 1, None, scale
+    )
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return "infeasible", None
+    assert status == highspy.HighsModelStatus.kOptimal and values is not None
+    plan = milp._plan_from(values, variables)
+    assert check.violations(graph, plan, accounting) == []  # type: ignore[arg-type]
+    cost = check.evaluate(graph, plan, accounting)  # type: ignore[arg-type]
+    assert cost.peak_ram_bytes <= ram * (1 + 1e-9)
+    return "optimal", cost.energy_joules
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("accounting", ["poet", "edgetrain"])
+def test_valid_inequalities_and_one_sided_free_keep_the_optimum(seed: int, accounting: str) -> None:
+    """The strengthened model (flash keeps what is paged out, once; a value back in RAM was kept,
+    recomputed or is on flash; ``Free`` bounded from above only) has the optimum of the plain one
+    at every budget, on chains where the optima page and recompute."""
+    rng = random.Random(200 + seed)
+    graph = G.from_chain(_chain(rng, 5, saves_input=False), PAGING, chain_flops_per_second=1.0)
+    peak = check.evaluate(graph, check.store_all(graph), accounting).peak_ram_bytes  # type: ignore[arg-type]
+    paged = 0
+    for fraction in (0.9, 0.75, 0.6, 0.45):
+        ram = fraction * peak
+        plain = _optimum(graph, ram, accounting, strengthen=False, pin_free=True)
+        strong = _optimum(graph, ram, accounting)
+        assert strong[0] == plain[0], fraction
+        if plain[1] is not None:
+            assert strong[1] == pytest.approx(plain[1], rel=1e-7), fraction
+            paged += plain[1] > graph.compute_joules * (1 + 1e-9)
+    assert paged >= 1
+
+
+@pytest.mark.parametrize("ram", [4000, 3500, 3300])
+def test_strengthened_model_reproduces_the_linear_optima(
+    linear: G.TrainingGraph, ram: float
+) -> None:
+    plain = _optimum(linear, ram, "poet", strengthen=False, pin_free=True)
+    strong = _optimum(linear, ram, "poet")
+    assert strong[0] == plain[0] == "optimal"
+    assert strong[1] == pytest.approx(plain[1], rel=1e-9)
+
+
+def test_the_restricted_search_returns_a_valid_plan_no_better_than_the_optimum(
+    linear: G.TrainingGraph,
+) -> None:
+    allowed = milp._neighbourhood(linear)
+    t_count = len(linear)
+    assert allowed["R"].diagonal().all() and not np.triu(allowed["R"], 1).any()
+    assert allowed["R"].sum() < t_count * (t_count + 1) / 2  # it restricts something
+    plan, energy = milp._restricted(
+        linear, 3500, 2.0 * linear.compute_seconds, "hybrid", "poet", 30.0, 1, None, 0.0
+    )
+    assert plan is not None
+    assert check.violations(linear, plan, "poet") == []
+    assert check.evaluate(linear, plan, "poet").peak_ram_bytes <= 3500
+    assert energy >= 0.1048577428 * (1 - 1e-9)
+
+
+def test_a_start_that_pages_out_twice_enters_the_model_paging_out_once(
+    linear: G.TrainingGraph,
+) -> None:
+    """The strengthened model pages a node out at most once and keeps it on flash; a start plan
+    that pages out twice (valid for POET, one page-out wasted) is normalised, not rejected."""
+    plan = check.store_all(linear)
+    i = 1
+    held = np.flatnonzero(plan["S_ram"][:, i])
+    assert len(held) >= 2
+    plan["page_out"][held[0], i] = plan["page_out"][held[1], i] = 1
+    plan["S_flash"][held[0] + 1 :, i] = 1
+    assert check.violations(linear, plan, "poet") == []
+    _model, variables, _scale, _ = milp._build(
+        linear, None, 2.0 * linear.compute_seconds, "hybrid", "poet"
+    )
+    cols, values = milp._start_from(plan, variables)
+    chosen = dict(zip(cols.tolist(), values.tolist(), strict=True))
+    outs = [chosen.get(int(c), 0.0) for c in variables.page_out[:, i] if c >= 0]
+    assert sum(outs) == 1
+    flash = [chosen.get(int(c), 0.0) for c in variables.s_flash[held[0] + 1 :, i] if c >= 0]
+    assert flash and all(v == 1 for v in flash)
+
+
+def test_a_given_plan_starts_the_solver_and_a_broken_one_is_ignored(
+    linear: G.TrainingGraph,
+) -> None:
+    best = milp.solve(linear, ram_bytes=3500, runtime_factor=2.0, accounting="poet")
+    assert best.plan is not None and best.energy_joules is not None
+    again = milp.solve(
+        linear, ram_bytes=3500, runtime_factor=2.0, accounting="poet", initial_plan=best.plan
+    )
+    assert again.status == "optimal"
+    assert again.energy_joules == pytest.approx(best.energy_joules, rel=1e-9)
+    assert "given plan" in again.message or "restricted search" in again.message
+    broken = {k: v.copy() for k, v in best.plan.items()}
+    broken["S_ram"][:] = 0
+    ignored = milp.solve(
+        linear,
+        ram_bytes=3500,
+        runtime_factor=2.0,
+        accounting="poet",
+        initial_plan=broken,
+        warm_start=False,
+    )
+    assert ignored.status == "optimal" and "given plan" not in ignored.message
+    assert ignored.energy_joules == pytest.approx(best.energy_joules, rel=1e-9)
+    # A plan over the RAM budget is no start either.
+    everything = check.store_all(linear)
+    over = milp.solve(
+        linear,
+        ram_bytes=3500,
+        runtime_factor=2.0,
+        accounting="poet",
+        initial_plan=everything,
+        warm_start=False,
+    )
+    assert "given plan" not in over.message
