@@ -77,6 +77,7 @@ from edgetrain.stages import (
     run_backward,
     run_forward,
     run_forward_with_grad,
+    shapes,
     signature,
     stage_params,
 )
@@ -155,6 +156,7 @@ class Checkpointed(nn.Module):
     def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
         self.chain = chain if chain is not None else profile(self.model, sample)
         self._signature = signature(sample)
+        self._shapes = shapes(sample)
         if schedule is None:
             # Shown only when planning takes more than a couple of seconds (long chains).
             with progress.task(f"planning {self.chain.length} stages of {self.chain.name}"):
@@ -247,7 +249,7 @@ class Checkpointed(nn.Module):
         inputs = leaves(x)
         if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or params):
             return self.module(x)
-        if signature(x) != self._signature:
+        if shapes(x) != self._shapes:
             if self.on_new_shape == "error":
                 raise InvalidInput(
                     f"Checkpointed was planned for an input of {self._signature}, called with "

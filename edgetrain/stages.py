@@ -42,16 +42,23 @@ from edgetrain.measure import storage_key
 class _Tap(torch.autograd.Function):
     """``x`` as a view that requires grad, saving nothing; ``anchor`` only makes it differentiable.
 
-    The tap's own backward never runs: gradients are taken at its edge.
+    Its backward (run when a backward targets the anchor) puts the gradient that reached the view
+    into ``box`` and passes nothing on.
     """
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, anchor: torch.Tensor, x: torch.Tensor, box: list[torch.Tensor]
+    ) -> torch.Tensor:
+        ctx.box = box
+        ctx.set_materialize_grads(False)  # no gradient reached the view: the box stays empty
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        return None, None
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None]:
+        if grad is not None:
+            ctx.box.append(grad)
+        return None, None, None
 
 
 def _anchor() -> torch.Tensor:
@@ -180,9 +187,8 @@ def _tap(
     if not wanted:
         boxes.append(None)
         return plain
-    view: torch.Tensor = _Tap.apply(anchor, plain)
     box: list[torch.Tensor] = []
-    view.register_hook(box.append)
+    view: torch.Tensor = _Tap.apply(anchor, plain, box)
     boxes.append(box)
     return view
 
@@ -382,6 +388,11 @@ def empty_like(value: Any) -> Any:
     return tree_unflatten(
         [torch.empty_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec
     )
+
+
+def shapes(value: Any) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """Shapes and dtypes of an activation's tensors: equal exactly when :func:`signature` is."""
+    return tuple((tuple(t.shape), t.dtype) for t in leaves(value))
 
 
 def signature(value: Any) -> str:
