@@ -201,9 +201,7 @@ class Checkpointed(nn.Module):
         runs = Counter(k for kind, k in ops if kind in _FORWARDS)
         self._rerun = {k for k, count in runs.items() if count > 1}
         # A recomputation runs on copies of the buffers of these modules (see _recomputing).
-        self._with_buffers = {
-            k: [sub for sub in self._stages[k].modules() if sub._buffers] for k in self._rerun
-        }
+        self._submodules = {k: list(self._stages[k].modules()) for k in self._rerun}
 
     @property
     def grads_exist(self) -> bool:
@@ -457,7 +455,7 @@ class _Run:
             if k in self.net._rerun:
                 self.rng[k] = _rng_state()
             return nullcontext()
-        return _recomputing(self.rng[k], self.net._with_buffers[k])
+        return _recomputing(self.rng[k], self.net._submodules[k])
 
     def _autocast(self) -> AbstractContextManager[None]:
         return self._autocasting() if self.autocast else nullcontext()
