@@ -50,6 +50,7 @@ model's logits) comes on top; leave room for it with ``reserve_bytes``.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ from edgetrain.stages import (
     run_backward,
     run_forward,
     run_forward_with_grad,
+    shapes,
     signature,
     stage_params,
 )
@@ -83,6 +85,7 @@ from edgetrain.units import format_bytes, parse_bytes
 
 _RngState = tuple[torch.Tensor, list[torch.Tensor]]  # CPU generator state, CUDA states
 _NEW_SHAPE = ("replan", "error")
+_FORWARDS = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL)
 
 
 class Checkpointed(nn.Module):
@@ -153,6 +156,7 @@ class Checkpointed(nn.Module):
     def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
         self.chain = chain if chain is not None else profile(self.model, sample)
         self._signature = signature(sample)
+        self._shapes = shapes(sample)
         if schedule is None:
             # Shown only when planning takes more than a couple of seconds (long chains).
             with progress.task(f"planning {self.chain.length} stages of {self.chain.name}"):
@@ -186,6 +190,18 @@ class Checkpointed(nn.Module):
         self._stores_everything = schedule.text() == store_all(self.chain).text()
         index_of = {id(p): i for i, p in enumerate(self._params)}
         self._stage_params = [stage_params(m, index_of) for m in self._stages]
+        # What every step runs, decoded once: the operations of each phase, and the stages run
+        # more than once (only their random-number state is kept for a replay).
+        ops = [
+            (Op(code), k)
+            for code, k in zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True)
+        ]
+        self._forward_ops = ops[: schedule.forward_phase_end]
+        self._backward_ops = ops[schedule.forward_phase_end :]
+        runs = Counter(k for kind, k in ops if kind in _FORWARDS)
+        self._rerun = {k for k, count in runs.items() if count > 1}
+        # A recomputation runs on copies of the buffers of these modules (see _recomputing).
+        self._submodules = {k: list(self._stages[k].modules()) for k in self._rerun}
 
     @property
     def grads_exist(self) -> bool:
@@ -226,11 +242,12 @@ class Checkpointed(nn.Module):
 
     def forward(self, x: Any) -> Any:
         _refuse_hooks(self.module)
-        params = [p for p in self._params if p.requires_grad]
+        trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        params = [self._params[i] for i in trainable]
         inputs = leaves(x)
         if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or params):
             return self.module(x)
-        if signature(x) != self._signature:
+        if shapes(x) != self._shapes:
             if self.on_new_shape == "error":
                 raise InvalidInput(
                     f"Checkpointed was planned for an input of {self._signature}, called with "
@@ -244,7 +261,7 @@ class Checkpointed(nn.Module):
             # Every stage once with its graph, nothing recomputed: that is plain autograd, which
             # holds no more than the plan predicts and pays no executor overhead.
             return self.module(x)
-        run = _Run(self, x)
+        run = _Run(self, x, trainable)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
         return run.output(outs)
@@ -327,6 +344,7 @@ class _Run:
 
     net: Checkpointed
     sample: Any
+    trainable: list[int]  # indices of the parameters that require grad, in order
     plain: dict[int, Any] = field(default_factory=dict)
     graphs: dict[int, StageGraph] = field(default_factory=dict)
     grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
@@ -349,9 +367,8 @@ class _Run:
         self.out_flat = []
         return tree_unflatten(flat, self.out_spec)
 
-    def execute(self, ops: list[tuple[int, int]]) -> None:
-        for code, k in ops:
-            kind = Op(code)
+    def execute(self, ops: list[tuple[Op, int]]) -> None:
+        for kind, k in ops:
             # A page-out's write overlaps the next operation; its memory goes when that ends.
             written, self.writing = self.writing, None
             if kind is Op.DISCARD:
@@ -385,7 +402,7 @@ class _Run:
     def _forward(self, kind: Op, k: int) -> None:
         x = self.plain[k]
         module = self.net._stages[k]
-        with self._replay(k, module), self._autocast():
+        with self._replay(k), self._autocast():
             if kind is Op.FORWARD_ALL:
                 needs: list[bool] = (
                     [t.requires_grad for t in leaves(self.sample)]
@@ -431,15 +448,20 @@ class _Run:
         # Out of place: the first gradient may alias another that is still in use.
         self.param_grads[index] = grad if known is None else known + grad
 
-    def _replay(self, k: int, module: nn.Module) -> AbstractContextManager[None]:
-        """First run of stage k: remember its RNG state. Later runs: replay it, keep buffers."""
+    def _replay(self, k: int) -> AbstractContextManager[None]:
+        """First run of stage k: remember its RNG state (if the plan runs it again). Later runs:
+        replay it, keep buffers."""
         if k not in self.rng:
-            self.rng[k] = _rng_state()
+            if k in self.net._rerun:
+                self.rng[k] = _rng_state()
             return nullcontext()
-        return _recomputing(self.rng[k], module)
+        return _recomputing(self.rng[k], self.net._submodules[k])
+
+    def _autocast(self) -> AbstractContextManager[None]:
+        return self._autocasting() if self.autocast else nullcontext()
 
     @contextmanager
-    def _autocast(self) -> Iterator[None]:
+    def _autocasting(self) -> Iterator[None]:
         with ExitStack() as stack:
             for device, dtype, enabled in self.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
@@ -460,8 +482,8 @@ def _autocast_state() -> list[tuple[str, torch.dtype, bool]]:
 
 
 @contextmanager
-def _recomputing(state: _RngState, module: nn.Module) -> Iterator[None]:
-    """Replay a stage's first RNG state, on copies of its buffers.
+def _recomputing(state: _RngState, modules: list[nn.Module]) -> Iterator[None]:
+    """Replay a stage's first RNG state, on copies of the buffers of its ``modules``.
 
     The recomputation updates the copies (BatchNorm running statistics ...), which are then
     dropped: the module's own buffers are untouched, and a graph may keep the copies it saved.
@@ -469,7 +491,7 @@ def _recomputing(state: _RngState, module: nn.Module) -> Iterator[None]:
     outer = _rng_state()
     _set_rng_state(state)
     swapped: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = []
-    for sub in module.modules():
+    for sub in modules:
         for name, buffer in sub._buffers.items():
             if buffer is not None:
                 swapped.append((sub._buffers, name, buffer))
@@ -518,21 +540,18 @@ class _ScheduleFunction(torch.autograd.Function):
         ctx: Any, run: _Run, count: int, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         net = run.net
-        schedule = net.schedule
-        end = schedule.forward_phase_end
-        ops = list(zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True))
         flat, spec = tree_flatten(run.sample)
         given = iter(tensors[:count])
         run.plain[0] = tree_unflatten(
             [next(given).detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
         )
         run.autocast = _autocast_state()
-        run.execute(ops[:end])
-        out = run.plain.pop(schedule.length)  # the caller's from now on
+        run.execute(net._forward_ops)
+        out = run.plain.pop(net.schedule.length)  # the caller's from now on
         run.out_flat, run.out_spec = tree_flatten(out)
         del out
         ctx.run = run
-        ctx.backward_ops = ops[end:]
+        ctx.backward_ops = net._backward_ops
         ctx.count = count
         ctx.watched = [(t, t._version) for t in tensors]
         ctx.set_materialize_grads(False)
@@ -561,29 +580,31 @@ class _ScheduleFunction(torch.autograd.Function):
                     "backward); run the backward first, or clone the tensor before changing it"
                 )
         count = ctx.count
+        nexts = ctx.next_functions  # a new tuple at every access
         needed = [
-            node is not None and torch._C._will_engine_execute_node(node)
-            for node, _ in ctx.next_functions
+            node is not None and torch._C._will_engine_execute_node(node) for node, _ in nexts
         ]
         run.want_input = any(needed[:count])
-        trainable = [p for p in run.net._params if p.requires_grad]
-        index_of = {id(p): i for i, p in enumerate(run.net._params)}
-        param_index = [index_of[id(p)] for p in trainable]
-        run.wanted_params = {i for i, want in zip(param_index, needed[count:], strict=True) if want}
+        params = run.net._params
+        run.wanted_params = {
+            i for i, want in zip(run.trainable, needed[count:], strict=True) if want
+        }
         # Gradients that exist, watched by no hook, which the caller's backward accumulates:
         # add to them in place as plain autograd does, and hand autograd nothing for them.
-        accumulate = [_accumulates(ctx.next_functions[count + j][0]) for j in range(len(trainable))]
         run.in_place = {
-            i: p.grad
-            for i, p, acc in zip(param_index, trainable, accumulate, strict=True)
-            if acc and i in run.wanted_params and _kept([p]) and p.grad is not None
+            i: params[i].grad
+            for j, i in enumerate(run.trainable)
+            if i in run.wanted_params
+            and params[i].grad is not None
+            and _kept([params[i]])
+            and _accumulates(nexts[count + j][0])
         }
         run.net._grads_exist = len(run.in_place) == len(run.wanted_params)
         run.grads[run.net.schedule.length] = list(grad_outputs)
         del grad_outputs
         run.execute(ctx.backward_ops)
         input_grads = run.grads.pop(0, None) or [None] * count
-        results = [run.param_grads.pop(i, None) for i in param_index]
+        results = [run.param_grads.pop(i, None) for i in run.trainable]
         run.in_place.clear()
         run.plain.clear()
         run.graphs.clear()

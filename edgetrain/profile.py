@@ -34,6 +34,7 @@ from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, storage_bytes, storage_key
 from edgetrain.stages import (
+    StageParams,
     empty_like,
     group_children,
     leaves,
@@ -380,11 +381,11 @@ def _profile_stage(
     timer: _Timer | None,
     flops_per_second: float,
     index: int,
-    params: dict[str, tuple[int, nn.Parameter]],
+    params: StageParams,
 ) -> tuple[_Measured, Any]:
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
-    buffers = {i: torch.zeros_like(p) for i, p in params.values()}  # gradients that exist
+    buffers = {i: torch.zeros_like(p) for i, p in params.params}  # gradients that exist
     with counter:
         base = counter.reset_peak()
         with layer_outputs:
@@ -461,7 +462,7 @@ def _profile_stage(
         backward_peak_kept = counter.peak_bytes - base
     saves_input = bool(saved_in_leaves)
     several_in, several_out = len(in_keys) > 1, len(out_keys) > 1
-    grad_ids = {id(p) for _, (i, p) in params.items() if i in param_grads}
+    grad_ids = {id(p) for i, p in params.params if i in param_grads}
     del graph, grad_out
     param_grads.clear()
 
@@ -518,7 +519,7 @@ def _time_stage(
     timer: _Timer,
     index: int,
     name: str,
-    params: dict[str, tuple[int, nn.Parameter]],
+    params: StageParams,
 ) -> tuple[float, float]:
     forward: list[float] = []
     backward: list[float] = []
@@ -542,7 +543,7 @@ def _count_flops(
     needs_grad: bool,
     index: int,
     name: str,
-    params: dict[str, tuple[int, nn.Parameter]],
+    params: StageParams,
 ) -> tuple[int, int]:
     counter = FlopCounterMode(display=False)
     with counter:

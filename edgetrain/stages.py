@@ -7,11 +7,12 @@ the run: both go through :func:`run_forward`, :func:`run_forward_with_grad` and
 A stage run with grad keeps exactly what autograd saves and nothing else. Its input enters through
 a *tap*: a view of the input made by an autograd function that saves nothing, so the input's
 storage stays alive only if the stage's own operations save it. Its trainable parameters enter as
-leaves of their own that share the parameters' storage (through
-:func:`torch.func.functional_call`); a post-accumulate hook hands each one's gradient to the
-executor's sink the moment autograd has it, and clears it there, so nothing is written to the
-parameter's ``.grad`` and no hook of the user's runs here: the executor hands the gradients to
-autograd once per step, as plain autograd would. Of the stage's output the graph keeps only
+leaves of their own that share the parameters' storage (swapped into the modules' parameter
+dicts for the call, as :func:`torch.func.functional_call` does, at places found once per plan:
+:func:`stage_params`); a post-accumulate hook hands each one's gradient to the executor's sink
+the moment autograd has it, and clears it there, so nothing is written to the parameter's
+``.grad`` and no hook of the user's runs here: the executor hands the gradients to autograd once
+per step, as plain autograd would. Of the stage's output the graph keeps only
 the gradient edges (:class:`torch.autograd.graph.GradientEdge`), not the tensors: the output's
 storage too stays alive only if autograd saved it.
 
@@ -31,8 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.func import functional_call
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from edgetrain.errors import InvalidInput
@@ -42,16 +42,23 @@ from edgetrain.measure import storage_key
 class _Tap(torch.autograd.Function):
     """``x`` as a view that requires grad, saving nothing; ``anchor`` only makes it differentiable.
 
-    The tap's own backward never runs: gradients are taken at its edge.
+    Its backward (run when a backward targets the anchor) puts the gradient that reached the view
+    into ``box`` and passes nothing on.
     """
 
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, anchor: torch.Tensor, x: torch.Tensor, box: list[torch.Tensor]
+    ) -> torch.Tensor:
+        ctx.box = box
+        ctx.set_materialize_grads(False)  # no gradient reached the view: the box stays empty
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        return None, None
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None]:
+        if grad is not None:
+            ctx.box.append(grad)
+        return None, None, None
 
 
 def _anchor() -> torch.Tensor:
@@ -60,7 +67,18 @@ def _anchor() -> torch.Tensor:
 
 def leaves(value: Any) -> list[torch.Tensor]:
     """The tensors of an activation (a tensor or a pytree of them), in pytree order."""
+    if isinstance(value, torch.Tensor):
+        return [value]  # the common cases, without walking a pytree
+    if _flat_sequence(value):
+        return list(value)
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _flat_sequence(value: Any) -> bool:
+    """Whether ``value`` is a plain tuple or list of tensors (its pytree leaves, in order)."""
+    return (type(value) is tuple or type(value) is list) and all(
+        isinstance(t, torch.Tensor) for t in value
+    )
 
 
 def differentiable(t: torch.Tensor) -> bool:
@@ -99,7 +117,7 @@ def run_forward_with_grad(
     x: Any,
     *,
     needs_input_grad: bool | list[bool],
-    params: dict[str, tuple[int, nn.Parameter]] | None = None,
+    params: StageParams | None = None,
     sink: Any = None,
     stage: int = 0,
     name: str = "",
@@ -107,50 +125,100 @@ def run_forward_with_grad(
     """Run one stage building its graph; returns ``(output, graph)`` for :func:`run_backward`.
 
     ``needs_input_grad``: whether (each of) the input's tensors needs a gradient. ``params``: the
-    stage's trainable parameters by their name in ``module`` (every name of a tied parameter),
-    with the executor's index for each; :func:`run_backward` hands each one's gradient to
-    ``sink(index, grad)`` as autograd computes it.
+    stage's trainable parameters (:func:`stage_params`); :func:`run_backward` hands each one's
+    gradient to ``sink(index, grad)`` as autograd computes it.
     """
     with torch.enable_grad():
-        flat, spec = tree_flatten(x)
-        tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-        wanted = (
-            needs_input_grad
-            if isinstance(needs_input_grad, list)
-            else [needs_input_grad and differentiable(t) for t in tensors]
-        )
         anchor = _anchor()
-        tapped: list[Any] = []
         boxes: list[list[torch.Tensor] | None] = []
-        position = 0
-        for item in flat:
-            if not isinstance(item, torch.Tensor):
-                tapped.append(item)
-                continue
-            plain = item.detach()
-            if wanted[position]:
-                view = _Tap.apply(anchor, plain)
-                box: list[torch.Tensor] = []
-                view.register_hook(box.append)
-                tapped.append(view)
-                boxes.append(box)
-            else:
-                tapped.append(plain)
-                boxes.append(None)
-            position += 1
-        aliases: dict[str, torch.Tensor] = {}
-        made: dict[int, torch.Tensor] = {}
-        for pname, (index, param) in (params or {}).items():
-            if index not in made:
+        if isinstance(x, torch.Tensor):  # the common case, without walking a pytree
+            wanted = (
+                needs_input_grad[0]
+                if isinstance(needs_input_grad, list)
+                else needs_input_grad and differentiable(x)
+            )
+            inputs = _tap(anchor, x, wanted, boxes)
+        elif _flat_sequence(x):
+            wanted_each = (
+                needs_input_grad
+                if isinstance(needs_input_grad, list)
+                else [needs_input_grad and differentiable(t) for t in x]
+            )
+            tapped_each = [_tap(anchor, t, w, boxes) for t, w in zip(x, wanted_each, strict=True)]
+            inputs = tuple(tapped_each) if type(x) is tuple else tapped_each
+        else:
+            flat, spec = tree_flatten(x)
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            wanted_each = (
+                needs_input_grad
+                if isinstance(needs_input_grad, list)
+                else [needs_input_grad and differentiable(t) for t in tensors]
+            )
+            tapped: list[Any] = []
+            position = 0
+            for item in flat:
+                if not isinstance(item, torch.Tensor):
+                    tapped.append(item)
+                    continue
+                tapped.append(_tap(anchor, item, wanted_each[position], boxes))
+                position += 1
+            inputs = tree_unflatten(tapped, spec)
+        made: list[torch.Tensor] = []
+        if params is not None and params.params:
+            for index, param in params.params:
                 # A leaf of its own: autograd accumulates into it first thing, as into .grad.
-                made[index] = param.detach().requires_grad_()
-                made[index].register_post_accumulate_grad_hook(_handing_to(sink, index))
-            aliases[pname] = made[index]
-        inputs = tree_unflatten(tapped, spec)
-        out = functional_call(module, aliases, (inputs,)) if aliases else module(inputs)
+                leaf = param.detach().requires_grad_()
+                leaf.register_post_accumulate_grad_hook(_handing_to(sink, index))
+                made.append(leaf)
+            out = _call_with(module, inputs, params.slots, made)
+        else:
+            out = module(inputs)
     _check_output(out, stage, name)
-    output_edges = [get_gradient_edge(t) if t.requires_grad else None for t in leaves(out)]
-    return out, StageGraph(output_edges, boxes, anchor, list(made.values()))
+    output_edges = [_edge(t) if t.requires_grad else None for t in leaves(out)]
+    return out, StageGraph(output_edges, boxes, anchor, made)
+
+
+def _tap(
+    anchor: torch.Tensor, x: torch.Tensor, wanted: bool, boxes: list[list[torch.Tensor] | None]
+) -> torch.Tensor:
+    """The tensor the stage sees for input ``x``: a tap when its gradient is wanted (the
+    gradient lands in a new box), else ``x`` detached."""
+    plain = x.detach()
+    if not wanted:
+        boxes.append(None)
+        return plain
+    box: list[torch.Tensor] = []
+    view: torch.Tensor = _Tap.apply(anchor, plain, box)
+    boxes.append(box)
+    return view
+
+
+def _call_with(
+    module: nn.Module,
+    inputs: Any,
+    slots: tuple[tuple[dict[str, Any], str, int], ...],
+    made: list[torch.Tensor],
+) -> Any:
+    """``module(inputs)`` with the parameters in ``slots`` replaced by ``made`` for the call
+    (what :func:`torch.func.functional_call` does, without resolving the names every time)."""
+    originals = [(owner, pname, owner[pname]) for owner, pname, _ in slots]
+    try:
+        for owner, pname, position in slots:
+            owner[pname] = made[position]
+        return module(inputs)
+    finally:
+        for owner, pname, original in originals:
+            owner[pname] = original
+
+
+def _edge(t: torch.Tensor) -> GradientEdge:
+    """Where ``t``'s gradient enters the graph: its node in C++ directly; a custom Function's
+    or a leaf's through :func:`~torch.autograd.graph.get_gradient_edge` (an ownership token, the
+    gradient accumulator)."""
+    node = t.grad_fn
+    if node is None or isinstance(node, torch._C._FunctionBase):
+        return get_gradient_edge(t)
+    return GradientEdge(node, t.output_nr)
 
 
 def _handing_to(sink: Any, index: int) -> Any:
@@ -182,23 +250,51 @@ def run_backward(
     if params:
         targets.extend(graph.params)
     if pairs and targets:
-        torch.autograd.backward(
-            [edge for edge, _ in pairs], grad_tensors=[grad for _, grad in pairs], inputs=targets
+        # torch.autograd.backward without its argument checks (the edges and gradients come
+        # from autograd itself): the engine call it makes.
+        _engine_run_backward(
+            tuple(edge for edge, _ in pairs),
+            tuple(grad for _, grad in pairs),
+            False,  # retain_graph
+            False,  # create_graph
+            tuple(targets),
+            allow_unreachable=True,
+            accumulate_grad=True,
         )
     del pairs
     return [None if box is None or not box else box.pop() for box in graph.inputs]
 
 
-def stage_params(
-    module: nn.Module, index_of: dict[int, int]
-) -> dict[str, tuple[int, nn.Parameter]]:
-    """The trainable parameters of a stage by every name they have in it (tied ones included),
-    each with its index among the model's parameters (``index_of``: ``id(p)`` -> index)."""
-    return {
-        name: (index_of[id(p)], p)
-        for name, p in module.named_parameters(remove_duplicate=False)
-        if p.requires_grad and id(p) in index_of
-    }
+@dataclass(frozen=True)
+class StageParams:
+    """A stage's trainable parameters, resolved once per plan.
+
+    Attributes:
+        params: each distinct parameter once, with its index among the model's parameters.
+        slots: every place the stage's modules hold one of them (tied ones included): the
+            owning module's parameter dict, the name in it, and the position in ``params``.
+    """
+
+    params: tuple[tuple[int, nn.Parameter], ...]
+    slots: tuple[tuple[dict[str, Any], str, int], ...]
+
+
+def stage_params(module: nn.Module, index_of: dict[int, int]) -> StageParams:
+    """The trainable parameters of a stage and every place its modules hold them (tied ones
+    included), each with its index among the model's parameters (``index_of``: ``id(p)`` ->
+    index)."""
+    position: dict[int, int] = {}
+    params: list[tuple[int, nn.Parameter]] = []
+    slots: list[tuple[dict[str, Any], str, int]] = []
+    for sub in module.modules():  # a module listed twice holds its parameters in one place
+        for pname, p in sub._parameters.items():
+            if p is None or not p.requires_grad or id(p) not in index_of:
+                continue
+            if id(p) not in position:
+                position[id(p)] = len(params)
+                params.append((index_of[id(p)], p))
+            slots.append((sub._parameters, pname, position[id(p)]))
+    return StageParams(tuple(params), tuple(slots))
 
 
 def _check_output(out: object, stage: int, name: str) -> None:
@@ -300,6 +396,11 @@ def empty_like(value: Any) -> Any:
     return tree_unflatten(
         [torch.empty_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec
     )
+
+
+def shapes(value: Any) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+    """Shapes and dtypes of an activation's tensors: equal exactly when :func:`signature` is."""
+    return tuple((tuple(t.shape), t.dtype) for t in leaves(value))
 
 
 def signature(value: Any) -> str:

@@ -240,3 +240,41 @@ def test_every_revolve_and_sequential_plan_of_a_cnn_is_exact():
         assert torch.equal(out, expected), schedule.text()
         assert torch.equal(x.grad, x_plain.grad), schedule.text()
         assert_same_training_state(plain, ours, 0.0)
+
+
+class _FailsOnDemand(nn.Module):
+    """A Linear layer (with a tied twin) that raises in a forward with grad while ``fail`` is set
+    (where the executor runs it on leaves of its own in place of the parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.twin = self.linear  # the same module under a second name
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail and torch.is_grad_enabled():
+            raise RuntimeError("failing on demand")
+        return self.twin(torch.tanh(self.linear(x)))
+
+
+def test_a_stage_that_raises_leaves_the_models_own_parameters_in_place():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _FailsOnDemand(), nn.Tanh(), nn.Linear(6, 3))
+    model = model.double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    chain = analytic_chain(model, x)
+    net = Checkpointed(model, x, chain=chain, schedule=revolve(chain, 1))  # recomputes stages
+    before = dict(model.named_parameters(remove_duplicate=False))
+    model[2].fail = True
+    with pytest.raises(RuntimeError, match="failing on demand"):
+        net(x).sum().backward()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        assert p is before[name] and isinstance(p, nn.Parameter), name
+    model[2].fail = False
+    reference_step(plain, x, seed=5)
+    torch.manual_seed(5)
+    out = net(x)
+    (out.square().sum() + out.sum()).backward()
+    assert_same_training_state(plain, model, 1e-10)
