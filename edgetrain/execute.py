@@ -350,23 +350,26 @@ class _Run:
         return tree_unflatten(flat, self.out_spec)
 
     def execute(self, ops: list[tuple[int, int]]) -> None:
-        for code, k in ops:
+        for at, (code, k) in enumerate(ops):
             kind = Op(code)
             # A page-out's write overlaps the next operation; its memory goes when that ends.
             written, self.writing = self.writing, None
+            if self.pages is not None and at + 1 < len(ops) and ops[at + 1][0] == Op.PAGE_IN:
+                self.pages.prefetch(str(ops[at + 1][1]))  # the kernel reads while this op runs
             if kind is Op.DISCARD:
                 del self.plain[k]
             elif kind is Op.BACKWARD:
                 self._backward(k)
             elif kind is Op.PAGE_OUT:
-                self.writing = self.plain.pop(k)
-                self._pages().put(str(k), tree_map(_detach, self.writing))
+                self.writing = (k, self.plain.pop(k))
+                self._pages().put(str(k), tree_map(_detach, self.writing[1]))
             elif kind is Op.PAGE_IN:
                 self.plain[k] = self._pages().take(str(k))
             else:
                 self._forward(kind, k)
             if written is not None:
-                self._pages().flush()
+                # The kernel has the bytes (the fsync goes on in the background): drop ours.
+                self._pages().wait_written(str(written[0]))
                 del written
 
     def _pages(self) -> PageStore:

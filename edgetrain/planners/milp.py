@@ -174,6 +174,7 @@ def _build(
     accounting: Accounting,
     *,
     minimise_ram: bool = False,
+    runnable: bool = False,
 ) -> tuple[_Model, _Vars, float, float]:
     """The MILP; returns (model, variables, objective scale, memory scale)."""
     inf = math.inf
@@ -248,6 +249,9 @@ def _build(
             for i in range(t):
                 model.row([(p_in[t, i], 1.0), (s_flash[t, i], -1.0)], -inf, 0.0)
                 model.row([(p_out[t, i], 1.0), (s_ram[t, i], -1.0)], -inf, 0.0)
+
+    if runnable and paging:
+        _runnable_rows(model, graph, r, s_ram, p_in, p_out)
 
     # Free[t](i, k), one per distinct edge, weighted by its multiplicity under POET's accounting.
     multiplicity: dict[tuple[int, int], int] = {}
@@ -453,9 +457,13 @@ def solve(
     progress: Progress | None = None,
     find_smallest_ram: bool = True,
     warm_start: bool = True,
+    runnable: bool = False,
 ) -> MilpResult:
     """The least-energy plan for ``graph`` within ``ram_bytes`` of RAM and a runtime of
     ``runtime_factor`` times the every-node-once compute time (POET's multiplier).
+
+    ``runnable`` restricts the plans to those the chain executor runs exactly (see
+    :func:`_runnable_rows`; :mod:`edgetrain.planners.poet_schedule` turns them into schedules).
 
     Raises :class:`InvalidInput` for a bad mode, accounting or budget; an infeasible budget is a
     result (``status == "infeasible"``), not an error.
@@ -524,6 +532,7 @@ def solve(
                 rel_gap=rel_gap,
                 threads=threads,
                 find_smallest_ram=False,
+                runnable=runnable,
             )
             if sub.energy_joules is not None and (
                 best is None or sub.energy_joules < best.energy_joules  # type: ignore[operator]
@@ -532,7 +541,9 @@ def solve(
         if best is not None and best.plan is not None:
             start_plan = best.plan
             warm = f"; started from the {best.mode}-only plan ({best.energy_joules:.6g} J)"
-    model, variables, obj_scale, _ = _build(graph, ram_bytes, runtime, mode, accounting)
+    model, variables, obj_scale, _ = _build(
+        graph, ram_bytes, runtime, mode, accounting, runnable=runnable
+    )
     if warm:
         start = _start_from(start_plan, variables)
     left = max(time_limit - (time.perf_counter() - began), 0.5)
@@ -571,7 +582,9 @@ def solve(
         note = ""
         if find_smallest_ram and ram_bytes is not None:
             left = max(time_limit - (time.perf_counter() - began), 1.0)
-            smallest, note = _smallest_ram(graph, runtime, mode, accounting, left, threads)
+            smallest, note = _smallest_ram(
+                graph, runtime, mode, accounting, left, threads, runnable
+            )
         return MilpResult(
             status="infeasible",
             energy_joules=None,
@@ -605,9 +618,12 @@ def _smallest_ram(
     accounting: Accounting,
     time_limit: float,
     threads: int,
+    runnable: bool = False,
 ) -> tuple[float | None, str]:
     """The least RAM budget that meets ``runtime`` (bytes), by a MILP minimising the budget."""
-    model, variables, _, _ = _build(graph, None, runtime, mode, accounting, minimise_ram=True)
+    model, variables, _, _ = _build(
+        graph, None, runtime, mode, accounting, minimise_ram=True, runnable=runnable
+    )
     status, highspy, values, _objective, _dual, _seconds = _run(
         model, time_limit, 1e-9, threads, None, 1.0
     )
@@ -619,6 +635,76 @@ def _smallest_ram(
     if status in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
         return None, "; no RAM budget meets this runtime budget"
     return None, "; the smallest feasible RAM was not proven within the time limit"
+
+
+def _runnable_rows(
+    model: _Model,
+    graph: TrainingGraph,
+    r: np.ndarray,
+    s_ram: np.ndarray,
+    p_in: np.ndarray,
+    p_out: np.ndarray,
+) -> None:
+    """Restrict paging to what an executor of chain schedules can run.
+
+    * The model's output (the forward node the loss reads) stays in RAM up to its backward.
+    * Only forward nodes are paged (an executor pages activations, not gradients).
+    * A backward reads its own forward node (the graph autograd built: an edge from a forward
+      node to a backward node of the same ``stage``) as computed in RAM, never paged back in:
+      ``h[t]`` (continuous, ≥ 0) is forced to 1 when the copy of the forward node entering stage
+      ``t`` was paged in and not recomputed since, and must be 0 at the backward unless the
+      backward's stage recomputes it.
+    * A page is read at most once and written only when the last one was read: page-ins up to
+      stage ``t`` ≤ page-outs before ``t``; page-outs up to ``t`` ≤ page-ins before ``t`` + 1.
+    """
+    inf = math.inf
+    t_count = len(graph)
+    nodes = graph.nodes
+    for f, loss in graph.unique_edges:
+        # The model's output (read by the loss, stage -1) is the caller's until the step ends,
+        # and its graph is built once, in the forward pass: it stays in RAM up to its backward.
+        if nodes[loss].stage == -1 and not nodes[f].backward:
+            backward = [v for v in graph.successors(f) if nodes[v].backward and v != loss]
+            for t in range(f + 1, max(backward, default=loss) + 1):
+                model.lower[int(s_ram[t, f])] = 1.0
+    for i, node in enumerate(nodes):
+        if node.backward:
+            for cols in (p_in[:, i], p_out[:, i]):
+                for col in cols[cols >= 0].tolist():
+                    model.upper[col] = 0.0
+    for f, b in graph.unique_edges:
+        if nodes[f].backward or not nodes[b].backward or nodes[f].stage != nodes[b].stage:
+            continue
+        if nodes[f].stage is None:
+            continue
+        h_prev = -1
+        for t in range(f, b):
+            h = model.col(0.0, inf, integer=False)
+            # entering t+1: paged in during t, kept, not recomputed in t
+            model.row(
+                [(h, 1.0), (p_in[t, f], -1.0), (s_ram[t + 1, f], -1.0), (r[t, f], 1.0)],
+                -1.0,
+                inf,
+            )
+            if h_prev >= 0:
+                model.row(
+                    [(h, 1.0), (h_prev, -1.0), (s_ram[t + 1, f], -1.0), (r[t, f], 1.0)],
+                    -1.0,
+                    inf,
+                )
+            h_prev = h
+        if h_prev >= 0:
+            model.row([(h_prev, 1.0), (r[b, f], -1.0)], -inf, 0.0)
+    for i, node in enumerate(nodes):
+        if node.backward:
+            continue
+        for t in range(i + 1, t_count):
+            ins = [(p_in[s, i], 1.0) for s in range(t + 1)]
+            outs_before = [(p_out[s, i], -1.0) for s in range(t)]
+            model.row(ins + outs_before, -inf, 0.0)
+            outs = [(p_out[s, i], 1.0) for s in range(t + 1)]
+            ins_before = [(p_in[s, i], -1.0) for s in range(t)]
+            model.row(outs + ins_before, -inf, 1.0)
 
 
 def _status_text(status: Any) -> str:
