@@ -50,6 +50,7 @@ model's logits) comes on top; leave room for it with ``reserve_bytes``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -375,14 +376,17 @@ class _Run:
     def _pages(self) -> PageStore:
         if self.pages is None:
             assert self.net.page_dir is not None
-            self.pages = PageStore(self.net.page_dir)
+            self.pages = _page_store(self.net, self.net.page_dir)
         return self.pages
 
     def close_pages(self) -> None:
         """Delete the step's page files (after its backward, or when it is abandoned)."""
         self.writing = None
         if self.pages is not None:
-            self.pages.close()
+            self.pages.clear()
+            if self.pages.failed:
+                _STORES.pop(self.net, None)
+                self.pages.close()
             self.pages = None
 
     def _forward(self, kind: Op, k: int) -> None:
@@ -596,3 +600,18 @@ class _ScheduleFunction(torch.autograd.Function):
         run.done = True
         ctx.watched = []
         return (None, None, *input_grads, *results)
+
+
+_STORES: weakref.WeakKeyDictionary[Checkpointed, PageStore] = weakref.WeakKeyDictionary()
+
+
+def _page_store(net: Checkpointed, directory: Path) -> PageStore:
+    """The page store of ``net``, kept from step to step (its threads start once), emptied of
+    the pages a step abandoned; closed when ``net`` is garbage collected."""
+    store = _STORES.get(net)
+    if store is None or store.directory != directory:
+        store = PageStore(directory)
+        _STORES[net] = store
+        weakref.finalize(net, store.close)
+    store.clear()
+    return store

@@ -36,6 +36,7 @@ import os
 import queue
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -110,10 +111,15 @@ class PageStore:
         self._queue: queue.Queue[tuple[str, _Page, list[torch.Tensor]] | None] = queue.Queue()
         self._pages: dict[str, _Page] = {}
         self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._write_loop, name="edgetrain-pager", daemon=True
-        )
-        self._thread.start()
+        self._closed = False
+        self._syncs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        # Two threads, so that a page's write never waits behind the fsync of the one before.
+        self._threads = [
+            threading.Thread(target=self._write_loop, name="edgetrain-pager", daemon=True),
+            threading.Thread(target=self._sync_loop, name="edgetrain-pager-sync", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     # -- public ------------------------------------------------------------------------------------
 
@@ -196,23 +202,44 @@ class PageStore:
             ) from exc
         if checksum != page.checksum:
             raise CorruptFile(f"page file {path} fails its checksum; the storage corrupted it")
-        path.unlink(missing_ok=True)
+        # Deleting can take milliseconds (a discard on some filesystems): the sync thread does it.
+        self._syncs.put(lambda: path.unlink(missing_ok=True))
         del self._pages[key]
         return tree_unflatten(leaves, page.spec)
 
     def flush(self) -> None:
-        """Wait until every page handed to :meth:`put` is on disk."""
+        """Wait until every page handed to :meth:`put` is on disk and every page taken is
+        deleted."""
         for page in list(self._pages.values()):
             page.durable.wait()
+        self._syncs.join()
         self._raise_pending()
 
-    def close(self) -> None:
-        """Stop the writer and delete the pages not taken."""
-        self._queue.put(None)
-        self._thread.join()
+    def clear(self) -> None:
+        """Finish every write and deletion under way and delete the pages not taken (the end of
+        a training step); the store stays usable. Never raises."""
+        if self._closed:
+            return
+        self._queue.join()
+        self._syncs.join()
         for key in list(self._pages):
             self._path(key).unlink(missing_ok=True)
         self._pages.clear()
+
+    @property
+    def failed(self) -> bool:
+        """Whether a write failed (the store refuses further work; make a new one)."""
+        return self._error is not None
+
+    def close(self) -> None:
+        """Delete the pages not taken and stop the threads."""
+        if self._closed:
+            return
+        self.clear()
+        self._closed = True
+        self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
 
     def __enter__(self) -> PageStore:
         return self
@@ -232,34 +259,64 @@ class PageStore:
         return self.directory / f"{_PREFIX}{safe}"
 
     def _write_loop(self) -> None:
+        """Hand each page's bytes to the kernel, drop its tensors, pass it on to be synced."""
         while True:
             item = self._queue.get()
             if item is None:
+                self._syncs.put(None)
+                self._queue.task_done()
                 return
             key, page, tensors = item
             del item
-            path = self._path(key)
-            tmp = path.with_name(f".{path.name}.tmp")
-            fd = -1
             try:
-                if self._error is None:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                    page.checksum = _write_all(fd, tensors)  # and drops them
-                    page.written.set()
-                    os.fsync(fd)
-                    os.close(fd)
-                    fd = -1
-                    os.replace(tmp, path)
-                    self.bytes_written += page.nbytes
-            except OSError as exc:
-                self._error = exc
-                if fd >= 0:
-                    os.close(fd)
-                tmp.unlink(missing_ok=True)
+                self._write(key, page, tensors)
             finally:
                 tensors.clear()
                 page.written.set()
+                self._queue.task_done()
+
+    def _write(self, key: str, page: _Page, tensors: list[torch.Tensor]) -> None:
+        path = self._path(key)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self._error is not None:
+            page.durable.set()
+            return
+        fd = -1
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            page.checksum = _write_all(fd, tensors)  # and drops them
+        except OSError as exc:
+            self._error = exc
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+            page.durable.set()
+            return
+
+        def sync() -> None:
+            try:
+                os.fsync(fd)
+                os.close(fd)
+                os.replace(tmp, path)
+                self.bytes_written += page.nbytes
+            except OSError as exc:
+                self._error = exc
+                tmp.unlink(missing_ok=True)
+            finally:
                 page.durable.set()
+
+        self._syncs.put(sync)
+
+    def _sync_loop(self) -> None:
+        """fsync written pages, rename them into place, delete pages taken: in order."""
+        while True:
+            task = self._syncs.get()
+            try:
+                if task is None:
+                    return
+                task()
+            finally:
+                self._syncs.task_done()
 
     def _raise_pending(self) -> None:
         error: Any = self._error

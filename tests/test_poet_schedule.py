@@ -14,7 +14,7 @@ from torch import nn
 from edgetrain import graph as G
 from edgetrain.chain import Chain, Stage
 from edgetrain.devices.energy import EnergyProfile
-from edgetrain.errors import InfeasibleBudget, InvalidSchedule
+from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.execute import Checkpointed
 from edgetrain.measure import StorageCounter
 from edgetrain.planners import milp, plan
@@ -233,3 +233,18 @@ def test_plan_poet_says_when_nothing_fits() -> None:
     chain = _chain([1.0] * 4)
     with pytest.raises(InfeasibleBudget, match="POET finds no plan"):
         plan_poet(chain, CHEAP_PAGING, memory=8)
+
+
+def test_plan_with_strategy_poet_is_the_milps_schedule() -> None:
+    chain = _chain([1.0, 20.0] + [1.0] * 7)
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    schedule = plan(chain, "poet", memory=0.6 * everything, device=CHEAP_PAGING)
+    direct = plan_poet(chain, CHEAP_PAGING, memory=0.6 * everything)
+    assert schedule.strategy == "poet" and schedule.params["status"] == "optimal"
+    assert schedule.params["energy_J"] == pytest.approx(direct.result.energy_joules, rel=1e-9)
+    assert device_cost(chain, schedule, CHEAP_PAGING).energy_joules == pytest.approx(
+        direct.device_cost.energy_joules, rel=TOLERANCE
+    )
+    assert simulate(chain, schedule).pages_out >= 1
+    with pytest.raises(InvalidInput, match="needs a device"):
+        plan(chain, "poet", memory=0.6 * everything)
