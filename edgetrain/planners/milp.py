@@ -239,7 +239,7 @@ def _build(
                     -inf,
                     0.0,
                 )
-    if accounting == "edgetrain":
+    if accounting == "edgetrain" and not runnable:
         # A held value keeps what autograd saved with it.
         for v, u in graph.retains:
             for t in range(max(u, v) + 1, t_count):
@@ -250,8 +250,8 @@ def _build(
                 model.row([(p_in[t, i], 1.0), (s_flash[t, i], -1.0)], -inf, 0.0)
                 model.row([(p_out[t, i], 1.0), (s_ram[t, i], -1.0)], -inf, 0.0)
 
-    if runnable and paging:
-        _runnable_rows(model, graph, r, s_ram, p_in, p_out)
+    if runnable:
+        _runnable_rows(model, graph, r, s_ram, p_in, p_out, retains=accounting == "edgetrain")
 
     # Free[t](i, k), one per distinct edge, weighted by its multiplicity under POET's accounting.
     multiplicity: dict[tuple[int, int], int] = {}
@@ -554,7 +554,7 @@ def solve(
     ms = highspy.HighsModelStatus
     if values is not None and status not in (ms.kInfeasible,):
         plan = _plan_from(values, variables)
-        broken = violations(graph, plan, accounting)
+        broken = violations(graph, plan, accounting, runnable=runnable)
         if broken:
             raise AssertionError(f"the MILP returned an invalid plan: {broken[0]}")
         result = evaluate(graph, plan, accounting)
@@ -644,9 +644,20 @@ def _runnable_rows(
     s_ram: np.ndarray,
     p_in: np.ndarray,
     p_out: np.ndarray,
+    *,
+    retains: bool = True,
 ) -> None:
-    """Restrict paging to what an executor of chain schedules can run.
+    """Restrict the plans to what an executor of chain schedules can run, and count what
+    autograd retains as that executor does.
 
+    * Only the graph a backward reads retains what autograd saved with it (a stage's input):
+      ``g[t]`` (continuous, ≥ 0) is forced to 1 when the copy of a forward node entering stage
+      ``t`` is the one its backward will read (kept in RAM, not recomputed, up to the
+      backward), and only then must the retained node be in RAM. A forward node recomputed
+      without grad (a checkpoint, ``Fn``/``Fc``) retains nothing, as in
+      :func:`~edgetrain.schedule.simulate`. (Without ``runnable`` every held copy retains.)
+
+    * A forward node in RAM entering a stage is not computed again in it (one copy of a value).
     * The model's output (the forward node the loss reads) stays in RAM up to its backward.
     * Only forward nodes are paged (an executor pages activations, not gradients).
     * A backward reads its own forward node (the graph autograd built: an edge from a forward
@@ -654,12 +665,34 @@ def _runnable_rows(
       ``h[t]`` (continuous, ≥ 0) is forced to 1 when the copy of the forward node entering stage
       ``t`` was paged in and not recomputed since, and must be 0 at the backward unless the
       backward's stage recomputes it.
-    * A page is read at most once and written only when the last one was read: page-ins up to
-      stage ``t`` ≤ page-outs before ``t``; page-outs up to ``t`` ≤ page-ins before ``t`` + 1.
+    * A page is read exactly once and written only when the last one was read: page-ins up to
+      stage ``t`` ≤ page-outs before ``t``; page-outs up to ``t`` ≤ page-ins before ``t`` + 1;
+      page-outs ≤ page-ins in all.
     """
     inf = math.inf
     t_count = len(graph)
     nodes = graph.nodes
+    reader = _graph_readers(graph)
+    for i, node in enumerate(nodes):
+        # A forward node in RAM is not computed again: an executor holds one copy of a value.
+        if not node.backward:
+            for t in range(i + 1, t_count):
+                model.row([(r[t, i], 1.0), (s_ram[t, i], 1.0)], -inf, 1.0)
+    for v, u in graph.retains if retains else ():
+        b = reader.get(v)
+        if b is None:  # no backward reads it: every held copy retains
+            for t in range(max(u, v) + 1, t_count):
+                model.row([(s_ram[t, v], 1.0), (s_ram[t, u], -1.0)], -inf, 0.0)
+            continue
+        g_next = -1
+        for t in range(b, v, -1):
+            g = model.col(0.0, inf, integer=False)
+            terms = [(g, 1.0), (s_ram[t, v], -1.0), (r[t, v], 1.0)]
+            if g_next >= 0:
+                terms.append((g_next, -1.0))
+            model.row(terms, -1.0 if g_next >= 0 else 0.0, inf)
+            model.row([(g, 1.0), (s_ram[t, u], -1.0)], -inf, 0.0)
+            g_next = g
     for f, loss in graph.unique_edges:
         # The model's output (read by the loss, stage -1) is the caller's until the step ends,
         # and its graph is built once, in the forward pass: it stays in RAM up to its backward.
@@ -667,16 +700,14 @@ def _runnable_rows(
             backward = [v for v in graph.successors(f) if nodes[v].backward and v != loss]
             for t in range(f + 1, max(backward, default=loss) + 1):
                 model.lower[int(s_ram[t, f])] = 1.0
+    if (p_in < 0).all():
+        return  # no paging variables: nothing more to restrict
     for i, node in enumerate(nodes):
         if node.backward:
             for cols in (p_in[:, i], p_out[:, i]):
                 for col in cols[cols >= 0].tolist():
                     model.upper[col] = 0.0
-    for f, b in graph.unique_edges:
-        if nodes[f].backward or not nodes[b].backward or nodes[f].stage != nodes[b].stage:
-            continue
-        if nodes[f].stage is None:
-            continue
+    for f, b in reader.items():
         h_prev = -1
         for t in range(f, b):
             h = model.col(0.0, inf, integer=False)
@@ -698,6 +729,13 @@ def _runnable_rows(
     for i, node in enumerate(nodes):
         if node.backward:
             continue
+        # Every page written is read (a page nobody reads is energy spent for nothing).
+        model.row(
+            [(p_out[t, i], 1.0) for t in range(i + 1, t_count)]
+            + [(p_in[t, i], -1.0) for t in range(i + 1, t_count)],
+            -inf,
+            0.0,
+        )
         for t in range(i + 1, t_count):
             ins = [(p_in[s, i], 1.0) for s in range(t + 1)]
             outs_before = [(p_out[s, i], -1.0) for s in range(t)]
@@ -705,6 +743,20 @@ def _runnable_rows(
             outs = [(p_out[s, i], 1.0) for s in range(t + 1)]
             ins_before = [(p_in[s, i], -1.0) for s in range(t)]
             model.row(outs + ins_before, -inf, 1.0)
+
+
+def _graph_readers(graph: TrainingGraph) -> dict[int, int]:
+    """Forward node -> the backward node that reads the graph it built (an edge to a backward
+    node of the same chain ``stage``)."""
+    nodes = graph.nodes
+    return {
+        f: b
+        for f, b in graph.unique_edges
+        if not nodes[f].backward
+        and nodes[b].backward
+        and nodes[f].stage is not None
+        and nodes[f].stage == nodes[b].stage
+    }
 
 
 def _status_text(status: Any) -> str:

@@ -172,13 +172,30 @@ def schedule_from_plan(
             )
         graph_stage.append(t)
 
+    pins_input = [_saves_input(chain, k) for k in range(n)]
     compute: list[tuple[Op, int]] = []  # forwards (provisional kind) and backwards, in order
     reader: list[_Copy | None] = []  # the copy of a[k] a forward of stage k reads
     copies: list[_Copy] = []
     current: dict[int, _Copy] = {}  # a[k] -> its copy in RAM (MILP's view), k in 1..n-1
     flash: dict[int, int] = {}  # a[k] -> page-ins left from its page file (0 or 1)
 
+    def forward(t: int, j: int) -> None:
+        source = current.get(j) if j > 0 else None
+        if j > 0 and source is None:
+            raise _refuse(f"stage {t} computes F{j} without a[{j}] in RAM")
+        if source is not None:
+            source.reads.append(len(compute))
+        kind = Op.FORWARD_ALL if t == graph_stage[j] else Op.FORWARD_CHECKPOINT
+        compute.append((kind, j))
+        reader.append(source)
+        if j + 1 < n:
+            current.pop(j + 1, None)  # a stale copy (recomputed while held) ends here
+            copy = _Copy(j + 1, len(compute) - 1)
+            copies.append(copy)
+            current[j + 1] = copy
+
     for t in range(t_count):
+        deferred: list[int] = []
         for i in np.flatnonzero(r[t]).tolist():
             if i == n:
                 continue  # the loss: the caller's, no operation
@@ -186,20 +203,21 @@ def schedule_from_plan(
                 compute.append((Op.BACKWARD, 2 * n - i))
                 reader.append(None)
                 continue
-            j = i
-            source = current.get(j) if j > 0 else None
-            if j > 0 and source is None:
-                raise _refuse(f"stage {t} computes F{j} without a[{j}] in RAM")
-            if source is not None:
-                source.reads.append(len(compute))
-            kind = Op.FORWARD_ALL if t == graph_stage[j] else Op.FORWARD_CHECKPOINT
-            compute.append((kind, j))
-            reader.append(source)
-            if j + 1 < n:
-                current.pop(j + 1, None)  # a stale copy (recomputed while held) ends here
-                copy = _Copy(j + 1, len(compute) - 1)
-                copies.append(copy)
-                current[j + 1] = copy
+            if (
+                t == graph_stage[i]
+                and i + 1 < n
+                and t == bwd(i + 1)
+                and graph_stage[i + 1] < t
+                and not r[t, i + 1]
+                and pins_input[i + 1]
+            ):
+                # The graph of F(i+1), built earlier, holds a[i+1] until B(i+1) ends this stage:
+                # build F(i)'s graph right after it, not beside it (same work, less memory).
+                deferred.append(i)
+                continue
+            forward(t, i)
+        for i in deferred:
+            forward(t, i)
         for i in np.flatnonzero(p_out[t]).tolist():
             copy_out = current.get(i + 1)
             if copy_out is None or copy_out.paged_out:
@@ -228,6 +246,7 @@ def schedule_from_plan(
     before: list[list[tuple[Op, int]]] = [[] for _ in range(len(compute))]
     after: list[list[tuple[Op, int]]] = [[] for _ in range(len(compute))]
     kinds = [kind for kind, _ in compute]
+    backward_at = {k: index for index, (kind, k) in enumerate(compute) if kind is Op.BACKWARD}
     for copy in copies:
         if copy.paged_in:
             if copy.reads:
@@ -236,9 +255,16 @@ def schedule_from_plan(
                 after[copy.made_at].append((Op.PAGE_IN, copy.k))
         last = copy.reads[-1] if copy.reads else copy.made_at
         if copy.paged_out:
+            # A graph that holds this copy (a stage that saved it as its output or its input)
+            # keeps it in memory until that stage's backward: page it out after that.
+            at = last
+            if kinds[copy.made_at] is Op.FORWARD_ALL and _saves_output(chain, copy.k - 1):
+                at = max(at, backward_at.get(copy.k - 1, at))
             if copy.reads and kinds[last] is Op.FORWARD_ALL:
-                raise _refuse(f"it pages a[{copy.k}] out after its last use, which nothing reads")
-            after[last].append((Op.PAGE_OUT, copy.k))
+                if not pins_input[copy.k]:
+                    raise _refuse(f"it pages a[{copy.k}] out after its last use")
+                at = max(at, backward_at.get(copy.k, at))
+            after[at].append((Op.PAGE_OUT, copy.k))
         elif copy.reads and kinds[last] is not Op.FORWARD_ALL:
             kinds[last] = Op.FORWARD_NOSAVE  # drops a[k] as it finishes
         elif not copy.reads:
@@ -257,6 +283,18 @@ def schedule_from_plan(
     except InvalidSchedule as exc:
         raise _refuse(str(exc)) from exc
     return schedule
+
+
+def _saves_input(chain: Chain, k: int) -> bool:
+    """Whether the graph of stage ``k`` holds (part of) its input ``a[k]``."""
+    stage = chain.stages[k]
+    return bool(stage.saved_inputs) if stage.saved_inputs is not None else stage.saves_input
+
+
+def _saves_output(chain: Chain, k: int) -> bool:
+    """Whether the graph of stage ``k`` holds (part of) its output ``a[k+1]``."""
+    stage = chain.stages[k]
+    return bool(stage.saved_outputs) if stage.saved_outputs is not None else stage.saves_output
 
 
 @dataclass(frozen=True)
