@@ -18,27 +18,32 @@ How a computation of a forward node ``F(j)`` in stage ``t`` becomes an operation
 Every value is a *copy* of an activation ``a[k] = F(k-1)``'s output: made by a forward or a page-in,
 read by forwards of stage ``k``, ended by a discard or a page-out. A copy is freed right after its
 last read (``Fn`` / ``Fa`` / ``D k``), not when the MILP drops it; a page-out ``Po k`` is placed
-right after the last read of the copy the MILP pages; a page-in ``Pi k`` right before the first
-read of the copy it makes (the MILP counts a page-in's bytes from the start of its stage). So the
-schedule holds a subset of what the MILP counts at every step, and its simulated peak is at most
-the MILP's ``edgetrain`` peak, except in one corner: a page-out's bytes are held until the
-operation after it ends (the write overlaps it), which may be the first operation of the next
-stage. :func:`run_plan` checks the simulated peak against the budget whatever happens.
+right after the last read of the copy the MILP pages (or after the backward of a graph that holds
+that copy); a page-in ``Pi k`` right before the first read of the copy it makes (the MILP counts a
+page-in's bytes from the start of its stage). So the schedule holds a subset of what the MILP
+counts at every step, and its simulated peak is at most the MILP's ``edgetrain`` peak, except in
+one corner: a page-out's bytes are held until the operation after it ends (the write overlaps
+it), which may be the first operation of the next stage. :func:`check_against` (called by
+:func:`plan_poet`) checks the simulated peak against the budget whatever happens.
 
 Costs are the simulator's: the schedule's compute time is :func:`~edgetrain.schedule.simulate`'s,
 turned into device seconds and joules by :func:`device_cost` exactly as
 :func:`~edgetrain.graph.from_chain` turns stages into nodes; a ``Po k``/``Pi k`` costs the device's
 page-out/page-in of ``a[k]``'s bytes (what the executor writes: the activation, never a graph).
 The number of each operation equals the MILP's count of the matching variable, so the schedule's
-time and energy equal the MILP's objective and runtime (to rounding), and :func:`schedule_from_plan`
+time and energy equal the MILP's objective and runtime (to rounding); :func:`check_against`
 checks that they do.
+
+``S_flash`` is not read: what is on flash follows from the page-outs and page-ins.
 
 What cannot run, refused with :class:`~edgetrain.errors.InvalidSchedule` rather than run as
 something else: a plan that pages a gradient (no operation does that), that feeds a backward from
 a paged-in forward node (an executor cannot page a graph: it pages activations), that pages the
-same page in twice (a page is read once and deleted), or anything else the simulator refuses.
-:func:`edgetrain.planners.milp.solve` with ``runnable=True`` forbids the first two in the MILP
-itself.
+same page in twice (a page is read once and deleted) or writes a page before the last was read,
+that computes a value again while a graph holds it (one copy of an activation at a time), or
+anything else the simulator refuses, or whose time, energy or peak differ from the MILP's.
+:func:`edgetrain.planners.milp.solve` with ``runnable=True`` (what :func:`plan_poet` solves) keeps
+the MILP to plans that convert.
 """
 
 from __future__ import annotations
@@ -120,7 +125,7 @@ class _Copy:
     """One copy of ``a[k]`` in RAM: made by a forward or a page-in, read by forwards of stage k."""
 
     k: int
-    made_at: int  # index of the forward that made it, in the list of compute operations
+    made_at: int  # the compute operation that made it (a page-in: its stage's last one)
     paged_in: bool = False
     reads: list[int] = field(default_factory=list)
     paged_out: bool = False
@@ -174,7 +179,6 @@ def schedule_from_plan(
 
     pins_input = [_saves_input(chain, k) for k in range(n)]
     compute: list[tuple[Op, int]] = []  # forwards (provisional kind) and backwards, in order
-    reader: list[_Copy | None] = []  # the copy of a[k] a forward of stage k reads
     copies: list[_Copy] = []
     current: dict[int, _Copy] = {}  # a[k] -> its copy in RAM (MILP's view), k in 1..n-1
     flash: dict[int, int] = {}  # a[k] -> page-ins left from its page file (0 or 1)
@@ -187,7 +191,6 @@ def schedule_from_plan(
             source.reads.append(len(compute))
         kind = Op.FORWARD_ALL if t == graph_stage[j] else Op.FORWARD_CHECKPOINT
         compute.append((kind, j))
-        reader.append(source)
         if j + 1 < n:
             current.pop(j + 1, None)  # a stale copy (recomputed while held) ends here
             copy = _Copy(j + 1, len(compute) - 1)
@@ -195,28 +198,12 @@ def schedule_from_plan(
             current[j + 1] = copy
 
     for t in range(t_count):
-        deferred: list[int] = []
         for i in np.flatnonzero(r[t]).tolist():
             if i == n:
                 continue  # the loss: the caller's, no operation
             if i > n:
                 compute.append((Op.BACKWARD, 2 * n - i))
-                reader.append(None)
                 continue
-            if (
-                t == graph_stage[i]
-                and i + 1 < n
-                and t == bwd(i + 1)
-                and graph_stage[i + 1] < t
-                and not r[t, i + 1]
-                and pins_input[i + 1]
-            ):
-                # The graph of F(i+1), built earlier, holds a[i+1] until B(i+1) ends this stage:
-                # build F(i)'s graph right after it, not beside it (same work, less memory).
-                deferred.append(i)
-                continue
-            forward(t, i)
-        for i in deferred:
             forward(t, i)
         for i in np.flatnonzero(p_out[t]).tolist():
             copy_out = current.get(i + 1)
