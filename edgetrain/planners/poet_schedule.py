@@ -60,6 +60,7 @@ from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.graph import TrainingGraph, from_chain
 from edgetrain.planners import milp
 from edgetrain.schedule import Cost, Op, Schedule, simulate
+from edgetrain.units import parse_bytes
 
 TOLERANCE = 1e-9
 """Relative tolerance between the schedule's time and energy and the MILP's (float rounding)."""
@@ -305,7 +306,7 @@ def plan_poet(
     chain: Chain,
     device: EnergyProfile,
     *,
-    memory: float,
+    memory: float | str,
     runtime: float | None = None,
     mode: milp.Mode = "hybrid",
     time_limit: float = 60.0,
@@ -313,12 +314,14 @@ def plan_poet(
     runnable: bool = True,
 ) -> PoetPlan:
     """The least-energy plan of recomputation and paging for ``chain`` on ``device`` within
-    ``memory`` bytes (counted as :func:`~edgetrain.schedule.simulate` counts them) and
+    ``memory`` bytes (or a size such as "2MB"; counted as :func:`~edgetrain.schedule.simulate`
+    counts them) and
     ``runtime`` times the every-node-once compute time, as a schedule that runs.
 
     Raises :class:`InfeasibleBudget` when the MILP proves no plan fits or finds none in
     ``time_limit`` seconds, :class:`InvalidSchedule` when its plan cannot run exactly.
     """
+    memory = parse_bytes(memory)
     graph = from_chain(chain, device, chain_flops_per_second=chain_flops_per_second)
     result = milp.solve(
         graph,
