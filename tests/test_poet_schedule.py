@@ -255,18 +255,20 @@ def test_stages_that_save_their_input_retain_it_only_in_the_graph_backward_reads
 ) -> None:
     """Linear and GELU keep their input for backward: only the graph a backward reads retains
     it (a checkpoint recomputed without grad keeps nothing), as the executor holds it. A POET
-    plan at 60 % of keep-everything runs within its prediction with autograd's gradients."""
+    plan at 70 % of keep-everything (proven optimal) runs within its prediction with autograd's
+    gradients."""
     torch.manual_seed(5)
     layers: list[nn.Module] = []
-    for _ in range(6):
+    for _ in range(4):
         layers += [nn.Linear(32, 32), nn.GELU()]
     model = nn.Sequential(*layers, nn.Linear(32, 4)).double()
     reference = copy.deepcopy(model)
     x = torch.randn(128, 32, dtype=torch.float64)
     chain = analytic_chain(model, x)
     everything = simulate(chain, store_all(chain)).peak_bytes
-    poet = plan_poet(chain, CHEAP_PAGING, memory=0.6 * everything, time_limit=8)
-    assert poet.cost.peak_bytes <= 0.6 * everything
+    poet = plan_poet(chain, CHEAP_PAGING, memory=0.7 * everything, time_limit=60)
+    assert poet.result.status == "optimal" and poet.cost.pages_out >= 1
+    assert poet.cost.peak_bytes <= 0.7 * everything
     net = Checkpointed(model, x, chain=chain, schedule=poet.schedule, page_dir=tmp_path)
     loss, measured = _step(net, x)
     ref_loss, _ = _step(reference, x)

@@ -657,9 +657,12 @@ def _runnable_rows(
       without grad (a checkpoint, ``Fn``/``Fc``) retains nothing, as in
       :func:`~edgetrain.schedule.simulate`. (Without ``runnable`` every held copy retains.)
 
-    * A forward node in RAM entering a stage is not computed again in it (one copy of a value).
-    * The model's output (the forward node the loss reads) stays in RAM up to its backward.
-    * Only forward nodes are paged (an executor pages activations, not gradients).
+    * A forward node in RAM entering a stage is not computed or paged in again in it, nor both
+      in one stage (one copy of a value).
+    * The model's output (the forward node the loss reads) stays in RAM up to its backward, and
+      no forward node is computed after its backward.
+    * Only forward nodes are paged (an executor pages activations, not gradients), and not the
+      model's output (the caller holds it).
     * A backward reads its own forward node (the graph autograd built: an edge from a forward
       node to a backward node of the same ``stage``) as computed in RAM, never paged back in:
       ``h[t]`` (continuous, ≥ 0) is forced to 1 when the copy of the forward node entering stage
@@ -674,18 +677,23 @@ def _runnable_rows(
     nodes = graph.nodes
     reader = _graph_readers(graph)
     for i, node in enumerate(nodes):
-        # A forward node in RAM is not computed again: an executor holds one copy of a value.
+        # A forward node in RAM is not computed or paged in again, nor both in one stage: an
+        # executor holds one copy of a value.
         if not node.backward:
             for t in range(i + 1, t_count):
-                model.row([(r[t, i], 1.0), (s_ram[t, i], 1.0)], -inf, 1.0)
+                model.row([(r[t, i], 1.0), (s_ram[t, i], 1.0), (p_in[t, i], 1.0)], -inf, 1.0)
+    for f, read_at in reader.items():
+        # Nothing reads a forward node after its backward: it is not computed again then.
+        for t in range(read_at + 1, t_count):
+            model.upper[int(r[t, f])] = 0.0
     for v, u in graph.retains if retains else ():
-        b = reader.get(v)
-        if b is None:  # no backward reads it: every held copy retains
+        graph_read = reader.get(v)
+        if graph_read is None:  # no backward reads it: every held copy retains
             for t in range(max(u, v) + 1, t_count):
                 model.row([(s_ram[t, v], 1.0), (s_ram[t, u], -1.0)], -inf, 0.0)
             continue
         g_next = -1
-        for t in range(b, v, -1):
+        for t in range(graph_read, v, -1):
             g = model.col(0.0, inf, integer=False)
             terms = [(g, 1.0), (s_ram[t, v], -1.0), (r[t, v], 1.0)]
             if g_next >= 0:
@@ -702,8 +710,9 @@ def _runnable_rows(
                 model.lower[int(s_ram[t, f])] = 1.0
     if (p_in < 0).all():
         return  # no paging variables: nothing more to restrict
+    output = {f for f, v in graph.unique_edges if nodes[v].stage == -1 and not nodes[f].backward}
     for i, node in enumerate(nodes):
-        if node.backward:
+        if node.backward or i in output:  # gradients, and the output the caller holds
             for cols in (p_in[:, i], p_out[:, i]):
                 for col in cols[cols >= 0].tolist():
                     model.upper[col] = 0.0
