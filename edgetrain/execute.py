@@ -50,6 +50,7 @@ model's logits) comes on top; leave room for it with ``reserve_bytes``.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -368,35 +369,41 @@ class _Run:
         return tree_unflatten(flat, self.out_spec)
 
     def execute(self, ops: list[tuple[Op, int]]) -> None:
-        for kind, k in ops:
+        for at, (kind, k) in enumerate(ops):
             # A page-out's write overlaps the next operation; its memory goes when that ends.
             written, self.writing = self.writing, None
+            if self.pages is not None and at + 1 < len(ops) and ops[at + 1][0] == Op.PAGE_IN:
+                self.pages.prefetch(str(ops[at + 1][1]))  # the kernel reads while this op runs
             if kind is Op.DISCARD:
                 del self.plain[k]
             elif kind is Op.BACKWARD:
                 self._backward(k)
             elif kind is Op.PAGE_OUT:
-                self.writing = self.plain.pop(k)
-                self._pages().put(str(k), tree_map(_detach, self.writing))
+                self.writing = (k, self.plain.pop(k))
+                self._pages().put(str(k), tree_map(_detach, self.writing[1]))
             elif kind is Op.PAGE_IN:
                 self.plain[k] = self._pages().take(str(k))
             else:
                 self._forward(kind, k)
             if written is not None:
-                self._pages().flush()
+                # The kernel has the bytes (the fsync goes on in the background): drop ours.
+                self._pages().wait_written(str(written[0]))
                 del written
 
     def _pages(self) -> PageStore:
         if self.pages is None:
             assert self.net.page_dir is not None
-            self.pages = PageStore(self.net.page_dir)
+            self.pages = _page_store(self.net, self.net.page_dir)
         return self.pages
 
     def close_pages(self) -> None:
         """Delete the step's page files (after its backward, or when it is abandoned)."""
         self.writing = None
         if self.pages is not None:
-            self.pages.close()
+            self.pages.clear()
+            if self.pages.failed:
+                _STORES.pop(self.net, None)
+                self.pages.close()
             self.pages = None
 
     def _forward(self, kind: Op, k: int) -> None:
@@ -614,3 +621,18 @@ class _ScheduleFunction(torch.autograd.Function):
         run.done = True
         ctx.watched = []
         return (None, None, *input_grads, *results)
+
+
+_STORES: weakref.WeakKeyDictionary[Checkpointed, PageStore] = weakref.WeakKeyDictionary()
+
+
+def _page_store(net: Checkpointed, directory: Path) -> PageStore:
+    """The page store of ``net``, kept from step to step (its threads start once), emptied of
+    the pages a step abandoned; closed when ``net`` is garbage collected."""
+    store = _STORES.get(net)
+    if store is None or store.directory != directory:
+        store = PageStore(directory)
+        _STORES[net] = store
+        weakref.finalize(net, store.close)
+    store.clear()
+    return store

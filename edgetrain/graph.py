@@ -386,6 +386,9 @@ def from_chain(
     so the ``edgetrain`` accounting of the keep-everything plan is
     :func:`edgetrain.schedule.simulate`'s peak.
 
+    Paging a forward node costs the device's figures for the stage's output ``a[k+1]`` alone:
+    that is what an executor pages (a checkpoint); the saved tensors of a graph are never paged.
+
     Costs: a stage's seconds are turned into floating-point operations at
     ``chain_flops_per_second`` (the speed the chain was timed or estimated at:
     :data:`edgetrain.profile.NOMINAL_FLOPS` for analytic chains), then into the device's seconds
@@ -396,19 +399,26 @@ def from_chain(
         raise InvalidInput("chain_flops_per_second must be positive")
 
     def node(
-        name: str, backward: bool, seconds: float, size: float, stage: int, peak: float = 0.0
+        name: str,
+        backward: bool,
+        seconds: float,
+        size: float,
+        stage: int,
+        peak: float = 0.0,
+        paged: float | None = None,
     ) -> Node:
         flop = seconds * chain_flops_per_second
+        paged = size if paged is None else paged
         return Node(
             name=name,
             backward=backward,
             compute_seconds=device.compute_seconds(flop),
             compute_joules=device.compute_joules(flop),
             output_bytes=float(size),
-            pagein_seconds=device.pagein_seconds(size),
-            pagein_joules=device.pagein_joules(size),
-            pageout_seconds=device.pageout_seconds(size),
-            pageout_joules=device.pageout_joules(size),
+            pagein_seconds=device.pagein_seconds(paged),
+            pagein_joules=device.pagein_joules(paged),
+            pageout_seconds=device.pageout_seconds(paged),
+            pageout_joules=device.pageout_joules(paged),
             stage=stage,
             workspace_bytes=max(0.0, float(peak) - size),
         )
@@ -421,6 +431,7 @@ def from_chain(
             s.output_bytes + s.saved_bytes,
             k,
             s.forward_grad_peak_bytes,
+            paged=s.output_bytes,
         )
         for k, s in enumerate(chain.stages)
     ]

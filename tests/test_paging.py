@@ -23,6 +23,7 @@ def test_pages_round_trip_exactly_and_leave_nothing_behind(tmp_path: Path) -> No
         for key in reversed(list(tensors)):
             back = store.take(key)
             assert back.dtype == tensors[key].dtype and torch.equal(back, tensors[key])
+        store.flush()  # deletions run behind, on the store's sync thread
         assert list(tmp_path.iterdir()) == []
         store.put("left", torch.ones(2))
     assert list(tmp_path.iterdir()) == []  # close() removes pages never taken
@@ -193,3 +194,28 @@ def test_the_simulator_refuses_paging_what_a_graph_holds() -> None:
         simulate(chain, Schedule.from_ops(3, [(Op.FORWARD_CHECKPOINT, 0), (Op.PAGE_IN, 1)]))
     text = Schedule.from_ops(3, [(Op.PAGE_OUT, 1), (Op.PAGE_IN, 1)]).text()
     assert text == "Po1 Pi1"
+
+
+def test_structures_strided_and_channels_last_tensors_round_trip(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    image = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    base = torch.randn(6, 7)
+    value = {"x": (image, base[:, 1::2], base[2:]), "n": 3, "none": None, "b": torch.ones(3) > 0}
+    with PageStore(tmp_path) as store:
+        store.put("v", value)
+        back = store.take("v")
+    assert back["n"] == 3 and back["none"] is None and torch.equal(back["b"], value["b"])
+    for got, want in zip(back["x"], value["x"], strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert back["x"][0].is_contiguous(memory_format=torch.channels_last)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_truncated_page_is_refused(tmp_path: Path) -> None:
+    with PageStore(tmp_path) as store:
+        store.put("x", torch.arange(100.0))
+        store.flush()
+        (page,) = tmp_path.iterdir()
+        page.write_bytes(page.read_bytes()[:-8])
+        with pytest.raises(CorruptFile, match="size"):
+            store.take("x")

@@ -203,6 +203,7 @@ def _build(
     allowed: dict[str, np.ndarray] | None = None,
     strengthen: bool = True,
     pin_free: bool = False,
+    runnable: bool = False,
 ) -> tuple[_Model, _Vars, float, float]:
     """The MILP; returns (model, variables, objective scale, memory scale).
 
@@ -287,7 +288,7 @@ def _build(
                 )
     if paging and strengthen:
         _reacquire(model, graph, r, s_ram, s_flash)
-    if accounting == "edgetrain":
+    if accounting == "edgetrain" and not runnable:
         # A held value keeps what autograd saved with it.
         for v, u in graph.retains:
             for t in range(max(u, v) + 1, t_count):
@@ -299,6 +300,9 @@ def _build(
                     model.row([(p_in[t, i], 1.0), (s_flash[t, i], -1.0)], -inf, 0.0)
                 if p_out[t, i] >= 0:
                     model.row([(p_out[t, i], 1.0), (s_ram[t, i], -1.0)], -inf, 0.0)
+
+    if runnable:
+        _runnable_rows(model, graph, r, s_ram, p_in, p_out, retains=accounting == "edgetrain")
 
     # Free[t](i, k), one per distinct edge, weighted by its multiplicity under POET's accounting.
     multiplicity: dict[tuple[int, int], int] = {}
@@ -595,6 +599,7 @@ def solve(
     find_smallest_ram: bool = True,
     warm_start: bool = True,
     initial_plan: dict[str, np.ndarray] | None = None,
+    runnable: bool = False,
 ) -> MilpResult:
     """The least-energy plan for ``graph`` within ``ram_bytes`` of RAM and a runtime of
     ``runtime_factor`` times the every-node-once compute time (POET's multiplier).
@@ -602,6 +607,9 @@ def solve(
     ``initial_plan`` (the five ``T × T`` 0/1 matrices, e.g. a chain planner's plan) starts HiGHS
     when it passes :func:`~edgetrain.planners.poet_check.violations`, fits both budgets and the
     mode; the restricted search's plan (``warm_start``) replaces it when that is cheaper.
+
+    ``runnable`` restricts the plans to those the chain executor runs exactly (see
+    :func:`_runnable_rows`; :mod:`edgetrain.planners.poet_schedule` turns them into schedules).
 
     Raises :class:`InvalidInput` for a bad mode, accounting or budget; an infeasible budget is a
     result (``status == "infeasible"``), not an error.
@@ -659,7 +667,7 @@ def solve(
     warm = ""
     given = math.inf
     if initial_plan is not None:
-        given = _usable(graph, initial_plan, ram_bytes, runtime, mode, accounting)
+        given = _usable(graph, initial_plan, ram_bytes, runtime, mode, accounting, runnable)
         if math.isfinite(given):
             start_plan = {key: np.asarray(initial_plan[key]) for key in MATRICES}
             warm = f"; started from the given plan ({given:.6g} J)"
@@ -677,6 +685,7 @@ def solve(
             threads,
             progress,
             began,
+            runnable,
         )
         if found is not None and energy < given:
             start_plan = found
@@ -684,7 +693,9 @@ def solve(
                 f"; started from a restricted search's plan ({energy:.6g} J, found in "
                 f"{time.perf_counter() - began:.1f} s)"
             )
-    model, variables, obj_scale, _ = _build(graph, ram_bytes, runtime, mode, accounting)
+    model, variables, obj_scale, _ = _build(
+        graph, ram_bytes, runtime, mode, accounting, runnable=runnable
+    )
     start = None if start_plan is None else _start_from(start_plan, variables)
     # HiGHS can overrun its limit by a few seconds on a loaded machine: keep a margin.
     left = max((1 - TIME_MARGIN) * time_limit - (time.perf_counter() - began), 0.5)
@@ -695,7 +706,7 @@ def solve(
     ms = highspy.HighsModelStatus
     if values is not None and status not in (ms.kInfeasible,):
         plan = _plan_from(values, variables)
-        broken = violations(graph, plan, accounting)
+        broken = violations(graph, plan, accounting, runnable=runnable)
         if broken:
             raise AssertionError(f"the MILP returned an invalid plan: {broken[0]}")
         result = evaluate(graph, plan, accounting)
@@ -723,7 +734,9 @@ def solve(
         note = ""
         if find_smallest_ram and ram_bytes is not None:
             left = max((1 - TIME_MARGIN) * time_limit - (time.perf_counter() - began), 1.0)
-            smallest, note = _smallest_ram(graph, runtime, mode, accounting, left, threads)
+            smallest, note = _smallest_ram(
+                graph, runtime, mode, accounting, left, threads, runnable
+            )
         return MilpResult(
             status="infeasible",
             energy_joules=None,
@@ -757,10 +770,11 @@ def _usable(
     runtime: float | None,
     mode: Mode,
     accounting: Accounting,
+    runnable: bool = False,
 ) -> float:
     """The energy (J) of ``plan`` when it is a valid start for this problem, else infinity."""
     try:
-        if violations(graph, plan, accounting):
+        if violations(graph, plan, accounting, runnable=runnable):
             return math.inf
         cost = evaluate(graph, plan, accounting)
     except (KeyError, ValueError):
@@ -786,11 +800,19 @@ def _restricted(
     threads: int,
     progress: Progress | None,
     began: float,
+    runnable: bool = False,
 ) -> tuple[dict[str, np.ndarray] | None, float]:
     """The best plan of the MILP restricted to :func:`_neighbourhood` within ``time_limit``
     (a valid plan of the full problem, checked), and its energy (J); (None, nan) without one."""
     model, variables, obj_scale, _ = _build(
-        graph, ram, runtime, mode, accounting, allowed=_neighbourhood(graph), strengthen=False
+        graph,
+        ram,
+        runtime,
+        mode,
+        accounting,
+        allowed=_neighbourhood(graph),
+        strengthen=False,
+        runnable=runnable,
     )
     report = None
     if progress is not None:
@@ -806,7 +828,7 @@ def _restricted(
     if values is None:
         return None, math.nan
     plan = _plan_from(values, variables)
-    if violations(graph, plan, accounting):
+    if violations(graph, plan, accounting, runnable=runnable):
         return None, math.nan
     cost = evaluate(graph, plan, accounting)
     if ram is not None and cost.peak_ram_bytes > ram * (1 + 1e-9):
@@ -821,9 +843,12 @@ def _smallest_ram(
     accounting: Accounting,
     time_limit: float,
     threads: int,
+    runnable: bool = False,
 ) -> tuple[float | None, str]:
     """The least RAM budget that meets ``runtime`` (bytes), by a MILP minimising the budget."""
-    model, variables, _, _ = _build(graph, None, runtime, mode, accounting, minimise_ram=True)
+    model, variables, _, _ = _build(
+        graph, None, runtime, mode, accounting, minimise_ram=True, runnable=runnable
+    )
     status, highspy, values, _objective, _dual, _seconds = _run(
         model, time_limit, 1e-9, threads, None, 1.0
     )
@@ -835,6 +860,137 @@ def _smallest_ram(
     if status in (ms.kInfeasible, ms.kUnboundedOrInfeasible):
         return None, "; no RAM budget meets this runtime budget"
     return None, "; the smallest feasible RAM was not proven within the time limit"
+
+
+def _runnable_rows(
+    model: _Model,
+    graph: TrainingGraph,
+    r: np.ndarray,
+    s_ram: np.ndarray,
+    p_in: np.ndarray,
+    p_out: np.ndarray,
+    *,
+    retains: bool = True,
+) -> None:
+    """Restrict the plans to what an executor of chain schedules can run, and count what
+    autograd retains as that executor does.
+
+    * Only the graph a backward reads retains what autograd saved with it (a stage's input):
+      ``g[t]`` (continuous, ≥ 0) is forced to 1 when the copy of a forward node entering stage
+      ``t`` is the one its backward will read (kept in RAM, not recomputed, up to the
+      backward), and only then must the retained node be in RAM. A forward node recomputed
+      without grad (a checkpoint, ``Fn``/``Fc``) retains nothing, as in
+      :func:`~edgetrain.schedule.simulate`. (Without ``runnable`` every held copy retains.)
+
+    * A forward node in RAM entering a stage is not computed or paged in again in it, nor both
+      in one stage (one copy of a value).
+    * The model's output (the forward node the loss reads) stays in RAM up to its backward, and
+      no forward node is computed after its backward.
+    * Only forward nodes are paged (an executor pages activations, not gradients), and not the
+      model's output (the caller holds it).
+    * A backward reads its own forward node (the graph autograd built: an edge from a forward
+      node to a backward node of the same ``stage``) as computed in RAM, never paged back in:
+      ``h[t]`` (continuous, ≥ 0) is forced to 1 when the copy of the forward node entering stage
+      ``t`` was paged in and not recomputed since, and must be 0 at the backward unless the
+      backward's stage recomputes it.
+    * A page is read exactly once and written only when the last one was read: page-ins up to
+      stage ``t`` ≤ page-outs before ``t``; page-outs up to ``t`` ≤ page-ins before ``t`` + 1;
+      page-outs ≤ page-ins in all.
+    """
+    inf = math.inf
+    t_count = len(graph)
+    nodes = graph.nodes
+    reader = _graph_readers(graph)
+    for i, node in enumerate(nodes):
+        # A forward node in RAM is not computed or paged in again, nor both in one stage: an
+        # executor holds one copy of a value.
+        if not node.backward:
+            for t in range(i + 1, t_count):
+                model.row([(r[t, i], 1.0), (s_ram[t, i], 1.0), (p_in[t, i], 1.0)], -inf, 1.0)
+    for f, read_at in reader.items():
+        # Nothing reads a forward node after its backward: it is not computed again then.
+        for t in range(read_at + 1, t_count):
+            model.upper[int(r[t, f])] = 0.0
+    for v, u in graph.retains if retains else ():
+        graph_read = reader.get(v)
+        if graph_read is None:  # no backward reads it: every held copy retains
+            for t in range(max(u, v) + 1, t_count):
+                model.row([(s_ram[t, v], 1.0), (s_ram[t, u], -1.0)], -inf, 0.0)
+            continue
+        g_next = -1
+        for t in range(graph_read, v, -1):
+            g = model.col(0.0, inf, integer=False)
+            terms = [(g, 1.0), (s_ram[t, v], -1.0), (r[t, v], 1.0)]
+            if g_next >= 0:
+                terms.append((g_next, -1.0))
+            model.row(terms, -1.0 if g_next >= 0 else 0.0, inf)
+            model.row([(g, 1.0), (s_ram[t, u], -1.0)], -inf, 0.0)
+            g_next = g
+    for f, loss in graph.unique_edges:
+        # The model's output (read by the loss, stage -1) is the caller's until the step ends,
+        # and its graph is built once, in the forward pass: it stays in RAM up to its backward.
+        if nodes[loss].stage == -1 and not nodes[f].backward:
+            backward = [v for v in graph.successors(f) if nodes[v].backward and v != loss]
+            for t in range(f + 1, max(backward, default=loss) + 1):
+                model.lower[int(s_ram[t, f])] = 1.0
+    if (p_in < 0).all():
+        return  # no paging variables: nothing more to restrict
+    output = {f for f, v in graph.unique_edges if nodes[v].stage == -1 and not nodes[f].backward}
+    for i, node in enumerate(nodes):
+        if node.backward or i in output:  # gradients, and the output the caller holds
+            for cols in (p_in[:, i], p_out[:, i]):
+                for col in cols[cols >= 0].tolist():
+                    model.upper[col] = 0.0
+    for f, b in reader.items():
+        h_prev = -1
+        for t in range(f, b):
+            h = model.col(0.0, inf, integer=False)
+            # entering t+1: paged in during t, kept, not recomputed in t
+            model.row(
+                [(h, 1.0), (p_in[t, f], -1.0), (s_ram[t + 1, f], -1.0), (r[t, f], 1.0)],
+                -1.0,
+                inf,
+            )
+            if h_prev >= 0:
+                model.row(
+                    [(h, 1.0), (h_prev, -1.0), (s_ram[t + 1, f], -1.0), (r[t, f], 1.0)],
+                    -1.0,
+                    inf,
+                )
+            h_prev = h
+        if h_prev >= 0:
+            model.row([(h_prev, 1.0), (r[b, f], -1.0)], -inf, 0.0)
+    for i, node in enumerate(nodes):
+        if node.backward:
+            continue
+        # Every page written is read (a page nobody reads is energy spent for nothing).
+        model.row(
+            [(p_out[t, i], 1.0) for t in range(i + 1, t_count)]
+            + [(p_in[t, i], -1.0) for t in range(i + 1, t_count)],
+            -inf,
+            0.0,
+        )
+        for t in range(i + 1, t_count):
+            ins = [(p_in[s, i], 1.0) for s in range(t + 1)]
+            outs_before = [(p_out[s, i], -1.0) for s in range(t)]
+            model.row(ins + outs_before, -inf, 0.0)
+            outs = [(p_out[s, i], 1.0) for s in range(t + 1)]
+            ins_before = [(p_in[s, i], -1.0) for s in range(t)]
+            model.row(outs + ins_before, -inf, 1.0)
+
+
+def _graph_readers(graph: TrainingGraph) -> dict[int, int]:
+    """Forward node -> the backward node that reads the graph it built (an edge to a backward
+    node of the same chain ``stage``)."""
+    nodes = graph.nodes
+    return {
+        f: b
+        for f, b in graph.unique_edges
+        if not nodes[f].backward
+        and nodes[b].backward
+        and nodes[f].stage is not None
+        and nodes[f].stage == nodes[b].stage
+    }
 
 
 def _status_text(status: Any) -> str:

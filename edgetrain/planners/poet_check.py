@@ -67,7 +67,11 @@ def _arrays(plan: dict[str, np.ndarray], t: int) -> dict[str, np.ndarray]:
 
 
 def violations(
-    graph: TrainingGraph, plan: dict[str, np.ndarray], accounting: Accounting = "poet"
+    graph: TrainingGraph,
+    plan: dict[str, np.ndarray],
+    accounting: Accounting = "poet",
+    *,
+    runnable: bool = False,
 ) -> list[str]:
     """Every structural constraint of POET's problem the plan breaks (empty when it is valid).
 
@@ -75,7 +79,10 @@ def violations(
     S_ram, S_flash, page_in, page_out zero for ``i >= t``; every edge ``(u, v)`` computed in ``t``
     has ``u`` computed in ``t`` or in RAM entering ``t``; ``S_ram[t+1] <= S_ram[t] + R[t] +
     page_in[t]``; ``S_flash[t+1] <= S_flash[t] + page_out[t]``; page_in needs S_flash, page_out
-    needs S_ram; under the ``edgetrain`` accounting, a held node holds what it ``retains``.
+    needs S_ram; under the ``edgetrain`` accounting, a held node holds what it ``retains`` —
+    with ``runnable`` (plans for a chain executor, see :func:`edgetrain.planners.milp.solve`),
+    only the copy of a forward node its backward reads (kept in RAM, not recomputed, up to the
+    backward) retains.
     """
     t_count = len(graph)
     m = _arrays(plan, t_count)
@@ -113,10 +120,30 @@ def violations(
     if (m["page_out"] > s_ram).any():
         bad.append("a page-out writes a value that is not in RAM")
     if accounting == "edgetrain":
+        readers = _graph_readers(graph) if runnable else {}
         for v, u in graph.retains:
-            if (s_ram[:, v] > s_ram[:, u]).any():
+            held = s_ram[:, v].astype(bool)
+            b = readers.get(v)
+            if b is not None:
+                held = np.zeros(t_count, dtype=bool)
+                for t in range(b, v, -1):
+                    held[t] = bool(s_ram[t, v]) and not r[t, v] and (t == b or held[t + 1])
+            if (held & (s_ram[:, u] == 0)).any():
                 bad.append(f"node {v} is held without node {u}, which it retains")
     return bad
+
+
+def _graph_readers(graph: TrainingGraph) -> dict[int, int]:
+    """Forward node -> the backward node of the same chain stage that reads it."""
+    nodes = graph.nodes
+    return {
+        f: b
+        for f, b in graph.unique_edges
+        if not nodes[f].backward
+        and nodes[b].backward
+        and nodes[f].stage is not None
+        and nodes[f].stage == nodes[b].stage
+    }
 
 
 def memory(

@@ -16,6 +16,8 @@ from collections.abc import Callable
 import numpy as np
 
 from edgetrain.chain import Chain
+from edgetrain.devices import energy
+from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.planners.optimal import (
     DEFAULT_SLOTS,
@@ -42,17 +44,27 @@ def plan(
     recompute: float | None = None,
     slots: int = DEFAULT_SLOTS,
     grads_exist: bool = False,
+    device: str | EnergyProfile | None = None,
+    runtime: float | None = None,
 ) -> Schedule:
     """The best plan of ``strategy`` for ``chain`` within ``memory`` or ``recompute`` factor.
 
-    With neither, the fastest plan of the strategy. ``memory`` (bytes, or a size such as "1GB" or
-    "512MiB", as everywhere in edgetrain) counts what the step holds above what it starts with:
-    activations, graphs, activation gradients and the parameter gradients it creates (see
-    :class:`~edgetrain.schedule.Cost`; ``grads_exist`` as in :func:`~edgetrain.schedule.simulate`).
+    With neither, the fastest plan of the strategy. ``strategy="poet"`` is the least-*energy*
+    plan of recomputation and paging on ``device`` (a profile or its name, e.g. ``"rpi4"``)
+    within ``memory`` and ``runtime`` (POET's multiplier of one pass over every node), found by
+    the MILP (:func:`edgetrain.planners.poet_schedule.plan_poet`, which also returns its proof);
+    a plan that pages needs ``Checkpointed(..., page_dir=...)``.
+
+    ``memory`` (bytes, or a size such as "1GB" or "512MiB", as everywhere in edgetrain) counts
+    what the step holds above what it starts with: activations, graphs, activation gradients and
+    the parameter gradients it creates (see :class:`~edgetrain.schedule.Cost`; ``grads_exist``
+    as in :func:`~edgetrain.schedule.simulate`).
     Raises :class:`InfeasibleBudget` with the smallest feasible value when nothing fits.
     """
     if memory is not None:
         memory = parse_bytes(memory)
+    if strategy == "poet":
+        return _plan_poet(chain, memory, recompute, grads_exist, device, runtime)
     if strategy not in STRATEGIES:
         raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if memory is not None and recompute is not None:
@@ -72,6 +84,31 @@ def plan(
         )
         schedule = _pick(chain, strategy, family(chain), memory, recompute, grads_exist)
     return made_for(schedule, chain)
+
+
+def _plan_poet(
+    chain: Chain,
+    memory: float | None,
+    recompute: float | None,
+    grads_exist: bool,
+    device: str | EnergyProfile | None,
+    runtime: float | None,
+) -> Schedule:
+    from edgetrain.planners.poet_schedule import plan_poet
+
+    if device is None or memory is None:
+        raise InvalidInput(
+            "strategy 'poet' needs a device (e.g. device='rpi4') and a memory budget"
+        )
+    if recompute is not None:
+        raise InvalidInput("strategy 'poet' takes runtime= (a multiplier), not recompute=")
+    if grads_exist:
+        raise InvalidInput(
+            "strategy 'poet' plans for gradients the step creates (zero_grad() to None); "
+            "drop grads_exist"
+        )
+    profile = energy.get(device) if isinstance(device, str) else device
+    return plan_poet(chain, profile, memory=memory, runtime=runtime).schedule
 
 
 def made_for(schedule: Schedule, chain: Chain) -> Schedule:
