@@ -1,5 +1,6 @@
 """Planners: sequential is PyTorch's, revolve meets the binomial optimum, optimal = brute force."""
 
+import dataclasses
 import math
 import random
 
@@ -113,6 +114,28 @@ def test_optimal_equals_brute_force_on_small_random_chains(chain, budget):
         assert cost.seconds == pytest.approx(best)
         assert cost.peak_bytes <= budget
         assert reference is not None and simulate(chain, reference).peak_bytes <= budget
+
+
+def test_optimal_equals_brute_force_when_gradients_are_shared():
+    """Stages whose input gradient is smaller than their input (an addition hands one gradient
+    to both of its inputs): the table still equals the exhaustive search and the simulator."""
+    rng = random.Random(23)
+    for _ in range(12):
+        chain = random_chain(rng, rng.randint(2, 5))
+        stages = tuple(
+            dataclasses.replace(
+                s, input_gradient_bytes=rng.randint(0, chain.activation_bytes(k)) or None
+            )
+            for k, s in enumerate(chain.stages)
+        )
+        chain = dataclasses.replace(chain, stages=stages)
+        table = OptimalTable(chain, 1.0, 150)
+        for budget in range(5, 150, 9):
+            best, _ = fastest_schedule(chain, budget)
+            assert table.time(budget) == pytest.approx(best) or math.isinf(best)
+            if math.isfinite(best):
+                cost = simulate(chain, table.schedule(budget))
+                assert cost.seconds == pytest.approx(best) and cost.peak_bytes <= budget
 
 
 def test_optimal_equals_brute_force_on_six_stage_chains():
