@@ -175,6 +175,19 @@ class TrainingGraph:
         """The edges without repeats, in their first order."""
         return tuple(dict.fromkeys(self.edges))
 
+    def graph_readers(self) -> dict[int, int]:
+        """Forward node -> the backward node of the same chain stage that reads it (the backward
+        that needs the autograd graph that forward built)."""
+        nodes = self.nodes
+        return {
+            f: b
+            for f, b in self.unique_edges
+            if not nodes[f].backward
+            and nodes[b].backward
+            and nodes[f].stage is not None
+            and nodes[f].stage == nodes[b].stage
+        }
+
     @property
     def compute_seconds(self) -> float:
         """Every node once (seconds): the step without recomputation or paging."""

@@ -900,7 +900,7 @@ def _runnable_rows(
     inf = math.inf
     t_count = len(graph)
     nodes = graph.nodes
-    reader = _graph_readers(graph)
+    reader = graph.graph_readers()
     for i, node in enumerate(nodes):
         # A forward node in RAM is not computed or paged in again, nor both in one stage: an
         # executor holds one copy of a value.
@@ -977,20 +977,6 @@ def _runnable_rows(
             outs = [(p_out[s, i], 1.0) for s in range(t + 1)]
             ins_before = [(p_in[s, i], -1.0) for s in range(t)]
             model.row(outs + ins_before, -inf, 1.0)
-
-
-def _graph_readers(graph: TrainingGraph) -> dict[int, int]:
-    """Forward node -> the backward node that reads the graph it built (an edge to a backward
-    node of the same chain ``stage``)."""
-    nodes = graph.nodes
-    return {
-        f: b
-        for f, b in graph.unique_edges
-        if not nodes[f].backward
-        and nodes[b].backward
-        and nodes[f].stage is not None
-        and nodes[f].stage == nodes[b].stage
-    }
 
 
 def _status_text(status: Any) -> str:

@@ -120,7 +120,7 @@ def violations(
     if (m["page_out"] > s_ram).any():
         bad.append("a page-out writes a value that is not in RAM")
     if accounting == "edgetrain":
-        readers = _graph_readers(graph) if runnable else {}
+        readers = graph.graph_readers() if runnable else {}
         for v, u in graph.retains:
             held = s_ram[:, v].astype(bool)
             b = readers.get(v)
@@ -131,19 +131,6 @@ def violations(
             if (held & (s_ram[:, u] == 0)).any():
                 bad.append(f"node {v} is held without node {u}, which it retains")
     return bad
-
-
-def _graph_readers(graph: TrainingGraph) -> dict[int, int]:
-    """Forward node -> the backward node of the same chain stage that reads it."""
-    nodes = graph.nodes
-    return {
-        f: b
-        for f, b in graph.unique_edges
-        if not nodes[f].backward
-        and nodes[b].backward
-        and nodes[f].stage is not None
-        and nodes[f].stage == nodes[b].stage
-    }
 
 
 def memory(
