@@ -40,6 +40,32 @@ def random_chain(rng: random.Random, length: int, *, scale: int = 10) -> Chain:
     )
 
 
+def output_saving_chain(rng: random.Random, length: int, *, saves_input: bool) -> Chain:
+    """A chain whose stages keep their output (and their input, with ``saves_input``), sizes in
+    multiples of 4 bytes and integer times: small MILP instances with proven optima."""
+    stages = []
+    for k in range(length):
+        size = rng.randint(1, 6) * 4
+        before = 8 if k == 0 else stages[-1].output_bytes
+        stages.append(
+            Stage(
+                name=f"s{k}",
+                output_bytes=size,
+                saved_bytes=0,
+                saves_input=saves_input,
+                saves_output=True,
+                forward_peak_bytes=size,
+                forward_grad_peak_bytes=size,
+                backward_peak_bytes=before if k > 0 else 0,
+                weight_bytes=0,
+                gradient_bytes=0,
+                forward_seconds=float(rng.randint(1, 4)),
+                backward_seconds=float(rng.randint(1, 4)),
+            )
+        )
+    return Chain(tuple(stages), input_bytes=8)
+
+
 @st.composite
 def chains(draw: st.DrawFn, min_length: int = 1, max_length: int = 8) -> Chain:
     """Hypothesis strategy for random chains."""

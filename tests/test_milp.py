@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from edgetrain import graph as G
-from edgetrain.chain import Chain, Stage
+from edgetrain.chain import Chain
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.planners import milp, plan
 from edgetrain.planners import poet_check as check
 from edgetrain.planners.optimal import store_all as dp_store_all
 from edgetrain.schedule import simulate
+from tests.conftest import output_saving_chain
 
 DATA = Path(__file__).parent / "data" / "poet_linear_m0.json"
 
@@ -154,30 +155,6 @@ def test_the_checker_rejects_broken_plans(linear: G.TrainingGraph) -> None:
     assert any("without its input" in v for v in check.violations(linear, broken))
 
 
-def _chain(rng: random.Random, length: int, saves_input: bool) -> Chain:
-    stages = []
-    for k in range(length):
-        size = rng.randint(1, 6) * 4
-        before = 8 if k == 0 else stages[-1].output_bytes
-        stages.append(
-            Stage(
-                name=f"s{k}",
-                output_bytes=size,
-                saved_bytes=0,
-                saves_input=saves_input,
-                saves_output=True,
-                forward_peak_bytes=size,
-                forward_grad_peak_bytes=size,
-                backward_peak_bytes=before if k > 0 else 0,
-                weight_bytes=0,
-                gradient_bytes=0,
-                forward_seconds=float(rng.randint(1, 4)),
-                backward_seconds=float(rng.randint(1, 4)),
-            )
-        )
-    return Chain(tuple(stages), input_bytes=8)
-
-
 def _dp_seconds(chain: Chain, budget: int) -> float | None:
     # One slot per byte: the DP rounds sizes up to whole slots, which at its default resolution
     # can hide a plan whose peak is exactly the budget. Integer sizes make this table exact.
@@ -202,7 +179,7 @@ def test_milp_without_paging_matches_the_optimal_chain_dp(seed: int) -> None:
     and wherever they differ the MILP's time is lower, never higher.
     """
     rng = random.Random(seed)
-    chain = _chain(rng, 5, saves_input=False)
+    chain = output_saving_chain(rng, 5, saves_input=False)
     graph = G.from_chain(chain, UNIT, chain_flops_per_second=1.0)
     peak = simulate(chain, dp_store_all(chain)).peak_bytes
     assert check.evaluate(graph, check.store_all(graph), "edgetrain").peak_ram_bytes == peak
@@ -229,7 +206,7 @@ def test_milp_brackets_the_chain_dp_when_stages_save_their_input(seed: int) -> N
     for every forward makes it pessimistic; the DP's optimum lies in between.
     """
     rng = random.Random(100 + seed)
-    chain = _chain(rng, 5, saves_input=True)
+    chain = output_saving_chain(rng, 5, saves_input=True)
     graph = G.from_chain(chain, UNIT, chain_flops_per_second=1.0)
     relaxed = replace(graph, retains=())
     peak = simulate(chain, dp_store_all(chain)).peak_bytes
@@ -297,7 +274,9 @@ def test_valid_inequalities_and_one_sided_free_keep_the_optimum(seed: int, accou
     recomputed or is on flash; ``Free`` bounded from above only) has the optimum of the plain one
     at every budget, on chains where the optima page and recompute."""
     rng = random.Random(200 + seed)
-    graph = G.from_chain(_chain(rng, 5, saves_input=False), PAGING, chain_flops_per_second=1.0)
+    graph = G.from_chain(
+        output_saving_chain(rng, 5, saves_input=False), PAGING, chain_flops_per_second=1.0
+    )
     peak = check.evaluate(graph, check.store_all(graph), accounting).peak_ram_bytes  # type: ignore[arg-type]
     paged = 0
     for fraction in (0.9, 0.75, 0.6, 0.45):

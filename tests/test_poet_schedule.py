@@ -28,6 +28,7 @@ from edgetrain.planners.poet_schedule import (
 )
 from edgetrain.profile import analytic_chain
 from edgetrain.schedule import Op, simulate
+from tests.conftest import output_saving_chain
 
 # Paging is cheap next to recomputing (1 GB/s at 0.1 W; 1 GFLOP per joule): plans page.
 CHEAP_PAGING = EnergyProfile(
@@ -136,30 +137,6 @@ def test_unrestricted_paging_plans_are_refused_not_run_differently() -> None:
         schedule_from_plan(chain, graph, result.plan)
 
 
-def _dp_chain(rng: random.Random, length: int) -> Chain:
-    stages = []
-    for k in range(length):
-        size = rng.randint(1, 6) * 4
-        before = 8 if k == 0 else stages[-1].output_bytes
-        stages.append(
-            Stage(
-                name=f"s{k}",
-                output_bytes=size,
-                saved_bytes=0,
-                saves_input=False,
-                saves_output=True,
-                forward_peak_bytes=size,
-                forward_grad_peak_bytes=size,
-                backward_peak_bytes=before if k > 0 else 0,
-                weight_bytes=0,
-                gradient_bytes=0,
-                forward_seconds=float(rng.randint(1, 4)),
-                backward_seconds=float(rng.randint(1, 4)),
-            )
-        )
-    return Chain(tuple(stages), input_bytes=8)
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_remat_milp_schedules_simulate_to_the_milps_time_and_never_above_the_dps(
     seed: int,
@@ -168,7 +145,7 @@ def test_remat_milp_schedules_simulate_to_the_milps_time_and_never_above_the_dps
     simulates to the MILP's time, which equals the optimal chain DP's or beats it (the DP keeps
     each checkpoint until its sub-chain is done), within the same budget."""
     rng = random.Random(seed)
-    chain = _dp_chain(rng, 5)
+    chain = output_saving_chain(rng, 5, saves_input=False)
     graph = G.from_chain(chain, UNIT, chain_flops_per_second=1.0)
     peak = simulate(chain, store_all(chain)).peak_bytes
     equal = runs = 0
