@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from edgetrain.chain import Chain, Stage
+from edgetrain.measure import StorageCounter
 
 
 def random_chain(rng: random.Random, length: int, *, scale: int = 10) -> Chain:
@@ -64,6 +65,15 @@ def output_saving_chain(rng: random.Random, length: int, *, saves_input: bool) -
             )
         )
     return Chain(tuple(stages), input_bytes=8)
+
+
+def loss_and_peak(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """One step of a mean-square loss: the loss, and the peak of live tensor storages (bytes)."""
+    counter = StorageCounter()
+    with counter:
+        loss = net(x).square().mean()
+        loss.backward()
+    return loss.detach(), counter.peak_bytes
 
 
 @st.composite

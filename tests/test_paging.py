@@ -84,10 +84,10 @@ from torch import nn  # noqa: E402
 from edgetrain import plan  # noqa: E402
 from edgetrain.chain import Chain  # noqa: E402
 from edgetrain.execute import Checkpointed  # noqa: E402
-from edgetrain.measure import StorageCounter  # noqa: E402
 from edgetrain.planners.optimal import minimum_memory, store_all  # noqa: E402
 from edgetrain.profile import analytic_chain  # noqa: E402
 from edgetrain.schedule import Op, Schedule, simulate  # noqa: E402
+from tests.conftest import loss_and_peak  # noqa: E402
 
 
 def _user_model() -> nn.Sequential:
@@ -127,14 +127,6 @@ def _paged(chain: Chain, schedule: Schedule) -> Schedule:
 _FORWARDS = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL)
 
 
-def _step(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    counter = StorageCounter()
-    with counter:
-        loss = net(x).square().mean()
-        loss.backward()
-    return loss.detach(), counter.peak_bytes
-
-
 def test_a_paging_plan_gives_autograds_gradients_and_its_predicted_peak(tmp_path: Path) -> None:
     model = _user_model()
     reference = copy.deepcopy(model)
@@ -149,8 +141,8 @@ def test_a_paging_plan_gives_autograds_gradients_and_its_predicted_peak(tmp_path
         s.output_bytes for s in chain.stages
     )
     net = Checkpointed(model, x, chain=chain, schedule=paged, page_dir=tmp_path)
-    loss, measured = _step(net, x)
-    ref_loss, _ = _step(reference, x)
+    loss, measured = loss_and_peak(net, x)
+    ref_loss, _ = loss_and_peak(reference, x)
     assert torch.equal(loss, ref_loss)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
@@ -160,7 +152,7 @@ def test_a_paging_plan_gives_autograds_gradients_and_its_predicted_peak(tmp_path
     unpaged = Checkpointed(model, x, chain=chain, schedule=base)
     for p in model.parameters():
         p.grad = None
-    _, measured_base = _step(unpaged, x)
+    _, measured_base = loss_and_peak(unpaged, x)
     assert measured < measured_base
     assert cost.peak_bytes * 0.9 <= measured <= cost.peak_bytes * 1.02
 

@@ -16,7 +16,6 @@ from edgetrain.chain import Chain, Stage
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
 from edgetrain.planners import milp, plan
 from edgetrain.planners import poet_check as check
 from edgetrain.planners.optimal import store_all
@@ -28,7 +27,7 @@ from edgetrain.planners.poet_schedule import (
 )
 from edgetrain.profile import analytic_chain
 from edgetrain.schedule import Op, simulate
-from tests.conftest import output_saving_chain
+from tests.conftest import loss_and_peak, output_saving_chain
 
 # Paging is cheap next to recomputing (1 GB/s at 0.1 W; 1 GFLOP per joule): plans page.
 CHEAP_PAGING = EnergyProfile(
@@ -175,14 +174,6 @@ def _user_model() -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(32, 4)).double()
 
 
-def _step(net: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    counter = StorageCounter()
-    with counter:
-        loss = net(x).square().mean()
-        loss.backward()
-    return loss.detach(), counter.peak_bytes
-
-
 def test_a_poet_plan_runs_with_autograds_gradients_and_its_predicted_peak(tmp_path: Path) -> None:
     model = _user_model()
     reference = copy.deepcopy(model)
@@ -193,8 +184,8 @@ def test_a_poet_plan_runs_with_autograds_gradients_and_its_predicted_peak(tmp_pa
     assert poet.cost.pages_out >= 1 and poet.cost.peak_bytes <= 0.6 * everything
     assert poet.device_cost.energy_joules == pytest.approx(poet.result.energy_joules, rel=TOLERANCE)
     net = Checkpointed(model, x, chain=chain, schedule=poet.schedule, page_dir=tmp_path)
-    loss, measured = _step(net, x)
-    ref_loss, _ = _step(reference, x)
+    loss, measured = loss_and_peak(net, x)
+    ref_loss, _ = loss_and_peak(reference, x)
     assert torch.equal(loss, ref_loss)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
@@ -247,8 +238,8 @@ def test_stages_that_save_their_input_retain_it_only_in_the_graph_backward_reads
     assert poet.result.status == "optimal" and poet.cost.pages_out >= 1
     assert poet.cost.peak_bytes <= 0.7 * everything
     net = Checkpointed(model, x, chain=chain, schedule=poet.schedule, page_dir=tmp_path)
-    loss, measured = _step(net, x)
-    ref_loss, _ = _step(reference, x)
+    loss, measured = loss_and_peak(net, x)
+    ref_loss, _ = loss_and_peak(reference, x)
     assert torch.equal(loss, ref_loss)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad is not None and torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
