@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_medians
+from _common import emit, interleaved_cpu_wall
 from _malloc_peak import malloc_peak
 
 from edgetrain.errors import EdgetrainError
@@ -67,27 +68,40 @@ Step = Callable[[torch.Tensor], torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------
-# EDGETRAIN. Rows "edgetrain@f": the model captured and cut into stages (between and inside its
-# blocks), profiled on this machine, and planned for an activation budget of f × plain
-# autograd's measured ``peak_MiB`` (the step's peak above weights, buffers and input, parameter
-# gradients created during the step included: the loop here sets them to None), less what the
-# loss itself holds (measured on a tensor of the output's shape).
+# EDGETRAIN. The model is captured and cut into stages (between and inside its blocks) and
+# profiled once on this machine (:class:`Edgetrain`); every edgetrain row plans on that one chain.
+# A row for a heap budget B (bytes: f × plain autograd's measured ``peak_MiB``, or a compiled
+# row's measured peak) plans for B less what the loss itself holds (measured on a tensor of the
+# output's shape): ``peak_MiB`` is the step's peak above weights, buffers and input, parameter
+# gradients created during the step included (the loop here sets them to None), and the loss
+# is computed by the caller between the forward and the backward.
 # ---------------------------------------------------------------------------------------------
-def make_edgetrain(model: nn.Module, x: torch.Tensor, budget_bytes: int) -> Step:
-    from edgetrain.execute import Checkpointed
-    from edgetrain.planners import plan
+class Edgetrain:
+    """One model's profiled chain and the memory its loss holds, to plan rows on."""
 
-    profiled = Checkpointed(model, x)  # stores everything; its chain is what is planned on
-    # The loss is computed by the caller between the forward and the backward: what it holds
-    # (here the square, its gradient and the output's gradient) comes off the model's budget.
-    with torch.no_grad():
-        shape = model(x).shape
-    leaf = torch.zeros(shape, requires_grad=True)
-    counter = StorageCounter()
-    with counter:
-        leaf.float().square().mean().backward()
-    schedule = plan(profiled.chain, "optimal", memory=budget_bytes - counter.peak_bytes)
-    return Checkpointed(model, x, chain=profiled.chain, schedule=schedule)
+    def __init__(self, base: nn.Module, x: torch.Tensor) -> None:
+        from edgetrain.execute import Checkpointed
+
+        self.base, self.x = base, x
+        start = time.perf_counter()
+        self.chain = Checkpointed(copy.deepcopy(base), x).chain  # stores everything: profiles
+        self.profile_s = time.perf_counter() - start
+        with torch.no_grad():
+            shape = base(x).shape
+        leaf = torch.zeros(shape, requires_grad=True)
+        counter = StorageCounter()
+        with counter:
+            leaf.float().square().mean().backward()
+        self.loss_bytes = counter.peak_bytes  # the square, its gradient, the output's gradient
+
+    def net(self, heap_bytes: int) -> Any:
+        """A ``Checkpointed`` copy of the model with the fastest plan for a step peak of
+        ``heap_bytes``. Raises ``InfeasibleBudget`` when no plan fits."""
+        from edgetrain.execute import Checkpointed
+        from edgetrain.planners import plan
+
+        schedule = plan(self.chain, "optimal", memory=heap_bytes - self.loss_bytes)
+        return Checkpointed(copy.deepcopy(self.base), self.x, chain=self.chain, schedule=schedule)
 
 
 def checkpoint_blocks(model: nn.Module) -> nn.Module:
@@ -126,104 +140,209 @@ def _training_step(net: Step, params: list[nn.Parameter], x: torch.Tensor) -> Ca
     return step
 
 
-def bench_model(name: str, batch: int, size: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench_model(
+    name: str,
+    batch: int,
+    size: int,
+    args: argparse.Namespace,
+    reused: dict[str, dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows of one model and its verdicts. ``reused``: compile rows of this model from an
+    earlier run (``--compile-json``), by config; budgets not in it are compiled here."""
     torch.manual_seed(0)
+    label = f"{name} b{batch} {size}"
     base = build(name, image=size)
     x = sample_input(name, batch, size)
-    weights = sum(p.numel() * p.element_size() for p in base.parameters())
     configs: dict[str, Callable[[], None]] = {}
+    nets: dict[str, Any] = {}  # edgetrain config -> its Checkpointed
+    alias: dict[str, str] = {}  # edgetrain config -> the config with the same plan (timed once)
     notes: dict[str, str] = {}
     compile_s: dict[str, float] = {}
-    eager: set[str] = set()
-
-    def add(config: str, net: Step, params: list[nn.Parameter], is_eager: bool) -> None:
-        configs[config] = _training_step(net, params, x)
-        if is_eager:
-            eager.add(config)
-
-    plain = copy.deepcopy(base)
-    add("plain", plain, list(plain.parameters()), True)
-    ckpt = checkpoint_blocks(copy.deepcopy(base))
-    add("checkpoint", ckpt, list(ckpt.parameters()), True)
-    if args.compile:
-        torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
-        for budget in args.budgets:
-            config = f"compile@{budget:g}"
-            model = copy.deepcopy(base)
-            # A subclass of its own per budget: dynamo guards on the module's type, so this
-            # copy is compiled afresh (a plain copy would reuse the first budget's graphs).
-            model.__class__ = type(f"{type(base).__name__}_budget_{budget:g}", (type(base),), {})
-            compiled = torch.compile(model)
-            step = _training_step(compiled, list(model.parameters()), x)
-            _progress(f"{name}: compiling at activation_memory_budget={budget:g}")
-            start = time.perf_counter()
-            with torch._functorch.config.patch(activation_memory_budget=budget):
-                step()  # compiles forward and backward with this budget
-            compile_s[config] = time.perf_counter() - start
-            configs[config] = step
-
     peaks: dict[str, int] = {}
     counted: dict[str, int] = {}
-    configs["plain"]()  # warm up before measuring plain's peak (the edgetrain budgets use it)
-    peaks["plain"] = _peak(configs["plain"], args.mem_repeats)
-    if args.edgetrain:
-        for fraction in EDGETRAIN_BUDGETS:
-            config = f"edgetrain@{fraction:g}"
-            model = copy.deepcopy(base)
-            try:
-                net = make_edgetrain(model, x, int(fraction * peaks["plain"]))
-            except EdgetrainError as exc:
-                notes[config] = str(exc)
-                if fraction == EDGETRAIN_BUDGETS[0]:  # refused outright: one row says why
-                    notes = {"edgetrain": str(exc)}
-                    break
-                continue
-            add(config, net, list(model.parameters()), True)
+    planned: dict[str, int] = {}  # edgetrain config -> the heap budget its plan was made for
 
-    for config, step in configs.items():
-        step()  # warm-up (and, for compiled rows, any lazy backward compile)
-        if config != "plain":
-            peaks[config] = _peak(step, args.mem_repeats)
-        if config in eager:
+    def add(config: str, net: Step, params: list[nn.Parameter]) -> Callable[[], None]:
+        configs[config] = _training_step(net, params, x)
+        return configs[config]
+
+    plain = copy.deepcopy(base)
+    add("plain", plain, list(plain.parameters()))
+    ckpt = checkpoint_blocks(copy.deepcopy(base))
+    add("checkpoint", ckpt, list(ckpt.parameters()))
+    compiled: list[str] = []
+    for budget in args.budgets if args.compile else ():
+        config = f"compile@{budget:g}"
+        if config in reused:
+            continue
+        model = copy.deepcopy(base)
+        # A subclass of its own per budget: dynamo guards on the module's type, so this copy is
+        # compiled afresh (a plain copy would reuse the first budget's graphs).
+        model.__class__ = type(f"{type(base).__name__}_budget_{budget:g}", (type(base),), {})
+        step = add(config, torch.compile(model), list(model.parameters()))
+        _progress(f"{name}: compiling at activation_memory_budget={budget:g}")
+        start = time.perf_counter()
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            step()  # compiles forward and backward with this budget
+        compile_s[config] = time.perf_counter() - start
+        compiled.append(config)
+
+    def measure(config: str) -> None:
+        configs[config]()  # warm-up (and, for compiled rows, any lazy backward compile)
+        peaks[config] = max(malloc_peak(configs[config]) for _ in range(args.mem_repeats))
+        if not config.startswith("compile"):  # a dispatch mode sees eager tensors only
             counter = StorageCounter()
             with counter:
-                step()
+                configs[config]()
             counted[config] = counter.peak_bytes
+
+    for config in list(configs):
+        measure(config)
+    compile_peaks = {c: peaks[c] for c in compiled}
+    compile_peaks.update({c: round(row["peak_MiB"] * MiB) for c, row in reused.items()})
+
+    edgetrain: Edgetrain | None = None
+    if args.edgetrain:
+        _progress(f"{name}: profiling for edgetrain")
+        edgetrain = Edgetrain(copy.deepcopy(base), x)
+
+        def add_edgetrain(config: str, heap: int) -> bool:
+            """Plan for ``heap``; False (and a note) if nothing fits."""
+            try:
+                net = edgetrain.net(heap)
+            except EdgetrainError as exc:
+                notes[config] = str(exc)
+                return False
+            planned[config] = heap
+            nets[config] = net
+            same = [
+                c
+                for c, n in nets.items()
+                if c != config and n.schedule.text() == net.schedule.text()
+            ]
+            if same:  # the same plan as a row already measured: measured once, shown twice
+                alias[config] = same[0]
+                peaks[config] = peaks[same[0]]
+                counted[config] = counted[same[0]]
+                return True
+            add(config, net, list(net.module.parameters()))
+            measure(config)
+            return True
+
+        for fraction in args.fractions:
+            add_edgetrain(f"edgetrain@{fraction:g}", int(fraction * peaks["plain"]))
+        # Matched rows: the fastest plan whose *measured* heap peak is within compile@b's. The
+        # planner's prediction counts tensors; the heap also holds kernel scratch, so when the
+        # measured peak is over, plan again for that much less (at most three tries).
+        for budget in args.budgets:
+            target = compile_peaks.get(f"compile@{budget:g}")
+            if target is None:
+                continue
+            config = f"edgetrain≤compile@{budget:g}"
+            heap = target
+            for _ in range(3):
+                if not add_edgetrain(config, heap):
+                    break
+                over = peaks[config] - target
+                if over <= 0:
+                    break
+                heap -= max(over, MiB)
+                configs.pop(config, None)
+                nets.pop(config)
+                alias.pop(config, None)
+
     _progress(f"{name}: timing {len(configs)} configurations, {args.rounds} rounds")
-    times = interleaved_medians(configs, rounds=args.rounds, warmup=0)
+    times = interleaved_cpu_wall(configs, rounds=args.rounds, warmup=0)
+    for config, source in alias.items():
+        times[config] = times[source]
 
     rows = []
-    for config in [*configs, *notes]:
-        step_s = times.get(config)
-        reference = times.get("compile@1")
-        rows.append(
+    plain_cpu, plain_wall = times["plain"]
+    ref = times.get("compile@1")
+    for config in [*configs, *alias, *reused, *(c for c in notes if c not in nets)]:
+        row: dict[str, Any] = {"model": label, "config": config}
+        if config in reused:
+            row.update(reused[config])
+            row["model"] = label
+            row["mem/plain"] = row["peak_MiB"] * MiB / peaks["plain"]
+            row["note"] = f"compile row from {args.compile_json}"
+            rows.append(row)
+            continue
+        cpu, wall = times.get(config, (None, None))
+        net = nets.get(config)
+        row.update(
             {
-                "model": f"{name} b{batch} {size}",
-                "config": config,
                 "peak_MiB": peaks[config] / MiB if config in peaks else None,
                 "counter_MiB": counted[config] / MiB if config in counted else None,
                 "mem/plain": peaks[config] / peaks["plain"] if config in peaks else None,
-                "step_s": step_s,
-                "step/plain": step_s / times["plain"] if step_s else None,
-                "step/compile@1": (
-                    step_s / reference
-                    if step_s and reference and config.startswith("compile")
-                    else None
-                ),
+                "cpu_s": cpu,
+                "wall_s": wall,
+                "cpu/plain": cpu / plain_cpu if cpu else None,
+                "wall/plain": wall / plain_wall if wall else None,
+                "cpu/compile@1": cpu / ref[0] if cpu and ref and config in compiled else None,
+                "wall/compile@1": wall / ref[1] if wall and ref and config in compiled else None,
                 "compile_s": compile_s.get(config),
-                "weights_MiB": weights / MiB,
-                "note": notes.get(config),
+                "planned_MiB": planned[config] / MiB if config in planned else None,
+                "plan": _describe(net, edgetrain) if net is not None else None,
+                "note": notes.get(config)
+                or (f"same plan as {alias[config]}" if config in alias else None),
             }
         )
-    return rows
+        rows.append(row)
+    return rows, _verdicts(label, rows, args.budgets)
+
+
+def _describe(net: Any, edgetrain: Edgetrain | None) -> str:
+    """The plan in a few words: store-all, or its predicted recompute factor and peak."""
+    if net._stores_everything:
+        return "store-all"
+    loss = edgetrain.loss_bytes if edgetrain is not None else 0
+    return f"rho {net.cost.recompute_factor:.2f}, pred {(net.cost.peak_bytes + loss) / MiB:.1f}"
+
+
+def _verdicts(label: str, rows: list[dict[str, Any]], budgets: list[float]) -> list[dict[str, Any]]:
+    """Per compile budget: is edgetrain's matched row at or below compile's measured peak, at no
+    more CPU-time overhead (edgetrain / plain against compile@b / compile@1)? And the store-all
+    check: edgetrain@1 with a store-all plan within 1.03 × plain's CPU time."""
+    by = {row["config"]: row for row in rows}
+    out = []
+    for budget in budgets:
+        comp, mine = by.get(f"compile@{budget:g}"), by.get(f"edgetrain≤compile@{budget:g}")
+        if comp is None or mine is None:
+            continue
+        fits = mine.get("peak_MiB") is not None
+        ours, theirs = mine.get("cpu/plain"), comp.get("cpu/compile@1")
+        out.append(
+            {
+                "model": label,
+                "target": f"vs compile@{budget:g}",
+                "compile_MiB": comp["peak_MiB"],
+                "edgetrain_MiB": mine.get("peak_MiB"),
+                "peak<=compile": fits and mine["peak_MiB"] <= comp["peak_MiB"],
+                "compile overhead": theirs,
+                "edgetrain overhead": ours,
+                "overhead<=compile's": fits and ours is not None and ours <= theirs,
+                "note": mine.get("note"),
+            }
+        )
+    store = by.get("edgetrain@1")
+    if store is not None and store.get("cpu/plain") is not None:
+        out.append(
+            {
+                "model": label,
+                "target": "store-all <= 1.03 x plain",
+                "edgetrain_MiB": store["peak_MiB"],
+                "edgetrain overhead": store["cpu/plain"],
+                "peak<=compile": None,
+                "overhead<=compile's": store["plan"] == "store-all" and store["cpu/plain"] <= 1.03,
+                "note": f"edgetrain@1 plan: {store['plan']}",
+            }
+        )
+    return out
 
 
 def _progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def _peak(step: Callable[[], None], repeats: int) -> int:
-    return max(malloc_peak(step) for _ in range(repeats))
 
 
 def _parse_models(text: str | None) -> dict[str, tuple[int, int]]:
@@ -238,6 +357,35 @@ def _parse_models(text: str | None) -> dict[str, tuple[int, int]]:
     return models
 
 
+def _reused_compile_rows(path: str | None) -> dict[str, dict[str, dict[str, Any]]]:
+    """Compile rows of an earlier ``--json`` run, by model label and config."""
+    if path is None:
+        return {}
+    try:
+        rows = json.loads(Path(path).read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(
+            f"--compile-json {path}: not the --json output of this script ({exc})"
+        ) from exc
+    keep = ("peak_MiB", "cpu_s", "wall_s", "cpu/plain", "wall/plain", "cpu/compile@1")
+    keep += ("wall/compile@1", "compile_s")
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in rows:
+        if str(row.get("config", "")).startswith("compile@") and row.get("peak_MiB") is not None:
+            out.setdefault(row["model"], {})[row["config"]] = {k: row.get(k) for k in keep}
+    return out
+
+
+COLUMNS = [
+    "model", "config", "peak_MiB", "counter_MiB", "mem/plain", "cpu/plain", "wall/plain",
+    "cpu/compile@1", "compile_s", "plan", "note",
+]  # fmt: skip
+VERDICT_COLUMNS = [
+    "model", "target", "compile_MiB", "edgetrain_MiB", "peak<=compile", "compile overhead",
+    "edgetrain overhead", "overhead<=compile's", "note",
+]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", help="name[:batch:size],...  (default: %(default)s)")
@@ -249,33 +397,48 @@ def main() -> None:
         default=",".join(f"{b:g}" for b in COMPILE_BUDGETS),
         help="torch.compile activation_memory_budget values",
     )
-    parser.add_argument("--edgetrain", action="store_true", help="add the edgetrain hook's rows")
+    parser.add_argument(
+        "--compile-json",
+        metavar="FILE",
+        help="reuse the compile rows (peaks, step ratios, compile s) of an earlier --json run",
+    )
+    parser.add_argument("--no-edgetrain", dest="edgetrain", action="store_false")
+    parser.add_argument(
+        "--fractions",
+        default=",".join(f"{f:g}" for f in EDGETRAIN_BUDGETS),
+        help="edgetrain rows at these fractions of plain's peak",
+    )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)"
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.budgets = [float(b) for b in args.budgets.split(",")]
+    args.fractions = [float(f) for f in args.fractions.split(",") if f]
+    reused = _reused_compile_rows(args.compile_json)
     torch.set_num_threads(args.threads)
-    models = _parse_models(args.models)
-    rows = []
-    for name, (batch, size) in models.items():
-        rows += bench_model(name, batch, size, args)
-    columns = [
-        "model", "config", "peak_MiB", "counter_MiB", "mem/plain", "step_s", "step/plain",
-        "step/compile@1", "compile_s", "note",
-    ]  # fmt: skip
-    emit(
-        "Training step of models with a forward(): peak memory and time",
-        columns,
-        rows,
-        args.json,
-        extra={
-            "memory": "glibc mallinfo2 (uordblks + hblkhd) sampled in a thread, peak above start",
-            "setting": f"torch {torch.__version__}, {args.threads} threads, "
-            f"{args.rounds} interleaved rounds",
-        },
-    )
+    torch._inductor.config.compile_threads = 1  # no compile workers beside the other jobs
+    torch._inductor.config.cpp.threads = args.threads  # compiled kernels: as many as eager
+    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    rows: list[dict[str, Any]] = []
+    verdicts: list[dict[str, Any]] = []
+    for name, (batch, size) in _parse_models(args.models).items():
+        label = f"{name} b{batch} {size}"
+        model_rows, model_verdicts = bench_model(name, batch, size, args, reused.get(label, {}))
+        rows += model_rows
+        verdicts += model_verdicts
+    extra = {
+        "memory": "glibc mallinfo2 (uordblks + hblkhd) sampled in a thread, peak above start",
+        "time": "medians of interleaved rounds; cpu = process CPU time (judged), wall beside",
+        "setting": f"torch {torch.__version__}, {args.threads} threads, "
+        f"{args.rounds} interleaved rounds",
+    }
+    if args.json:
+        emit("Training step of models with a forward()", COLUMNS, rows, True,
+             extra={**extra, "verdicts": verdicts})  # fmt: skip
+        return
+    emit("Training step of models with a forward(): peak memory and time", COLUMNS, rows, False)
+    emit("Against torch.compile's budgets", VERDICT_COLUMNS, verdicts, False, extra=extra)
 
 
 if __name__ == "__main__":
