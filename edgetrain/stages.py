@@ -27,6 +27,7 @@ intact for recomputation and its output must be a tensor of its own.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,12 +97,17 @@ class StageGraph:
         input_anchor: the leaf the input taps hang from (backward towards it fills the boxes).
         params: the stage's trainable parameters as leaves of their own (sharing storage with
             them), whose gradient goes to the forward's sink as soon as autograd accumulates it.
+        passed: ``(output tensor, input tensor)`` pairs: an input returned unchanged (a residual
+            skip) that at most one operation of the stage also reads. :func:`run_backward` adds
+            its gradient to the input's itself, in place when it can, as autograd does inside
+            one graph (see :func:`run_backward`).
     """
 
     outputs: list[GradientEdge | None]
     inputs: list[list[torch.Tensor] | None]
     input_anchor: torch.Tensor | None = None
     params: list[torch.Tensor] = field(default_factory=list)
+    passed: list[tuple[int, int]] = field(default_factory=list)
 
 
 def run_forward(module: nn.Module, x: Any, *, stage: int = 0, name: str = "") -> Any:
@@ -131,6 +137,7 @@ def run_forward_with_grad(
     with torch.enable_grad():
         anchor = _anchor()
         boxes: list[list[torch.Tensor] | None] = []
+        taps: list[torch.Tensor] = []
         if isinstance(x, torch.Tensor):  # the common case, without walking a pytree
             wanted = (
                 needs_input_grad[0]
@@ -138,6 +145,7 @@ def run_forward_with_grad(
                 else needs_input_grad and differentiable(x)
             )
             inputs = _tap(anchor, x, wanted, boxes)
+            taps.append(inputs)
         elif _flat_sequence(x):
             wanted_each = (
                 needs_input_grad
@@ -145,6 +153,7 @@ def run_forward_with_grad(
                 else [needs_input_grad and differentiable(t) for t in x]
             )
             tapped_each = [_tap(anchor, t, w, boxes) for t, w in zip(x, wanted_each, strict=True)]
+            taps.extend(tapped_each)
             inputs = tuple(tapped_each) if type(x) is tuple else tapped_each
         else:
             flat, spec = tree_flatten(x)
@@ -161,6 +170,7 @@ def run_forward_with_grad(
                     tapped.append(item)
                     continue
                 tapped.append(_tap(anchor, item, wanted_each[position], boxes))
+                taps.append(tapped[-1])
                 position += 1
             inputs = tree_unflatten(tapped, spec)
         made: list[torch.Tensor] = []
@@ -174,8 +184,65 @@ def run_forward_with_grad(
         else:
             out = module(inputs)
     _check_output(out, stage, name)
-    output_edges = [_edge(t) if t.requires_grad else None for t in leaves(out)]
-    return out, StageGraph(output_edges, boxes, anchor, made)
+    out_leaves = leaves(out)
+    output_edges = [_edge(t) if t.requires_grad else None for t in out_leaves]
+    graph = StageGraph(output_edges, boxes, anchor, made)
+    graph.passed = _passed_through(out_leaves, taps, boxes, output_edges)
+    return out, graph
+
+
+def _passed_through(
+    out_leaves: list[torch.Tensor],
+    taps: list[torch.Tensor],
+    boxes: list[list[torch.Tensor] | None],
+    edges: list[GradientEdge | None],
+) -> list[tuple[int, int]]:
+    """The outputs that are an input tap itself (returned unchanged) and whose input at most
+    one operation of the stage reads: ``(output, input)`` pairs.
+
+    Their gradient can bypass the engine: added to what the stage's own use contributes, it is
+    the same two-term sum (addition commutes, so bitwise the same), and done by
+    :func:`run_backward` it can be in place, where the engine, handed it as a root gradient
+    that the caller also holds, adds out of place (one more tensor of the skip's size at the
+    peak). With two or more uses inside the stage the engine's order of the terms is kept.
+    """
+    if not taps or not any(t.requires_grad for t in out_leaves):
+        return []
+    candidates: list[tuple[int, int]] = []
+    for j, t in enumerate(out_leaves):
+        for i, tap in enumerate(taps):
+            if t is tap and boxes[i] is not None and edges[j] is not None:
+                candidates.append((j, i))
+    if not candidates:
+        return []
+    returned = [i for _, i in candidates]
+    uses = _uses_of({id(taps[i].grad_fn): i for i in returned}, edges, [j for j, _ in candidates])
+    return [(j, i) for j, i in candidates if returned.count(i) == 1 and uses.get(i, 0) <= 1]
+
+
+def _uses_of(
+    tap_nodes: dict[int, int], edges: list[GradientEdge | None], skip: list[int]
+) -> dict[int, int]:
+    """How many edges of the stage's graph (other than the outputs in ``skip``) lead to each
+    tap node: the operations that read that input."""
+    uses: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [e.node for j, e in enumerate(edges) if e is not None and j not in skip]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) in tap_nodes:
+            continue
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if id(child) in tap_nodes:
+                index = tap_nodes[id(child)]
+                uses[index] = uses.get(index, 0) + 1
+            stack.append(child)
+    return uses
 
 
 def _tap(
@@ -239,10 +306,11 @@ def run_backward(
     ``params``, each trainable parameter's gradient goes to the forward's ``sink`` as soon as
     autograd has it.
     """
+    bypass = dict(graph.passed)  # output -> input: added here, after the engine
     pairs = [
         (edge, grad)
-        for edge, grad in zip(graph.outputs, grad_outputs, strict=True)
-        if edge is not None and grad is not None
+        for j, (edge, grad) in enumerate(zip(graph.outputs, grad_outputs, strict=True))
+        if edge is not None and grad is not None and j not in bypass
     ]
     targets: list[torch.Tensor] = []
     if any(box is not None for box in graph.inputs) and graph.input_anchor is not None:
@@ -262,7 +330,33 @@ def run_backward(
             accumulate_grad=True,
         )
     del pairs
-    return [None if box is None or not box else box.pop() for box in graph.inputs]
+    results = [None if box is None or not box else box.pop() for box in graph.inputs]
+    for j, i in graph.passed:
+        carried = grad_outputs[j]
+        if carried is None:
+            continue
+        own, results[i] = results[i], None
+        results[i] = carried if own is None else _add(own, carried)
+        del own
+    return results
+
+
+def _add(own: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
+    """``own + carried``, into ``own`` when nothing else holds it (a gradient the engine has
+    just made), as autograd's own gradient accumulation does; else a new tensor."""
+    with torch.no_grad():
+        # References to ``own``: the caller's name, this function's and getrefcount's argument.
+        if (
+            sys.getrefcount(own) <= 3
+            and own._use_count() == 1
+            and own._base is None
+            and own.shape == carried.shape
+            and own.dtype == carried.dtype
+            and (own.is_contiguous() or own.is_contiguous(memory_format=torch.channels_last))
+            and torch._C._storage_Use_Count(own.untyped_storage()._cdata) == 2
+        ):
+            return own.add_(carried)
+        return own + carried
 
 
 @dataclass(frozen=True)
