@@ -273,7 +273,7 @@ def _profile(
     measured: list[tuple[str, nn.Module, int, _Measured]] = []
     # On meta tensors a stage's costs follow from its structure and input shape alone, so
     # identical stages (the repeated blocks of a ResNet) are profiled once.
-    memo: dict[tuple[str, str, bool], tuple[_Measured, Any]] = {}
+    memo: dict[tuple[str, str, bool, bool], tuple[_Measured, Any]] = {}
     index_of = {id(p): i for i, p in enumerate(model.parameters())}
     what = "measuring" if timer is not None else "sizing"
     with _preserved(model), progress.task(f"{what} the stages of {type(model).__name__}") as done:
@@ -282,7 +282,8 @@ def _profile(
         needs_grad = any(t.requires_grad for t in leaves(sample_input))
         for index, (name, module, span) in enumerate(groups):
             done(detail=name)
-            key = (module_key(module), signature(x), needs_grad)
+            last = index == len(groups) - 1
+            key = (module_key(module), signature(x), needs_grad, last)
             if timer is None and key in memo and not _shares_parameters(module, measured):
                 known, out = memo[key]
                 # The twin's parameters all got gradients, or none did: so do this one's.
@@ -299,6 +300,7 @@ def _profile(
                     flops_per_second if flops else 0.0,
                     index,
                     stage_params(module, index_of),
+                    last,
                 )
                 if timer is None:
                     memo[key] = (result, x)
@@ -412,6 +414,7 @@ def _profile_stage(
     flops_per_second: float,
     index: int,
     params: StageParams,
+    last: bool = False,
 ) -> tuple[_Measured, Any]:
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
@@ -470,26 +473,28 @@ def _profile_stage(
         saved_out_leaves = tuple(i for i, key in enumerate(out_keys) if key in saved)
         saved_in_leaves = tuple(j for j, key in enumerate(in_keys) if key in saved)
         saves_output = bool(saved_out_leaves)
-        grad_out = [
-            None
-            if edge is None
-            else (torch.ones_like(t) if t.device.type == "meta" else torch.randn_like(t))
-            for edge, t in zip(graph.outputs, leaves(out), strict=True)
-        ]
+
+        out_leaves = leaves(out)
+        grad_out = _output_gradients(graph.outputs, out_leaves)
+        # The model's last stage gets the caller's gradient, which the caller holds to the end.
+        held = list(grad_out) if last else []
         base = counter.reset_peak()
         input_grads = [g for g in run_backward(graph, grad_out) if g is not None]
         backward_peak = counter.peak_bytes - base
         # An addition hands its output's gradient to both inputs: one storage, not two.
         input_gradient_bytes = storage_bytes(input_grads) if input_grads else None
-        del graph, input_grads
+        del graph, input_grads, grad_out, held
         # Again, as in a loop that keeps gradients: each is added in place as it is computed.
         y, graph = run_forward_with_grad(
             module, x, needs_input_grad=needs_grad, params=params, sink=kept_sink, stage=index
         )
         del y
+        grad_out = _output_gradients(graph.outputs, out_leaves)
+        held = list(grad_out) if last else []
         base = counter.reset_peak()
         run_backward(graph, grad_out)
         backward_peak_kept = counter.peak_bytes - base
+        del out_leaves, held
     saves_input = bool(saved_in_leaves)
     several_in, several_out = len(in_keys) > 1, len(out_keys) > 1
     grad_ids = {id(p) for i, p in params.params if i in param_grads}
@@ -528,6 +533,16 @@ def _profile_stage(
         param_grad_ids=grad_ids,
     )
     return result, out
+
+
+def _output_gradients(edges: list[Any], tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Random gradients for a stage's output tensors (ones on meta), None where none flows."""
+    return [
+        None
+        if edge is None
+        else (torch.ones_like(t) if t.device.type == "meta" else torch.randn_like(t))
+        for edge, t in zip(edges, tensors, strict=True)
+    ]
 
 
 def _passed_through_bytes(x: Any, out: Any) -> int:

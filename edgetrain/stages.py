@@ -62,6 +62,26 @@ class _Tap(torch.autograd.Function):
         return None, None, None
 
 
+class _Hand(torch.autograd.Function):
+    """An empty tensor hung on a stage's output tensor ``x``: backpropagating from it hands the
+    gradient waiting in ``box`` to ``x``'s producer.
+
+    The engine then holds the only reference to that gradient and frees it as soon as the
+    operation that reads it is done, as inside one autograd graph; handed to the engine as a
+    root gradient it would stay alive to the end of the stage's backward (the call's argument
+    holds it), one more tensor of the output's size at the backward's peak.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, box: list[torch.Tensor]) -> torch.Tensor:
+        ctx.box = box
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        return (ctx.box.pop() if ctx.box else None), None
+
+
 def _anchor() -> torch.Tensor:
     return torch.empty(0, requires_grad=True)
 
@@ -93,6 +113,8 @@ class StageGraph:
 
     Attributes:
         outputs: per output tensor, the edge its gradient enters by (None: needs no gradient).
+        hands: per output tensor, the empty tensor and box its gradient enters through (see
+            :class:`_Hand`; None for outputs that need no gradient or are ``passed``).
         inputs: per input tensor, a box its gradient lands in (None: none wanted).
         input_anchor: the leaf the input taps hang from (backward towards it fills the boxes).
         params: the stage's trainable parameters as leaves of their own (sharing storage with
@@ -108,6 +130,7 @@ class StageGraph:
     input_anchor: torch.Tensor | None = None
     params: list[torch.Tensor] = field(default_factory=list)
     passed: list[tuple[int, int]] = field(default_factory=list)
+    hands: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = field(default_factory=list)
 
 
 def run_forward(module: nn.Module, x: Any, *, stage: int = 0, name: str = "") -> Any:
@@ -188,6 +211,14 @@ def run_forward_with_grad(
     output_edges = [_edge(t) if t.requires_grad else None for t in out_leaves]
     graph = StageGraph(output_edges, boxes, anchor, made)
     graph.passed = _passed_through(out_leaves, taps, boxes, output_edges)
+    bypass = {j for j, _ in graph.passed}
+    with torch.enable_grad():
+        for j, t in enumerate(out_leaves):
+            if output_edges[j] is None or j in bypass:
+                graph.hands.append(None)
+                continue
+            box: list[torch.Tensor] = []
+            graph.hands.append((_Hand.apply(t, box), box))
     return out, graph
 
 
@@ -302,42 +333,48 @@ def run_backward(
 ) -> list[torch.Tensor | None]:
     """Backpropagate through a stage's graph (once: it is freed).
 
-    Returns the gradient of each input tensor (None where none is wanted or none flows); when
+    Takes the output gradients out of ``grad_outputs`` (its entries become None), so that
+    autograd frees each as soon as the operation that reads it is done (see :class:`_Hand`);
+    a gradient the caller still holds elsewhere lives as long as the caller holds it. Returns
+    the gradient of each input tensor (None where none is wanted or none flows); when
     ``params``, each trainable parameter's gradient goes to the forward's ``sink`` as soon as
     autograd has it.
     """
-    bypass = dict(graph.passed)  # output -> input: added here, after the engine
-    pairs = [
-        (edge, grad)
-        for j, (edge, grad) in enumerate(zip(graph.outputs, grad_outputs, strict=True))
-        if edge is not None and grad is not None and j not in bypass
-    ]
+    roots: list[torch.Tensor] = []
+    for j, hand in enumerate(graph.hands):
+        if hand is None or grad_outputs[j] is None:
+            continue
+        root, box = hand
+        box.append(grad_outputs[j])  # type: ignore[arg-type]
+        grad_outputs[j] = None
+        roots.append(root)
+    graph.hands = []
     targets: list[torch.Tensor] = []
     if any(box is not None for box in graph.inputs) and graph.input_anchor is not None:
         targets.append(graph.input_anchor)
     if params:
         targets.extend(graph.params)
-    if pairs and targets:
-        # torch.autograd.backward without its argument checks (the edges and gradients come
-        # from autograd itself): the engine call it makes.
+    if roots and targets:
+        # torch.autograd.backward without its argument checks: the engine call it makes. Each
+        # root is an empty tensor, its own (ignored) gradient.
         _engine_run_backward(
-            tuple(edge for edge, _ in pairs),
-            tuple(grad for _, grad in pairs),
+            tuple(roots),
+            tuple(roots),
             False,  # retain_graph
             False,  # create_graph
             tuple(targets),
             allow_unreachable=True,
             accumulate_grad=True,
         )
-    del pairs
+    del roots
     results = [None if box is None or not box else box.pop() for box in graph.inputs]
     for j, i in graph.passed:
-        carried = grad_outputs[j]
+        carried, grad_outputs[j] = grad_outputs[j], None
         if carried is None:
             continue
         own, results[i] = results[i], None
         results[i] = carried if own is None else _add(own, carried)
-        del own
+        del own, carried
     return results
 
 

@@ -1,10 +1,12 @@
-"""A tensor a stage returns unchanged (a residual skip carried across a cut): its gradient is
-added to the gradient of the stage's own use of it after the engine, in place, as autograd
-adds gradients inside one graph; the result equals plain autograd's bit for bit.
+"""The gradients a stage's backward receives are held no longer than plain autograd holds them.
 
-Before, the engine was handed the skip's gradient as a root gradient that the executor also held,
-so it added out of place: one more tensor of the skip's size at the peak of every stage that
-starts a residual block (ResNet-101's least plan was held up by it).
+* A tensor a stage returns unchanged (a residual skip carried across a cut): its gradient is
+  added to the gradient of the stage's own use of it after the engine, in place, as autograd
+  adds gradients inside one graph; the result equals plain autograd's bit for bit. Before, the
+  engine was handed it as a root gradient that the executor also held and added out of place:
+  one more skip-sized tensor at the peak of every stage that opens a residual block.
+* An output's gradient is freed as soon as the stage's last operation has read it, not at the
+  end of the stage's backward.
 """
 
 import copy
@@ -96,4 +98,24 @@ def test_the_skip_gradient_is_added_in_place():
         (gx,) = run_backward(graph, grads)
         # The linear's input gradient, and nothing else: the skip's gradient goes into it.
         assert counter.peak_bytes - base == size
+    assert torch.allclose(gx, expected)
+
+
+def test_an_output_gradient_is_freed_once_read():
+    class TwoOps(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x * 1.0).exp()  # exp saves its result, relu its result
+
+    x = torch.randn(512, 512)
+    size = x.untyped_storage().nbytes()
+    with StorageCounter() as counter:
+        out, graph = run_forward_with_grad(TwoOps(), x, needs_input_grad=True)
+        grads: list[torch.Tensor | None] = [torch.randn_like(out)]
+        expected = grads[0] * out * (out > 1).to(out.dtype)  # d exp(relu(x)) / dx, x > 0
+        del out
+        base = counter.reset_peak()
+        (gx,) = run_backward(graph, grads)
+        # exp's backward makes one tensor; the output's gradient goes before relu's makes another.
+        assert counter.peak_bytes - base == size
+        assert grads == [None]  # run_backward took the gradient: nothing else holds it
     assert torch.allclose(gx, expected)
