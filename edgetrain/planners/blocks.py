@@ -190,15 +190,18 @@ def _candidates(sub: Chain, grads_exist: bool, slots: int) -> list[tuple[str, Op
         again += [(Op.BACKWARD, k) for k in reversed(range(n - 1))]
         ops = [*walk, (Op.FORWARD_ALL, n - 1), (Op.BACKWARD, n - 1), *again]
         plans.append(Schedule.from_ops(n, ops))
+        # The DP counts a tensor carried across a cut (the skip) at every cut, so its budgets
+        # run to twice the simulated store-all peak; to the nearest slot as well as up.
         peak = simulate(sub, plans[0], grads_exist=grads_exist).peak_bytes
-        slot_bytes, count = resolution(sub, max(peak, 1), slots)
-        table = OptimalTable(sub, slot_bytes, count, grads_exist=grads_exist)
-        times = table.times()
-        previous = math.inf
-        for m in np.flatnonzero(np.isfinite(times)):
-            if times[m] < previous:  # the plan changes only where the time does
-                plans.append(table.schedule(int(m)))
-                previous = float(times[m])
+        slot_bytes, count = resolution(sub, max(2 * peak, 1), slots)
+        for nearest in (False, True):
+            table = OptimalTable(sub, slot_bytes, count, grads_exist=grads_exist, nearest=nearest)
+            times = table.times()
+            previous = math.inf
+            for m in np.flatnonzero(np.isfinite(times)):
+                if times[m] < previous:  # the plan changes only where the time does
+                    plans.append(table.schedule(int(m)))
+                    previous = float(times[m])
     out: list[tuple[str, Ops, Ops]] = []
     seen: set[str] = set()
     for schedule in plans:
