@@ -5,6 +5,7 @@ shared storages it is never faster than the flat DP; its options are a Pareto fr
 captured residual model trains under it exactly, holding what was predicted."""
 
 import copy
+import dataclasses
 import math
 import random
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import edgetrain
+from edgetrain.capture import ALL_CUTS_UP_TO, all_cuts, capture
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.execute import Checkpointed, as_stages
@@ -20,6 +22,7 @@ from edgetrain.models import build, sample_input
 from edgetrain.planners import blocks as blocks_module
 from edgetrain.planners.blocks import block_options, block_plan, blocks_of, minimum_block_memory
 from edgetrain.planners.optimal import OptimalTable, store_all
+from edgetrain.planners.search import FLAT_UP_TO
 from edgetrain.profile import analytic_chain
 from edgetrain.schedule import Op, Schedule, simulate
 from tests.conftest import random_chain
@@ -239,3 +242,31 @@ def test_a_captured_residual_model_trains_exactly_under_block_plans(name, make, 
         measured = measured_peak(Checkpointed(model, x, chain=chain, schedule=schedule), x)
         assert measured == pytest.approx(net.cost.peak_bytes, rel=0.05), name
         assert measured <= budget * 1.02
+
+
+def test_optimal_plans_a_chain_longer_than_flat_up_to_over_its_blocks():
+    rng = random.Random(12)
+    chain = residual_chain(rng, 1)
+    while chain.length <= FLAT_UP_TO:
+        more = residual_chain(rng, 10)
+        first = more.stages[0]
+        # Each new block takes the last block's output as its input (the skip's size).
+        width = chain.stages[-1].output_bytes
+        first = dataclasses.replace(
+            first, leaf_bytes=(width, first.leaf_bytes[1]), output_bytes=width + first.leaf_bytes[1]
+        )
+        chain = dataclasses.replace(chain, stages=(*chain.stages, first, *more.stages[1:]))
+    peak = simulate(chain, store_all(chain)).peak_bytes
+    schedule = edgetrain.plan(chain, "optimal", memory=0.6 * peak)
+    assert schedule.strategy == "blocks"
+    assert schedule.length == chain.length and simulate(chain, schedule).peak_bytes <= 0.6 * peak
+    short = dataclasses.replace(chain, stages=chain.stages[:40])
+    assert edgetrain.plan(short, "optimal", memory=0.6 * peak).strategy == "optimal"
+
+
+def test_a_model_with_more_than_256_cuts_is_cut_at_every_one():
+    model = ResidualMLP(width=8, depth=56)
+    x = torch.randn(4, 12)
+    cuts = all_cuts(capture(model, x))
+    assert 256 < len(cuts) <= ALL_CUTS_UP_TO
+    assert len(as_stages(model, x)) == len(cuts) + 1
