@@ -270,3 +270,15 @@ def test_a_model_with_more_than_256_cuts_is_cut_at_every_one():
     cuts = all_cuts(capture(model, x))
     assert 256 < len(cuts) <= ALL_CUTS_UP_TO
     assert len(as_stages(model, x)) == len(cuts) + 1
+
+
+def test_checkpointed_takes_the_blocks_strategy():
+    torch.manual_seed(0)
+    model = ResidualMLP().to(F64)
+    x = torch.randn(16, 12, dtype=F64)
+    ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+    net = Checkpointed(ours, x, max_recompute=1.3, strategy="blocks")
+    assert net.schedule.strategy == "blocks" and net.cost.recompute_factor <= 1.3 + 1e-9
+    assert net.cost.forward_steps > 0  # it recomputes
+    assert torch.equal(train_step(net, x, seed=3), train_step(plain, x, seed=3))
+    same_state(ours, plain)
