@@ -33,7 +33,7 @@ def residual_chain(rng: random.Random, blocks: int, *, carried: bool = True) -> 
     """Random residual blocks: inside a block every cut carries two tensors, the block's input
     (the skip; the same storage when ``carried``) and the trunk; a block ends in one tensor."""
     stages = []
-    width = rng.randint(1, 6)
+    width = first = rng.randint(1, 6)
     for b in range(blocks):
         inner = rng.randint(1, 3)
         for i in range(inner + 1):
@@ -65,9 +65,7 @@ def residual_chain(rng: random.Random, blocks: int, *, carried: bool = True) -> 
                 )
             )
         width = stages[-1].output_bytes
-    return Chain(
-        tuple(stages), input_bytes=rng.randint(1, 6), input_requires_grad=rng.random() < 0.5
-    )
+    return Chain(tuple(stages), input_bytes=first, input_requires_grad=rng.random() < 0.5)
 
 
 SLOTS = 160  # one-byte slots: no rounding on these chains
