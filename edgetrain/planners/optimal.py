@@ -12,6 +12,11 @@ reference (*unpinned*), the table holds the least time to backpropagate through 
 * **checkpoint**: ``Fc s``, ``Fn s+1 .. j-1``, the sub-chain ``j..t`` (owning ``a[j]``), then the
   sub-chain ``s..j-1`` again from ``a[s]`` — for the best ``j``.
 
+The recursion reads its stages' costs from :class:`StepCosts`, where running a stage "graph
+first" may be one of several *options* (its forward phase, what it leaves held, its backward
+phase) and the best is taken: a chain's own stages have one option each (:func:`chain_costs`),
+blocks of stages several (:mod:`edgetrain.planners.blocks`, through :class:`TableMaker`).
+
 Memory is counted exactly as :func:`edgetrain.schedule.simulate` counts it (a graph holds what
 autograd saves: its input, its output or neither; shared storages once; transient peaks per
 operation; the output held by the caller after the loss; parameter gradients held from the backward
