@@ -6,12 +6,22 @@ in ≤ 0.5 s (issue 7); ResNet-152's captured graph, cut inside its blocks, in �
 Every optimal row is the public ``plan()`` call (table, reconstruction, the simulator's checks).
 Medians of several runs.
 
-    python benchmarks/planning.py [--runs 5] [--json]
+A second table compares the flat DP (``plan(chain, "optimal")``) with the block-options DP
+(``plan(chain, "blocks")``) on the analytic chains of captured models cut at every admissible
+position (ResNet-152-module at batch 8, 224²; the U-Net and ViT-Tiny at the sizes of
+``benchmarks/anymodel.py``), and for ResNet-152 also the flat DP on the chain ``block_cuts`` made
+before the block DP (2 cuts inside each block; ``plan(chain, "optimal")`` now plans a chain of
+more than 256 stages over its blocks): least activation memory, the recompute factor ρ at budgets of
+0.7, 0.5 and 0.3 × plain autograd's peak, and planning seconds (medians), in the loop that sets
+gradients to None.
+
+    python benchmarks/planning.py [--runs 5] [--json] [--only blocks|speed]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -22,11 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from _common import emit
 
-from edgetrain.capture import block_cuts, capture, segments
+from edgetrain.capture import all_cuts, block_cuts, capture, segments
 from edgetrain.chain import Chain, uniform_chain
-from edgetrain.models import build
+from edgetrain.errors import InfeasibleBudget
+from edgetrain.models import build, sample_input
 from edgetrain.planners import plan
-from edgetrain.planners.optimal import minimum_memory, store_all
+from edgetrain.planners.blocks import block_plan
+from edgetrain.planners.optimal import (
+    TableMaker,
+    fastest,
+    least_memory,
+    minimum_memory,
+    store_all,
+)
 from edgetrain.planners.revolve import optimal_forward_steps, revolve_steps
 from edgetrain.profile import analytic_chain, model_chain
 from edgetrain.schedule import simulate
@@ -50,11 +68,105 @@ def _captured_chain(name: str) -> Chain:
     return analytic_chain(segments(captured, block_cuts(captured)), x)
 
 
+MiB = 2**20
+BLOCK_MODELS = {"resnet152-module": (8, 224), "unet": (4, 128), "vit-tiny": (8, 128)}
+FRACTIONS = (0.7, 0.5, 0.3)
+
+
+FALLBACK_ABOVE = 256
+"""Admissible cuts above which ``block_cuts`` used to cut twice inside each block (the row that
+shows what the block DP replaced)."""
+
+
+def _chains(name: str, batch: int, size: int) -> dict[str, Chain]:
+    """The analytic chains of a captured model: cut at every admissible position, and (above
+    :data:`FALLBACK_ABOVE` cuts) between blocks and twice inside each."""
+    x = sample_input(name, batch, size).to("meta")
+    with torch.device("meta"):
+        model = build(name, image=size)
+    captured = capture(model, x)
+    cuts = all_cuts(captured)
+    chains = {"all cuts": analytic_chain(segments(captured, cuts), x)}
+    if len(cuts) >= FALLBACK_ABOVE:
+        fallback = block_cuts(captured, 2, all_up_to=FALLBACK_ABOVE)
+        chains["2 cuts per block"] = analytic_chain(segments(captured, fallback), x)
+    return chains
+
+
+def _maker(chain: Chain, planner: str) -> TableMaker:
+    return block_plan(chain).maker() if planner == "block DP" else TableMaker(chain)
+
+
+def block_rows(runs: int) -> list[dict[str, object]]:
+    """Flat DP vs block-options DP on captured models' chains. Both through the one budget
+    search (:func:`~edgetrain.planners.optimal.fastest`); the block DP's times include finding
+    every block's options."""
+    rows: list[dict[str, object]] = []
+    for name, (batch, size) in BLOCK_MODELS.items():
+        for cut, chain in _chains(name, batch, size).items():
+            peak = simulate(chain, store_all(chain)).peak_bytes
+            planners = ["flat DP", "block DP"] if cut == "all cuts" else ["flat DP"]
+            for planner in planners:
+                row: dict[str, object] = {
+                    "model": f"{name} b{batch} {size}²",
+                    "cuts": cut,
+                    "planner": planner,
+                    "stages": chain.length,
+                    "dp_stages": _maker(chain, planner).stages,
+                    "plain_MiB": peak / MiB,
+                }
+                start = time.perf_counter()
+                least = least_memory(_maker(chain, planner))
+                row["least_s"] = time.perf_counter() - start
+                row["least_MiB"] = least / MiB
+                for fraction in FRACTIONS:
+                    try:
+                        schedule = fastest(_maker(chain, planner), fraction * peak)
+                    except InfeasibleBudget:
+                        row[f"rho@{fraction}"] = None
+                        continue
+                    cost = simulate(chain, schedule)
+                    assert cost.peak_bytes <= fraction * peak
+                    row[f"rho@{fraction}"] = cost.recompute_factor
+                row["plan_s@0.5"] = median_seconds(
+                    lambda c=chain, p=planner, b=0.5 * peak: _try_plan(c, p, b), runs
+                )
+                rows.append(row)
+    return rows
+
+
+def _try_plan(chain: Chain, planner: str, budget: float) -> None:
+    with contextlib.suppress(InfeasibleBudget):
+        fastest(_maker(chain, planner), budget)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", choices=("blocks", "speed"), default=None)
     args = parser.parse_args()
+    if args.only != "speed":
+        emit(
+            "Flat DP vs block-options DP on captured models (activation MiB; rho at budgets "
+            "of 0.7/0.5/0.3 x plain peak; '-': does not fit)",
+            [
+                "model",
+                "cuts",
+                "planner",
+                "stages",
+                "dp_stages",
+                "plain_MiB",
+                "least_MiB",
+                *(f"rho@{f}" for f in FRACTIONS),
+                "least_s",
+                "plan_s@0.5",
+            ],
+            block_rows(max(1, args.runs // 2)),
+            args.json,
+        )
+    if args.only == "blocks":
+        return
     rows = []
     for slots in (5, 10, 20, 50):
         schedule = revolve_steps(100_000, slots)

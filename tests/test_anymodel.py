@@ -6,6 +6,7 @@ and BatchNorm buffers equal plain autograd's bitwise (float64, same input and
 RNG state), and the measured peak (live tensor storages) equals the prediction within 5 %."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from edgetrain.models.unet import UNet
 from edgetrain.models.vit import ViT
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
+from edgetrain.planners.sequential import sequential
 from edgetrain.profile import analytic_chain
 from edgetrain.schedule import simulate
 
@@ -101,14 +103,15 @@ def same_state(ours: nn.Module, plain: nn.Module) -> None:
 
 
 def schedules(chain):
-    """Optimal plans half-way to the least memory and at the least, and Revolve with 3 slots."""
+    """Optimal plans half-way to the least memory and at the least, Revolve with 3 slots, and
+    checkpoint_sequential's plan at sqrt(stages) segments."""
     everything = simulate(chain, store_all(chain)).peak_bytes
     least = minimum_memory(chain)
     plans = [
         edgetrain.plan(chain, "optimal", memory=budget)
         for budget in ((everything + least) / 2, least)
     ]
-    return [*plans, revolve(chain, 3)]
+    return [*plans, revolve(chain, 3), sequential(chain, max(2, math.isqrt(chain.length)))]
 
 
 @pytest.mark.parametrize(("name", "make", "make_input"), CASES, ids=[c[0] for c in CASES])

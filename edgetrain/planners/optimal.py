@@ -12,6 +12,11 @@ reference (*unpinned*), the table holds the least time to backpropagate through 
 * **checkpoint**: ``Fc s``, ``Fn s+1 .. j-1``, the sub-chain ``j..t`` (owning ``a[j]``), then the
   sub-chain ``s..j-1`` again from ``a[s]`` — for the best ``j``.
 
+The recursion reads its stages' costs from :class:`StepCosts`, where running a stage "graph
+first" may be one of several *options* (its forward phase, what it leaves held, its backward
+phase) and the best is taken: a chain's own stages have one option each (:func:`chain_costs`),
+blocks of stages several (:mod:`edgetrain.planners.blocks`, through :class:`TableMaker`).
+
 Memory is counted exactly as :func:`edgetrain.schedule.simulate` counts it (a graph holds what
 autograd saves: its input, its output or neither; shared storages once; transient peaks per
 operation; the output held by the caller after the loss; parameter gradients held from the backward
@@ -28,6 +33,7 @@ The work is about ``L**3 / 3 * slots`` operations, so long chains get fewer slot
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,24 +59,78 @@ def max_slots(length: int) -> int:
 
 
 @dataclass(frozen=True)
-class _Sizes:
-    """The chain's sizes in slots, rounded up, and its times."""
+class StepCosts:
+    """What the recursion reads about each of its ``n`` stages, in slots (or bytes) and seconds.
 
-    act: np.ndarray  # a[k], k = 0..L (a[0] = 0: held by the caller)
-    grad: np.ndarray  # gradient of a[k]
-    extra: np.ndarray  # saved_bytes of stage k
-    saves_input: np.ndarray  # bool
-    saves_output: np.ndarray  # bool: the graph holds some of the output
-    pins_output: np.ndarray  # bool: the graph holds all of the output
-    fwd_peak: np.ndarray  # forward without grad
-    fwd_grad_peak: np.ndarray  # forward with grad
-    bwd_peak: np.ndarray
-    held_grads: np.ndarray  # parameter gradients held once stages k..L-1 are done, k = 0..L
+    A *stage* of the recursion is a stage of the chain (:func:`chain_costs`) or a block of
+    consecutive stages (:mod:`edgetrain.planners.blocks`). Running it with grad ("graph first")
+    is one of ``O`` *options*; an option that does not exist has an infinite time. Peaks are
+    above what is held outside the sub-problem; ``[o, pin, s]`` arrays have the
+    pinned/unpinned axis of the table (pin 0: ``a[s]`` is held by our reference only and
+    counted; pin 1: it is also held outside, and free).
+
+    Attributes:
+        act: ``a[k]``, k = 0..n (``a[0]`` = 0: held by the caller).
+        grad: the gradient of ``a[k]``, k = 0..n.
+        held_grads: parameter gradients held once stages k..n-1 are done, k = 0..n.
+        first: peak of running stage s without grad keeping ``a[s]`` (``Fc``), ``a[s]`` not
+            counted, ``a[s+1]`` held at the end.
+        step: peak of running stage s without grad from ``a[s]`` (``Fn``), ``a[s]`` counted.
+        fwd_time: seconds of a forward without grad.
+        opt_fwd_peak: peak of option o's forward phase (``a[s]`` counted when pin 0).
+        opt_graph: what option o leaves held after its forward phase besides ``a[s+1]``.
+        opt_pins: whether option o's graph holds all of ``a[s+1]``.
+        opt_bwd_peak: peak of option o's backward phase, starting from ``opt_graph``, ``a[s+1]``
+            if its graph holds it and the gradient of ``a[s+1]``; the parameter gradients of
+            later stages not counted, the ones it creates counted.
+        opt_time: seconds of option o's forward and backward phases (inf: no such option).
+    """
+
+    act: np.ndarray
+    grad: np.ndarray
+    held_grads: np.ndarray
+    first: np.ndarray
+    step: np.ndarray
     fwd_time: np.ndarray
-    bwd_time: np.ndarray
+    opt_fwd_peak: np.ndarray
+    opt_graph: np.ndarray
+    opt_pins: np.ndarray
+    opt_bwd_peak: np.ndarray
+    opt_time: np.ndarray
+
+    @property
+    def length(self) -> int:
+        """Number of stages of the recursion."""
+        return int(self.fwd_time.shape[0])
+
+    def in_slots(self, slot_bytes: float, nearest: bool = False) -> StepCosts:
+        """The same costs in slots of ``slot_bytes``: rounded up (a plan that fits in the table
+        fits in reality) or, with ``nearest``, to the nearest slot."""
+
+        def up(values: np.ndarray) -> np.ndarray:
+            scaled = np.asarray(values, dtype=np.float64) / slot_bytes
+            rounded = np.floor(scaled + 0.5) if nearest else np.ceil(scaled)
+            return rounded.astype(np.int64)
+
+        return StepCosts(
+            act=up(self.act),
+            grad=up(self.grad),
+            held_grads=up(self.held_grads),
+            first=up(self.first),
+            step=up(self.step),
+            fwd_time=self.fwd_time,
+            opt_fwd_peak=up(self.opt_fwd_peak),
+            opt_graph=up(self.opt_graph),
+            opt_pins=self.opt_pins,
+            opt_bwd_peak=up(self.opt_bwd_peak),
+            opt_time=self.opt_time,
+        )
 
 
-def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: bool) -> _Sizes:
+def chain_costs(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: bool) -> StepCosts:
+    """Rotor's costs for the stages of ``chain``, one option each (forward with grad, then
+    backward), in slots: every size rounded up (or to the nearest) on its own, then added."""
+
     def up(values: list[int]) -> np.ndarray:
         if nearest:
             return np.array([math.floor(v / slot_bytes + 0.5) for v in values], dtype=np.int64)
@@ -80,20 +140,50 @@ def _sizes(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: bool) ->
     n = chain.length
     created = up([0 if grads_exist else s.gradient_bytes for s in stages])
     held = np.concatenate([np.cumsum(created[::-1])[::-1], [0]]).astype(np.int64)
-    return _Sizes(
-        act=up([0] + [s.output_bytes for s in stages]),
-        grad=up([chain.gradient_of_activation_bytes(k) for k in range(n + 1)]),
-        extra=up([s.saved_bytes for s in stages]),
-        saves_input=np.array([s.saves_input for s in stages], dtype=bool),
-        saves_output=np.array([s.saves_output for s in stages], dtype=bool),
-        pins_output=np.array([s.saves_whole_output for s in stages], dtype=bool),
-        fwd_peak=up([s.forward_peak_bytes for s in stages]),
-        fwd_grad_peak=up([s.forward_grad_peak_bytes for s in stages]),
-        bwd_peak=up([s.backward_peak(grads_exist) for s in stages]),
+    act = up([0] + [s.output_bytes for s in stages])
+    grad = up([chain.gradient_of_activation_bytes(k) for k in range(n + 1)])
+    extra = up([s.saved_bytes for s in stages])
+    saves_input = np.array([s.saves_input for s in stages], dtype=bool)
+    saves_output = np.array([s.saves_output for s in stages], dtype=bool)
+    fwd_peak = up([s.forward_peak_bytes for s in stages])
+    fwd_grad_peak = up([s.forward_grad_peak_bytes for s in stages])
+    bwd_peak = up([s.backward_peak(grads_exist) for s in stages])
+    fwd_time = np.array([s.forward_seconds for s in stages], dtype=np.float64)
+    bwd_time = np.array([s.backward_seconds for s in stages], dtype=np.float64)
+    s = np.arange(n)
+    graph = np.stack([extra + np.where(saves_input, act[s], 0), extra])  # [pin, s]
+    own = np.stack([act[s], np.zeros_like(s)])
+    # The forward with grad: its transient peak on top of a[s]; then its graph and a[s+1].
+    fwd = np.maximum(own + fwd_grad_peak, graph + act[s + 1])
+    # The backward: graph, a[s+1] if the graph holds it (or the caller does: the last
+    # stage), the gradient of a[s+1], and its transient peak.
+    out = np.where(saves_output | (s + 1 == n), act[s + 1], 0)
+    bwd = graph + out + grad[s + 1] + bwd_peak
+    return StepCosts(
+        act=act,
+        grad=grad,
         held_grads=held,
-        fwd_time=np.array([s.forward_seconds for s in stages], dtype=np.float64),
-        bwd_time=np.array([s.backward_seconds for s in stages], dtype=np.float64),
+        first=np.maximum(fwd_peak, act[s + 1]),
+        step=np.maximum(act[s] + fwd_peak, act[s + 1]),
+        fwd_time=fwd_time,
+        opt_fwd_peak=fwd[None],
+        opt_graph=graph[None],
+        opt_pins=np.array([st.saves_whole_output for st in stages], dtype=bool)[None],
+        opt_bwd_peak=bwd[None],
+        opt_time=(fwd_time + bwd_time)[None],
     )
+
+
+NO_PLAN = np.iinfo(np.int32).min
+"""The choice of a cell no plan fits in."""
+
+
+Expand = Callable[[list[tuple[Op, int, int]]], list[tuple[Op, int]]]
+"""Turns the recursion's operations ``(op, stage, option)`` into the chain's ``(op, index)``."""
+
+
+def _drop_options(ops: list[tuple[Op, int, int]]) -> list[tuple[Op, int]]:
+    return [(op, k) for op, k, _ in ops]
 
 
 class OptimalTable:
@@ -103,6 +193,10 @@ class OptimalTable:
     plan that achieves it. One table answers every budget up to ``slots`` slots. Sizes are rounded
     up (a plan always fits its budget) or, with ``nearest``, to the nearest slot (errors cancel
     along long chains of small stages, and the plans must be checked with the simulator).
+
+    By default the recursion's stages are the chain's (:func:`chain_costs`); ``costs`` gives
+    other ones (blocks of stages with several options each, see
+    :mod:`edgetrain.planners.blocks`), and ``expand`` turns their operations into the chain's.
     """
 
     def __init__(
@@ -113,43 +207,54 @@ class OptimalTable:
         *,
         grads_exist: bool = False,
         nearest: bool = False,
+        costs: Callable[[float, bool], StepCosts] | None = None,
+        expand: Expand | None = None,
+        strategy: str = "optimal",
     ) -> None:
         if slot_bytes <= 0 or slots < 1:
             raise InvalidInput("the memory budget must be positive; give e.g. --memory 512MB")
-        n = chain.length
+        self.chain = chain
+        self.slot_bytes = float(slot_bytes)
+        self.slots = int(slots)
+        self.grads_exist = grads_exist
+        self.strategy = strategy
+        self._expand = expand or _drop_options
+        if costs is None:
+            self._z = chain_costs(chain, self.slot_bytes, grads_exist, nearest)
+        else:
+            self._z = costs(self.slot_bytes, nearest)
+        z = self._z
+        n = self.length = z.length
         if 2 * n * n * (slots + 1) * 12 > TABLE_LIMIT_BYTES:
             raise InvalidInput(
                 f"a table of {slots} slots for {n} stages would exceed "
                 f"{TABLE_LIMIT_BYTES >> 20} MiB; use at most {max_slots(n)} slots"
             )
-        self.chain = chain
-        self.slot_bytes = float(slot_bytes)
-        self.slots = int(slots)
-        self.grads_exist = grads_exist
-        self._z = _sizes(chain, self.slot_bytes, grads_exist, nearest)
         size = self.slots + 1
-        z = self._z
         # No sub-problem is ever shifted by more than this many slots (see _fill).
         widest = max(
-            int(z.act.max()), int(z.act[n] + z.grad[n]), int((z.extra + 2 * z.act.max()).max())
+            int(z.act.max()),
+            int(z.act[n] + z.grad[n]),
+            int((z.opt_graph + z.act[None, None, 1:]).max()),
         )
-        self._pad = min(size, widest)
+        self._pad = min(size, max(widest, 0))
         # time[pin, s, t, m] (a view of a table with ``_pad`` slots of inf before m = 0) and
-        # choice[pin, s, t, m]: -1 = graph first, j = checkpoint at j.
+        # choice[pin, s, t, m]: -1 - o = graph first with option o, j = checkpoint at j.
         self._padded = np.full((2, n, n, self._pad + size), np.inf)
         self._time = self._padded[..., self._pad :]
         self._reach = np.full((n, n, self._pad + size), np.inf)
-        self._choice = np.full((2, n, n, size), -2, dtype=np.int32)
+        self._choice = np.full((2, n, n, size), NO_PLAN, dtype=np.int32)
         self._fill()
 
     # -- the recursion -----------------------------------------------------------------------------
 
     def _fill(self) -> None:
         z = self._z
-        n = self.chain.length
+        n = self.length
         size = self.slots + 1
         pad = self._pad
         m = np.arange(size)
+        options = z.opt_time.shape[0]
         prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
         # windows[pin, s, t, pad - o] is time[pin, s, t] shifted right by o slots (inf below o):
         # what a sub-problem leaves when o slots are held outside it. Reading a shifted row is
@@ -162,8 +267,6 @@ class OptimalTable:
             index: np.ndarray = pad - np.minimum(offset, pad)
             return index
 
-        # Reaching a[k+1] from a[k]: a[k] + the forward's peak, and a[k+1] once it is done.
-        step = np.maximum(np.concatenate([[0], z.act[1:n]]) + z.fwd_peak, z.act[1:])
         for span in range(n):
             s = np.arange(n - span)
             t = s + span
@@ -172,42 +275,41 @@ class OptimalTable:
             # The caller's output, once the forward is done; its gradient, once the loss is.
             after = np.where(top, z.act[n] + z.grad[n], 0)
             entry_rest = grad_in + z.held_grads[t + 1]
+            left_b = z.grad[s] + z.held_grads[s] + after
             if span > 0:
                 q = np.arange(1, span + 1)  # split j = s + q
                 j = s[:, None] + q[None, :]
                 walk = np.maximum.accumulate(
                     np.concatenate(
-                        [
-                            np.maximum(z.fwd_peak[s], z.act[s + 1])[:, None],
-                            step[np.minimum(s[:, None] + q[None, :-1], n - 1)],
-                        ],
+                        [z.first[s][:, None], z.step[np.minimum(s[:, None] + q[None, :-1], n - 1)]],
                         axis=1,
                     ),
                     axis=1,
                 )  # walk[:, q-1]: peak of reaching a[s+q] from a[s]
             for pin in (0, 1):
                 own = np.zeros_like(s) if pin else z.act[s]
-                graph = z.extra[s] + np.where(z.saves_input[s] & (pin == 0), z.act[s], 0)
-                # Each operation's peak, and what it leaves held (the simulator takes the larger).
-                peak_f = np.maximum(
-                    own + entry_rest + z.fwd_grad_peak[s], entry_rest + graph + z.act[s + 1]
-                )
-                out = np.where(z.saves_output[s] | (s + 1 == n), z.act[s + 1], 0)
-                peak_b = graph + out + z.grad[s + 1] + z.held_grads[s + 1] + z.bwd_peak[s]
-                if span > 0:
-                    peak_b = peak_b + after  # the caller's output and its gradient, if top
-                left_b = z.grad[s] + z.held_grads[s] + after
-                base = z.fwd_time[s] + z.bwd_time[s]
-                peak_b = np.maximum(peak_b, left_b)
-                ok = m[None, :] >= np.maximum(peak_f, peak_b)[:, None]
-                if span == 0:
-                    best = np.where(ok, base[:, None], np.inf)
-                else:
-                    pinned = z.pins_output[s].astype(np.int64)
-                    shift = graph + pinned * z.act[s + 1]
-                    inner = windows[pinned, s + 1, t, back(shift)]
-                    best = np.where(ok, base[:, None] + inner, np.inf)
+                best = np.full((len(s), size), np.inf)
                 choice = np.full(best.shape, -1, dtype=np.int32)
+                for o in range(options):
+                    # Graph first with option o: its forward phase, the sub-chain s+1..t, its
+                    # backward phase; each phase's peak, and what it leaves (the larger counts).
+                    peak_f = entry_rest + z.opt_fwd_peak[o, pin, s]
+                    peak_b = z.held_grads[s + 1] + z.opt_bwd_peak[o, pin, s]
+                    if span > 0:
+                        peak_b = peak_b + after  # the caller's output and its gradient, if top
+                    peak_b = np.maximum(peak_b, left_b)
+                    ok = m[None, :] >= np.maximum(peak_f, peak_b)[:, None]
+                    base = z.opt_time[o, s]
+                    if span == 0:
+                        value = np.where(ok, base[:, None], np.inf)
+                    else:
+                        pinned = z.opt_pins[o, s].astype(np.int64)
+                        shift = z.opt_graph[o, pin, s] + pinned * z.act[s + 1]
+                        inner = windows[pinned, s + 1, t, back(shift)]
+                        value = np.where(ok, base[:, None] + inner, np.inf)
+                    better = value < best
+                    best = np.where(better, value, best)
+                    choice = np.where(better, np.int32(-1 - o), choice)
                 if span > 0:
                     # Checkpoint at j: forward to a[j], the sub-chain j..t owning a[j], then
                     # s..j-1 again from a[s].
@@ -225,17 +327,17 @@ class OptimalTable:
                 self._time[pin, s, t] = best
                 if pin == 0:
                     self._reach[s, t, pad:] = best + prefix[s][:, None]
-                self._choice[pin, s, t] = np.where(np.isfinite(best), choice, -2)
+                self._choice[pin, s, t] = np.where(np.isfinite(best), choice, NO_PLAN)
 
     # -- queries -----------------------------------------------------------------------------------
 
     def time(self, slots: int) -> float:
         """Least time (seconds) of a step within ``slots`` slots (inf if none fits)."""
-        return float(self._time[1, 0, self.chain.length - 1, min(slots, self.slots)])
+        return float(self._time[1, 0, self.length - 1, min(slots, self.slots)])
 
     def times(self) -> np.ndarray:
         """Least step time for every budget 0..slots (inf where none fits)."""
-        row: np.ndarray = self._time[1, 0, self.chain.length - 1].copy()
+        row: np.ndarray = self._time[1, 0, self.length - 1].copy()
         return row
 
     def smallest_feasible_slots(self) -> int | None:
@@ -243,45 +345,53 @@ class OptimalTable:
         finite = np.flatnonzero(np.isfinite(self.times()))
         return int(finite[0]) if finite.size else None
 
-    def schedule(self, slots: int, params: dict[str, object] | None = None) -> Schedule:
-        """The optimal plan within ``slots`` slots."""
-        n = self.chain.length
+    def operations(self, slots: int) -> list[tuple[Op, int, int]]:
+        """The optimal plan within ``slots`` slots as the recursion's operations ``(op, stage,
+        option)`` (the option of an ``Fa`` and its ``B``; 0 otherwise)."""
+        n = self.length
         slots = min(slots, self.slots)
         if not np.isfinite(self._time[1, 0, n - 1, slots]):
             raise InfeasibleBudget(f"no plan fits in {slots} slots", None)
         z = self._z
         act_out = int(z.act[n])
-        ops: list[tuple[Op, int]] = []
-        # Explicit stack: ("solve", pin, s, t, m) or ("emit", op, index).
+        ops: list[tuple[Op, int, int]] = []
+        # Explicit stack: ("solve", pin, s, t, m) or ("emit", op, index, option).
         stack: list[tuple[object, ...]] = [("solve", 1, 0, n - 1, slots)]
         while stack:
             item = stack.pop()
             if item[0] == "emit":
-                ops.append((item[1], item[2]))  # type: ignore[arg-type]
+                ops.append((item[1], item[2], item[3]))  # type: ignore[arg-type]
                 continue
             _, pin, s, t, m = item
             assert isinstance(pin, int) and isinstance(s, int) and isinstance(t, int)
             assert isinstance(m, int)
             j = int(self._choice[pin, s, t, m])
             after = act_out + int(z.grad[n]) if t == n - 1 else 0
-            if j == -1:
-                graph = int(z.extra[s] + (0 if pin else z.saves_input[s] * z.act[s]))
-                pinned = int(z.pins_output[s])
-                todo: list[tuple[object, ...]] = [("emit", Op.FORWARD_ALL, s)]
+            if j < 0:
+                o = -1 - j
+                graph = int(z.opt_graph[o, pin, s])
+                pinned = int(z.opt_pins[o, s])
+                todo: list[tuple[object, ...]] = [("emit", Op.FORWARD_ALL, s, o)]
                 if t > s:
                     todo.append(("solve", pinned, s + 1, t, m - graph - pinned * int(z.act[s + 1])))
                 elif s + 1 < n:
-                    todo.append(("emit", Op.DISCARD, s + 1))  # only the graph needs a[s+1] now
-                todo.append(("emit", Op.BACKWARD, s))
+                    todo.append(("emit", Op.DISCARD, s + 1, 0))  # only the graph needs a[s+1]
+                todo.append(("emit", Op.BACKWARD, s, o))
             else:
                 own = 0 if pin else int(z.act[s])
-                todo = [("emit", Op.FORWARD_CHECKPOINT, s)]
-                todo += [("emit", Op.FORWARD_NOSAVE, k) for k in range(s + 1, j)]
+                todo = [("emit", Op.FORWARD_CHECKPOINT, s, 0)]
+                todo += [("emit", Op.FORWARD_NOSAVE, k, 0) for k in range(s + 1, j)]
                 todo += [("solve", 0, j, t, m - own), ("solve", pin, s, j - 1, m - after)]
             stack.extend(reversed(todo))
+        return ops
+
+    def schedule(self, slots: int, params: dict[str, object] | None = None) -> Schedule:
+        """The optimal plan within ``slots`` slots, as a schedule of the chain."""
+        slots = min(slots, self.slots)
+        ops = self._expand(self.operations(slots))
         info: dict[str, object] = {"budget_bytes": int(slots * self.slot_bytes), "slots": slots}
         info.update(params or {})
-        return Schedule.from_ops(n, ops, "optimal", info)
+        return Schedule.from_ops(self.chain.length, ops, self.strategy, info)
 
 
 def store_all(chain: Chain) -> Schedule:
@@ -304,6 +414,60 @@ def _shift_each(values: np.ndarray, offset: np.ndarray) -> np.ndarray:
     return np.where(index >= 0, out, np.inf)
 
 
+@dataclass(frozen=True)
+class TableMaker:
+    """How to build tables of one chain's plans at any resolution: the chain's own stages
+    (rotor's DP, the default) or other stages of the recursion (``costs``, ``expand``: see
+    :class:`OptimalTable` and :mod:`edgetrain.planners.blocks`).
+
+    Attributes:
+        chain: the chain the plans are for (and the simulator checks them on).
+        grads_exist: as in :func:`~edgetrain.schedule.simulate`.
+        length: stages of the recursion (the chain's by default).
+        unit: a size (bytes) every size of the recursion is a multiple of (0: none known).
+        costs, expand, strategy: as in :class:`OptimalTable`.
+    """
+
+    chain: Chain
+    grads_exist: bool = False
+    length: int = 0
+    unit: int = -1
+    costs: Callable[[float, bool], StepCosts] | None = None
+    expand: Expand | None = None
+    strategy: str = "optimal"
+
+    @property
+    def stages(self) -> int:
+        """Stages of the recursion."""
+        return self.length or self.chain.length
+
+    def table(self, slot_bytes: float, slots: int, nearest: bool = False) -> OptimalTable:
+        """The filled table at this resolution."""
+        return OptimalTable(
+            self.chain,
+            slot_bytes,
+            slots,
+            grads_exist=self.grads_exist,
+            nearest=nearest,
+            costs=self.costs,
+            expand=self.expand,
+            strategy=self.strategy,
+        )
+
+    def resolution(self, budget_bytes: float, slots: int) -> tuple[float, int]:
+        """Slot size and count for budgets up to ``budget_bytes`` (see :func:`resolution`)."""
+        slots = min(slots, max_slots(self.stages))
+        unit = common_unit(self.chain) if self.unit < 0 else self.unit
+        if unit and budget_bytes / unit <= slots:
+            return float(unit), int(budget_bytes // unit)
+        return budget_bytes / slots, slots
+
+    def everything(self) -> Schedule:
+        """Storing every graph: plain autograd, the fastest plan."""
+        schedule = store_all(self.chain)
+        return Schedule(schedule.length, schedule.kinds, schedule.indices, self.strategy, {})
+
+
 def optimal(
     chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
 ) -> Schedule:
@@ -316,11 +480,16 @@ def optimal(
     first, and the first that fits is returned. Raises :class:`InfeasibleBudget` with the
     smallest budget that works (:func:`minimum_memory`) when no plan fits.
     """
+    return fastest(TableMaker(chain, grads_exist), memory_bytes, slots)
+
+
+def fastest(maker: TableMaker, memory_bytes: float, slots: int = DEFAULT_SLOTS) -> Schedule:
+    """:func:`optimal` with the tables of ``maker``."""
     if memory_bytes <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
-    schedule = _fastest_within(chain, memory_bytes, slots, grads_exist)
+    schedule = _fastest_within(maker, memory_bytes, slots)
     if schedule is None:
-        smallest = minimum_memory(chain, slots, grads_exist=grads_exist)
+        smallest = least_memory(maker, slots)
         raise InfeasibleBudget(
             f"no plan fits in {memory_bytes:.0f} bytes; the smallest that works is "
             f"{smallest:.0f} bytes",
@@ -335,11 +504,7 @@ def resolution(chain: Chain, budget_bytes: float, slots: int = DEFAULT_SLOTS) ->
     When every size of the chain is a multiple of one unit and the budget is at most ``slots``
     units, the slot is that unit and the table is exact; otherwise ``budget_bytes / slots``.
     """
-    slots = min(slots, max_slots(chain.length))
-    unit = common_unit(chain)
-    if unit and budget_bytes / unit <= slots:
-        return float(unit), int(budget_bytes // unit)
-    return budget_bytes / slots, slots
+    return TableMaker(chain).resolution(budget_bytes, slots)
 
 
 _MARGIN = 0.04
@@ -347,29 +512,28 @@ _MARGIN = 0.04
 there."""
 
 
-def _fastest_within(
-    chain: Chain, memory_bytes: float, slots: int, grads_exist: bool
-) -> Schedule | None:
+def _fastest_within(maker: TableMaker, memory_bytes: float, slots: int) -> Schedule | None:
     """:func:`optimal`'s search; None when nothing fits."""
-    everything = store_all(chain)
-    if simulate(chain, everything, grads_exist=grads_exist).peak_bytes <= memory_bytes:
+    chain = maker.chain
+    everything = maker.everything()
+    if simulate(chain, everything, grads_exist=maker.grads_exist).peak_bytes <= memory_bytes:
         schedule = everything  # nothing is faster than storing everything
     else:
-        slot_bytes, count = resolution(chain, memory_bytes, slots)
-        top = min(count + max(1, int(count * _MARGIN)), max_slots(chain.length))
+        slot_bytes, count = maker.resolution(memory_bytes, slots)
+        top = min(count + max(1, int(count * _MARGIN)), max_slots(maker.stages))
         top = max(top, count)
-        table = OptimalTable(chain, slot_bytes, top, grads_exist=grads_exist)
+        table = maker.table(slot_bytes, top)
         found = _fastest_fitting(table, memory_bytes, top)
         if found is not None:
             found = _widened(chain, memory_bytes, slots, grads_exist, found)
         if found is None:
             # Rounding up every size of a long chain can hide every plan; to the nearest slot
             # the errors cancel (the simulator checks each plan).
-            near = OptimalTable(chain, slot_bytes, top, grads_exist=grads_exist, nearest=True)
+            near = maker.table(slot_bytes, top, nearest=True)
             found = _fastest_fitting(near, memory_bytes, top)
         if found is None:
             # Coarse rounding can hide the smallest plans: the least-memory tables have them.
-            for table in _least_memory_tables(chain, slots, grads_exist):
+            for table in _least_memory_tables(maker, slots):
                 found = _fastest_fitting(table, memory_bytes)
                 if found is not None:
                     break
@@ -377,7 +541,7 @@ def _fastest_within(
             return None
         schedule = found
     params = {**schedule.params, "budget_bytes": int(memory_bytes)}
-    return Schedule(schedule.length, schedule.kinds, schedule.indices, "optimal", params)
+    return Schedule(schedule.length, schedule.kinds, schedule.indices, maker.strategy, params)
 
 
 _WIDEN_BELOW = 0.95
@@ -441,37 +605,44 @@ def _fastest_fitting(
     return None
 
 
-def _least_memory_table(chain: Chain, slots: int, grads_exist: bool) -> OptimalTable:
+def _least_memory_table(maker: TableMaker, slots: int) -> OptimalTable:
     """A table at the resolution of the least memory any plan needs (estimated at the
     resolution of the store-everything peak)."""
-    everything = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
-    slot_bytes, count = resolution(chain, max(everything, 1), slots)
-    coarse = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
+    chain = maker.chain
+    everything = simulate(chain, store_all(chain), grads_exist=maker.grads_exist).peak_bytes
+    slot_bytes, count = maker.resolution(max(everything, 1), slots)
+    coarse = maker.table(slot_bytes, count)
     fewest = coarse.smallest_feasible_slots()
     if fewest is None:
         return coarse
     budget = max(1.0, (fewest + 1) * slot_bytes * (1 + _MARGIN))
-    slot_bytes, count = resolution(chain, budget, slots)
-    return OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
+    slot_bytes, count = maker.resolution(budget, slots)
+    return maker.table(slot_bytes, count)
 
 
-def _least_memory_tables(
-    chain: Chain, slots: int, grads_exist: bool
-) -> tuple[OptimalTable, OptimalTable]:
+def _least_memory_tables(maker: TableMaker, slots: int) -> tuple[OptimalTable, OptimalTable]:
     """The tables whose plans :func:`minimum_memory` searches (and :func:`optimal` last): the
     least-memory table, and a table rounded to the nearest slot at the resolution of the
     store-everything peak."""
-    everything = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
-    slot_bytes, count = resolution(chain, max(everything, 1), slots)
-    near = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist, nearest=True)
-    return _least_memory_table(chain, slots, grads_exist), near
+    chain = maker.chain
+    everything = simulate(chain, store_all(chain), grads_exist=maker.grads_exist).peak_bytes
+    slot_bytes, count = maker.resolution(max(everything, 1), slots)
+    near = maker.table(slot_bytes, count, nearest=True)
+    return _least_memory_table(maker, slots), near
 
 
 def minimum_memory(chain: Chain, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False) -> float:
     """The smallest activation budget (bytes) with which :func:`optimal` finds a plan: the least
     simulated peak of the plans of the least-memory tables (and of storing everything)."""
+    return least_memory(TableMaker(chain, grads_exist), slots)
+
+
+def least_memory(maker: TableMaker, slots: int = DEFAULT_SLOTS) -> float:
+    """:func:`minimum_memory` with the tables of ``maker``."""
+    chain = maker.chain
+    grads_exist = maker.grads_exist
     best = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
-    for table in _least_memory_tables(chain, slots, grads_exist):
+    for table in _least_memory_tables(maker, slots):
         times = table.times()
         for m in np.flatnonzero(np.isfinite(times))[:64]:
             peak = simulate(chain, table.schedule(int(m)), grads_exist=grads_exist).peak_bytes

@@ -1,0 +1,282 @@
+"""Block options (issue 9, planning item 2): rotor's DP over blocks, each block run one of several
+ways. Every plan is expanded to the fine chain and replayed by the one simulator: exactly the
+predicted time, a peak within the budget. With one stage per block it is the flat DP; without
+shared storages it is never faster than the flat DP; its options are a Pareto frontier; and a
+captured residual model trains under it exactly, holding what was predicted."""
+
+import copy
+import dataclasses
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import edgetrain
+from edgetrain.capture import ALL_CUTS_UP_TO, all_cuts, capture
+from edgetrain.chain import Chain, Stage
+from edgetrain.errors import InfeasibleBudget, InvalidInput
+from edgetrain.execute import Checkpointed, as_stages
+from edgetrain.models import build, sample_input
+from edgetrain.planners import blocks as blocks_module
+from edgetrain.planners.blocks import block_options, block_plan, blocks_of, minimum_block_memory
+from edgetrain.planners.optimal import OptimalTable, store_all
+from edgetrain.planners.search import FLAT_UP_TO
+from edgetrain.profile import analytic_chain
+from edgetrain.schedule import Op, Schedule, simulate
+from tests.conftest import random_chain
+from tests.test_anymodel import F64, ResidualMLP, measured_peak, same_state, train_step
+
+
+def residual_chain(rng: random.Random, blocks: int, *, carried: bool = True) -> Chain:
+    """Random residual blocks: inside a block every cut carries two tensors, the block's input
+    (the skip; the same storage when ``carried``) and the trunk; a block ends in one tensor."""
+    stages = []
+    width = first = rng.randint(1, 6)
+    for b in range(blocks):
+        inner = rng.randint(1, 3)
+        for i in range(inner + 1):
+            trunk, saved, weights = rng.randint(1, 6), rng.randint(0, 3), rng.randint(0, 3)
+            if i == inner:
+                out, leaves, carry, saved_inputs = rng.randint(1, 6), (), (), None
+            else:
+                out, leaves = width + trunk, (width, trunk)
+                carry = ((0, 0),) if carried else ()
+                saved_inputs = (1,) if carried and i > 0 and rng.random() < 0.4 else None
+            stages.append(
+                Stage(
+                    name=f"b{b}s{i}",
+                    output_bytes=out,
+                    saved_bytes=saved,
+                    saves_input=rng.random() < 0.7,
+                    saves_output=rng.random() < 0.4,
+                    forward_peak_bytes=out + rng.randint(0, 2),
+                    forward_grad_peak_bytes=out + saved + rng.randint(0, 2),
+                    backward_peak_bytes=rng.randint(1, 8),
+                    weight_bytes=weights,
+                    gradient_bytes=weights if rng.random() < 0.5 else 0,
+                    forward_seconds=float(rng.randint(1, 4)),
+                    backward_seconds=float(rng.randint(1, 5)),
+                    leaf_bytes=leaves,
+                    carried=carry,
+                    saved_inputs=saved_inputs,
+                    input_gradient_bytes=rng.choice([None, max(1, width // 2)]) if i == 0 else None,
+                )
+            )
+        width = stages[-1].output_bytes
+    return Chain(tuple(stages), input_bytes=first, input_requires_grad=rng.random() < 0.5)
+
+
+SLOTS = 160  # one-byte slots: no rounding on these chains
+
+
+def test_blocks_end_where_one_tensor_of_its_own_crosses():
+    chain = residual_chain(random.Random(1), 3)
+    found = blocks_of(chain)
+    assert found[0].start == 0 and found[-1].stop == chain.length
+    for block in found:
+        assert chain.stages[block.stop - 1].output_leaves == 1
+        assert all(chain.stages[k].output_leaves == 2 for k in block[:-1])
+    assert blocks_of(chain, [found[1].start]) == (
+        range(0, found[1].start),
+        range(found[1].start, chain.length),
+    )
+    with pytest.raises(InvalidInput, match="not single-tensor"):
+        blocks_of(chain, [1])
+
+
+@pytest.mark.parametrize("grads_exist", [False, True])
+def test_every_block_plan_runs_with_the_predicted_time_within_its_budget(grads_exist):
+    rng = random.Random(5)
+    for _ in range(25):
+        chain = residual_chain(rng, rng.randint(1, 3))
+        table = block_plan(chain, grads_exist=grads_exist).maker().table(1.0, SLOTS)
+        times = table.times()
+        assert np.isfinite(times).any()
+        for m in np.flatnonzero(np.isfinite(times)):
+            schedule = table.schedule(int(m))
+            cost = simulate(chain, schedule, grads_exist=grads_exist)  # raises if invalid
+            assert cost.seconds == pytest.approx(times[m], abs=1e-9)
+            assert cost.peak_bytes <= m
+
+
+def test_with_one_stage_per_block_it_is_the_flat_dp():
+    rng = random.Random(11)
+    for _ in range(40):
+        chain = random_chain(rng, rng.randint(1, 6))
+        plan = block_plan(chain)
+        assert [len(b) for b in plan.blocks] == [1] * chain.length
+        flat = OptimalTable(chain, 1.0, SLOTS).times()
+        blocks = plan.maker().table(1.0, SLOTS).times()
+        assert np.array_equal(np.isfinite(flat), np.isfinite(blocks))
+        assert np.allclose(flat[np.isfinite(flat)], blocks[np.isfinite(blocks)], rtol=0, atol=1e-9)
+
+
+def test_without_shared_storages_it_is_never_faster_than_the_flat_dp():
+    # Its plans are rotor-form plans of the fine chain, and with nothing shared the flat DP's
+    # accounting is exact: the flat DP's optimum bounds it at every budget.
+    rng = random.Random(3)
+    for _ in range(40):
+        chain = residual_chain(rng, rng.randint(1, 3), carried=False)
+        flat = OptimalTable(chain, 1.0, SLOTS).times()
+        blocks = block_plan(chain).maker().table(1.0, SLOTS).times()
+        assert np.all(blocks >= flat - 1e-9)
+
+
+def test_options_are_a_pareto_frontier_of_valid_plans_of_the_block():
+    rng = random.Random(8)
+    for _ in range(15):
+        chain = residual_chain(rng, 3)
+        for block in blocks_of(chain):
+            options = block_options(chain, block)
+            assert options[0].kind == "store all"  # the fastest, first
+            assert options[0].seconds == pytest.approx(
+                sum(
+                    chain.stages[k].forward_seconds + chain.stages[k].backward_seconds
+                    for k in block
+                )
+            )
+            for a in options:
+                for b in options:
+                    worse = all(x >= y for x, y in zip(a.metrics(), b.metrics(), strict=True))
+                    assert a is b or not worse  # none is matched or beaten everywhere by another
+                # The two phases make a plan of the block's own stages.
+                sub = Chain(
+                    chain.stages[block.start : block.stop],
+                    input_bytes=chain.activation_bytes(block.start),
+                    input_requires_grad=chain.requires_grad(block.start),
+                )
+                ops = [(op, k - block.start) for op, k in (*a.forward_ops, *a.backward_ops)]
+                cost = simulate(sub, Schedule.from_ops(sub.length, ops))
+                assert cost.seconds == pytest.approx(a.seconds)
+                assert a.forward_ops[-1] == (Op.FORWARD_ALL, block.stop - 1)
+
+
+def _stage(name, leaves, **fields):
+    return Stage(
+        name=name,
+        output_bytes=sum(leaves),
+        saved_bytes=fields.pop("saved", 1),
+        saves_input=True,
+        forward_peak_bytes=leaves[-1],
+        forward_grad_peak_bytes=leaves[-1] + 1,
+        backward_peak_bytes=3,
+        weight_bytes=2,
+        gradient_bytes=2,
+        forward_seconds=1.0,
+        backward_seconds=2.0,
+        leaf_bytes=leaves if len(leaves) > 1 else (),
+        **fields,
+    )
+
+
+def test_identical_blocks_get_their_options_once():
+    # A block (4) -> (4, 3) -> (4, 2) -> (4), the skip carried, repeated four times, then a head.
+    block = (
+        _stage("conv1", (4, 3), carried=((0, 0),)),
+        _stage("conv2", (4, 2), carried=((0, 0),), saved_inputs=(1,)),
+        _stage("add", (4,), saved=0),
+    )
+    chain = Chain(block * 4 + (_stage("head", (2,)),), input_bytes=4, input_requires_grad=True)
+    blocks_module._options.cache_clear()
+    plan = block_plan(chain)
+    info = blocks_module._options.cache_info()
+    assert [len(b) for b in plan.blocks] == [3, 3, 3, 3, 1]
+    assert (info.misses, info.hits) == (2, 3)  # the repeated block once, the head once
+    assert len(plan.options[0]) >= 2
+    assert [o.metrics() for o in plan.options[0]] == [o.metrics() for o in plan.options[3]]
+    assert plan.options[3][0].forward_ops == tuple(
+        (op, k + 9) for op, k in plan.options[0][0].forward_ops
+    )
+
+
+def test_an_infeasible_budget_raises_one_line_with_the_smallest_that_works():
+    chain = residual_chain(random.Random(4), 3)
+    least = minimum_block_memory(chain)
+    with pytest.raises(InfeasibleBudget) as caught:
+        edgetrain.plan(chain, "blocks", memory=least - 1)
+    assert "\n" not in str(caught.value) and caught.value.smallest == least
+    schedule = edgetrain.plan(chain, "blocks", memory=least)
+    assert schedule.strategy == "blocks"
+    assert simulate(chain, schedule).peak_bytes <= least
+
+
+def test_plan_blocks_gives_the_fastest_fitting_plan_of_the_fine_chain():
+    chain = residual_chain(random.Random(6), 3)
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    least = minimum_block_memory(chain)
+    table = block_plan(chain).maker().table(1.0, SLOTS)
+    for budget in np.linspace(least, everything, 5):
+        schedule = edgetrain.plan(chain, "blocks", memory=float(budget))
+        cost = simulate(chain, schedule)
+        assert cost.peak_bytes <= budget
+        assert cost.seconds <= table.time(math.floor(budget)) + 1e-9
+    recompute = edgetrain.plan(chain, "blocks", recompute=1.3)
+    assert simulate(chain, recompute).recompute_factor <= 1.3 + 1e-9
+
+
+CASES = [
+    ("residual-mlp", ResidualMLP, lambda: torch.randn(16, 12)),
+    ("resnet18-module", lambda: build("resnet18-module"), lambda: sample_input("resnet18", 2, 32)),
+]
+
+
+@pytest.mark.parametrize(("name", "make", "make_input"), CASES, ids=[c[0] for c in CASES])
+def test_a_captured_residual_model_trains_exactly_under_block_plans(name, make, make_input):
+    torch.manual_seed(0)
+    model = make().to(F64)
+    x = make_input().to(F64)
+    chain = analytic_chain(as_stages(model, x), x)
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    least = minimum_block_memory(chain)
+    for budget in ((everything + least) / 2, least):
+        schedule = edgetrain.plan(chain, "blocks", memory=budget)
+        assert schedule.strategy == "blocks"
+        ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+        net = Checkpointed(ours, x, chain=chain, schedule=schedule)
+        assert torch.equal(train_step(net, x, seed=3), train_step(plain, x, seed=3))
+        same_state(ours, plain)
+        measured = measured_peak(Checkpointed(model, x, chain=chain, schedule=schedule), x)
+        assert measured == pytest.approx(net.cost.peak_bytes, rel=0.05), name
+        assert measured <= budget * 1.02
+
+
+def test_optimal_plans_a_chain_longer_than_flat_up_to_over_its_blocks():
+    rng = random.Random(12)
+    chain = residual_chain(rng, 1)
+    while chain.length <= FLAT_UP_TO:
+        more = residual_chain(rng, 10)
+        first = more.stages[0]
+        # Each new block takes the last block's output as its input (the skip's size).
+        width = chain.stages[-1].output_bytes
+        first = dataclasses.replace(
+            first, leaf_bytes=(width, first.leaf_bytes[1]), output_bytes=width + first.leaf_bytes[1]
+        )
+        chain = dataclasses.replace(chain, stages=(*chain.stages, first, *more.stages[1:]))
+    peak = simulate(chain, store_all(chain)).peak_bytes
+    schedule = edgetrain.plan(chain, "optimal", memory=0.6 * peak)
+    assert schedule.strategy == "blocks"
+    assert schedule.length == chain.length and simulate(chain, schedule).peak_bytes <= 0.6 * peak
+    short = dataclasses.replace(chain, stages=chain.stages[:40])
+    assert edgetrain.plan(short, "optimal", memory=0.6 * peak).strategy == "optimal"
+
+
+def test_a_model_with_more_than_256_cuts_is_cut_at_every_one():
+    model = ResidualMLP(width=8, depth=56)
+    x = torch.randn(4, 12)
+    cuts = all_cuts(capture(model, x))
+    assert 256 < len(cuts) <= ALL_CUTS_UP_TO
+    assert len(as_stages(model, x)) == len(cuts) + 1
+
+
+def test_checkpointed_takes_the_blocks_strategy():
+    torch.manual_seed(0)
+    model = ResidualMLP().to(F64)
+    x = torch.randn(512, 12, dtype=F64)  # activations, not parameter gradients, set the peak
+    ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+    net = Checkpointed(ours, x, max_recompute=1.3, strategy="blocks")
+    assert net.schedule.strategy == "blocks" and net.cost.recompute_factor <= 1.3 + 1e-9
+    assert net.cost.forward_steps > 0  # it recomputes
+    assert torch.equal(train_step(net, x, seed=3), train_step(plain, x, seed=3))
+    same_state(ours, plain)
