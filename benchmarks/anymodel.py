@@ -13,7 +13,8 @@ weights), one training step (forward, mean-square loss, backward; gradients then
 * ``edgetrain@f``: the model captured, cut and profiled once (:class:`Edgetrain`), planned for
   f × plain's measured peak; ``edgetrain@store-all`` for the store-all plan's predicted peak;
   ``edgetrain≤compile@b``: the fastest plan whose measured peak is within compile@b's measured
-  peak (planned for that peak, again for less by what the heap showed over, at most 3 tries).
+  peak (planned for that peak, measured, planned again for what the heap showed over or
+  free, at most 4 tries; see :func:`_fit`).
 
 Memory: ``peak_MiB`` is the most heap memory in use during the step above what was in use when
 it started (weights, buffers, input; parameter gradients are allocated during the step and
@@ -56,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_cpu_wall
 from _malloc_peak import malloc_peak
 
-from edgetrain.errors import EdgetrainError
+from edgetrain.errors import EdgetrainError, InfeasibleBudget
 from edgetrain.measure import StorageCounter
 from edgetrain.models import build, canonical_name, sample_input
 from edgetrain.models.mobilenetv2 import InvertedResidual
@@ -114,6 +115,11 @@ class Edgetrain:
         from edgetrain.execute import Checkpointed
         from edgetrain.planners import plan
 
+        if heap_bytes <= self.loss_bytes:
+            raise EdgetrainError(
+                f"the loss alone holds {self.loss_bytes / MiB:.1f} MiB of the "
+                f"{heap_bytes / MiB:.1f} MiB budget"
+            )
         schedule = plan(self.chain, "optimal", memory=heap_bytes - self.loss_bytes)
         return Checkpointed(copy.deepcopy(self.base), self.x, chain=self.chain, schedule=schedule)
 
@@ -227,21 +233,21 @@ def bench_model(
             except EdgetrainError as exc:
                 notes[config] = str(exc)
                 return False
+            add_net(config, net, heap)
+            return True
+
+        def add_net(config: str, net: Any, heap: int) -> None:
             planned[config] = heap
             nets[config] = net
-            same = [
-                c
-                for c, n in nets.items()
-                if c != config and n.schedule.text() == net.schedule.text()
-            ]
+            text = net.schedule.text()
+            same = [c for c, n in nets.items() if c != config and n.schedule.text() == text]
             if same:  # the same plan as a row already measured: measured once, shown twice
                 alias[config] = same[0]
                 peaks[config] = peaks[same[0]]
                 counted[config] = counted[same[0]]
-                return True
+                return
             add(config, net, list(net.module.parameters()))
             measure(config)
-            return True
 
         for fraction in args.fractions:
             add_edgetrain(f"edgetrain@{fraction:g}", int(fraction * peaks["plain"]))
@@ -249,25 +255,19 @@ def bench_model(
         # peak and the loss's): the plan then runs the model as it is.
         everything = simulate(edgetrain.chain, store_all(edgetrain.chain)).peak_bytes
         add_edgetrain("edgetrain@store-all", everything + edgetrain.loss_bytes)
-        # Matched rows: the fastest plan whose *measured* heap peak is within compile@b's. The
-        # planner's prediction counts tensors; the heap also holds kernel scratch, so when the
-        # measured peak is over, plan again for that much less (at most three tries).
+        # Matched rows: the fastest plan whose *measured* heap peak is within compile@b's.
         for budget in args.budgets:
             target = compile_peaks.get(f"compile@{budget:g}")
-            if target is None:
-                continue
-            config = f"edgetrain≤compile@{budget:g}"
-            heap = target
-            for _ in range(3):
-                if not add_edgetrain(config, heap):
-                    break
-                over = peaks[config] - target
-                if over <= 0:
-                    break
-                heap -= max(over, MiB)
-                configs.pop(config, None)
-                nets.pop(config)
-                alias.pop(config, None)
+            if target is not None:
+                config = f"edgetrain≤compile@{budget:g}"
+                found = _fit(edgetrain, target, lambda net: _measured_peak(net, x, args))
+                if isinstance(found, str):
+                    notes[config] = found
+                else:
+                    add_net(config, *found)
+                    if peaks[config] > target:
+                        over = (peaks[config] - target) / MiB
+                        notes[config] = f"no plan measured within: this one is {over:.1f} MiB over"
 
     _progress(f"{name}: timing {len(configs)} configurations, {args.rounds} rounds")
     times = interleaved_cpu_wall(configs, rounds=args.rounds, warmup=0)
@@ -308,6 +308,59 @@ def bench_model(
         )
         rows.append(row)
     return rows, _verdicts(label, rows, args.budgets)
+
+
+def _measured_peak(net: Any, x: torch.Tensor, args: argparse.Namespace) -> int:
+    """Heap peak of a training step of ``net`` (after a warm-up), as the rows measure it."""
+    step = _training_step(net, list(net.module.parameters()), x)
+    step()
+    return max(malloc_peak(step) for _ in range(args.mem_repeats))
+
+
+def _fit(
+    edgetrain: Edgetrain, target: int, peak_of: Callable[[Any], int], tries: int = 4
+) -> tuple[Any, int] | str:
+    """The fastest plan whose measured heap peak is within ``target`` bytes: (its
+    ``Checkpointed``, the heap budget it was planned for); or, when none is found, the plan
+    with the least measured peak; or a note saying why there is no plan at all.
+
+    The planner predicts tensors, the heap also holds kernel scratch and the loss's memory does
+    not all coincide with the step's peak, so the prediction is off by a few MiB either way:
+    plan for the target, measure, and plan again for the prediction plus what the heap showed
+    free (or less by what it showed over), at most ``tries`` times. A budget below the least
+    plan's is planned at the least plan (whose measured peak may still fit).
+    """
+    seen: dict[str, tuple[Any, int, int]] = {}  # plan text -> (net, heap, measured peak)
+    heap = target
+    for _ in range(tries):
+        try:
+            net = edgetrain.net(heap)
+        except InfeasibleBudget as exc:
+            if exc.smallest is None:
+                return str(exc)
+            heap = int(exc.smallest) + edgetrain.loss_bytes + 1
+            net = edgetrain.net(heap)
+        except EdgetrainError as exc:
+            return str(exc)
+        text = net.schedule.text()
+        if text in seen:
+            break
+        peak = peak_of(net)
+        seen[text] = (net, heap, peak)
+        if net._stores_everything and peak <= target:
+            break
+        gap = target - peak
+        if 0 <= gap < MiB:
+            break
+        heap = net.cost.peak_bytes + edgetrain.loss_bytes + gap
+    fitting = [v for v in seen.values() if v[2] <= target]
+    if fitting:
+        net, heap, _ = min(fitting, key=lambda v: v[0].cost.seconds)
+        return net, heap
+    if not seen:
+        return "no plan"
+    net, heap, _ = min(seen.values(), key=lambda v: v[2])
+    return net, heap
 
 
 def _describe(net: Any, edgetrain: Edgetrain | None) -> str:
