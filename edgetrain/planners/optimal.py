@@ -525,7 +525,7 @@ def _fastest_within(maker: TableMaker, memory_bytes: float, slots: int) -> Sched
         table = maker.table(slot_bytes, top)
         found = _fastest_fitting(table, memory_bytes, top)
         if found is not None:
-            found = _widened(chain, memory_bytes, slots, grads_exist, found)
+            found = _widened(maker, memory_bytes, slots, found)
         if found is None:
             # Rounding up every size of a long chain can hide every plan; to the nearest slot
             # the errors cancel (the simulator checks each plan).
@@ -548,9 +548,7 @@ _WIDEN_BELOW = 0.95
 """A plan whose simulated peak is below this share of the budget has the table widened."""
 
 
-def _widened(
-    chain: Chain, memory_bytes: float, slots: int, grads_exist: bool, found: Schedule
-) -> Schedule:
+def _widened(maker: TableMaker, memory_bytes: float, slots: int, found: Schedule) -> Schedule:
     """``found``, or a faster plan that fits from a table over a wider range of budgets.
 
     The table can price a plan well above its simulated peak: every size is rounded up, and a
@@ -562,6 +560,7 @@ def _widened(
     stretched by the ratio seen (budget over simulated peak) and searched again, at most three
     times, and the fastest plan that fits is kept; the simulator checks every plan.
     """
+    chain, grads_exist = maker.chain, maker.grads_exist
     if not any(stage.carried for stage in chain.stages):
         return found  # rounding alone: the margin above covers it
     reach = memory_bytes
@@ -571,9 +570,8 @@ def _widened(
         if peak >= _WIDEN_BELOW * memory_bytes or peak <= 0:
             break
         reach *= memory_bytes / peak
-        slot_bytes, count = resolution(chain, reach, slots)
-        table = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist)
-        wider = _fastest_fitting(table, memory_bytes, count)
+        slot_bytes, count = maker.resolution(reach, slots)
+        wider = _fastest_fitting(maker.table(slot_bytes, count), memory_bytes, count)
         if wider is None:
             break
         found = wider
