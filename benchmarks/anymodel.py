@@ -236,6 +236,8 @@ def bench_model(
             add_net(config, net, heap)
             return True
 
+        known: dict[str, tuple[Any, int, int]] = {}  # every plan measured: see _fit
+
         def add_net(config: str, net: Any, heap: int) -> None:
             planned[config] = heap
             nets[config] = net
@@ -248,6 +250,7 @@ def bench_model(
                 return
             add(config, net, list(net.module.parameters()))
             measure(config)
+            known.setdefault(text, (net, heap, peaks[config]))
 
         for fraction in args.fractions:
             add_edgetrain(f"edgetrain@{fraction:g}", int(fraction * peaks["plain"]))
@@ -260,7 +263,7 @@ def bench_model(
             target = compile_peaks.get(f"compile@{budget:g}")
             if target is not None:
                 config = f"edgetrain≤compile@{budget:g}"
-                found = _fit(edgetrain, target, lambda net: _measured_peak(net, x, args))
+                found = _fit(edgetrain, target, lambda net: _measured_peak(net, x, args), known)
                 if isinstance(found, str):
                     notes[config] = found
                 else:
@@ -318,7 +321,11 @@ def _measured_peak(net: Any, x: torch.Tensor, args: argparse.Namespace) -> int:
 
 
 def _fit(
-    edgetrain: Edgetrain, target: int, peak_of: Callable[[Any], int], tries: int = 4
+    edgetrain: Edgetrain,
+    target: int,
+    peak_of: Callable[[Any], int],
+    known: dict[str, tuple[Any, int, int]],
+    tries: int = 4,
 ) -> tuple[Any, int] | str:
     """The fastest plan whose measured heap peak is within ``target`` bytes: (its
     ``Checkpointed``, the heap budget it was planned for); or, when none is found, the plan
@@ -328,10 +335,13 @@ def _fit(
     not all coincide with the step's peak, so the prediction is off by a few MiB either way:
     plan for the target, measure, and plan again for the prediction plus what the heap showed
     free (or less by what it showed over), at most ``tries`` times. A budget below the least
-    plan's is planned at the least plan (whose measured peak may still fit).
+    plan's is planned at the least plan (whose measured peak may still fit). ``known`` (plan
+    text -> (``Checkpointed``, heap budget, measured peak)): plans measured before, candidates
+    too (the planner is not monotone in the budget); the plans measured here are added to it.
     """
-    seen: dict[str, tuple[Any, int, int]] = {}  # plan text -> (net, heap, measured peak)
+    seen = known  # plan text -> (net, heap, measured peak)
     heap = target
+    tried: set[str] = set()
     for _ in range(tries):
         try:
             net = edgetrain.net(heap)
@@ -343,10 +353,12 @@ def _fit(
         except EdgetrainError as exc:
             return str(exc)
         text = net.schedule.text()
-        if text in seen:
+        if text in tried:
             break
-        peak = peak_of(net)
-        seen[text] = (net, heap, peak)
+        tried.add(text)
+        if text not in seen:
+            seen[text] = (net, heap, peak_of(net))
+        net, _, peak = seen[text]
         if net._stores_everything and peak <= target:
             break
         gap = target - peak
