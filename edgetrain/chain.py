@@ -71,7 +71,14 @@ class Stage:
             added to in place (None: as ``backward_peak_bytes``).
         input_gradient_bytes: the distinct storages of the gradient its backward returns for
             its input (None: the input's size). Less than the input when tensors share one
-            gradient: an addition hands its output's gradient to both of its inputs.
+            gradient: an addition hands its output's gradient to both of its inputs. With
+            ``gradient_from``, only the storages its backward makes (not those it passes on).
+        gradient_from: per input tensor, the output tensor whose gradient's storage its
+            gradient is (passed on unchanged, as for a skip carried through, or a view of it, as
+            ``torch.cat``'s backward returns), or -1 for a storage of its own; empty: all of
+            their own. A gradient passed on keeps its whole storage alive: the U-Net's decoder
+            concatenates the upsampled trunk and the skip, and the skip's gradient, a view of
+            the concatenation's, holds both halves until the encoder consumes it.
     """
 
     name: str
@@ -97,6 +104,7 @@ class Stage:
     saved_outputs: tuple[int, ...] | None = None
     backward_peak_kept_bytes: int | None = None
     input_gradient_bytes: int | None = None
+    gradient_from: tuple[int, ...] = ()
 
     def backward_peak(self, grads_exist: bool) -> int:
         """The backward's peak when parameter gradients are created (held from then on) or,
@@ -175,12 +183,39 @@ class Chain:
         return self.input_requires_grad if k == 0 else self.stages[k - 1].output_requires_grad
 
     def gradient_of_activation_bytes(self, k: int) -> int:
-        """Size of the gradient of ``a[k]`` (0 when it needs none): as the backward of stage
-        ``k`` returns it (see :attr:`Stage.input_gradient_bytes`), else the size of ``a[k]``."""
+        """Bytes the gradient of ``a[k]`` holds (0 when it needs none): the storages the
+        backward of stage ``k`` makes (see :attr:`Stage.input_gradient_bytes`, else the size of
+        ``a[k]``) and those of later gradients it passes on (:attr:`Stage.gradient_from`)."""
         if not self.requires_grad(k):
             return 0
-        measured = self.stages[k].input_gradient_bytes if k < self.length else None
-        return self.activation_bytes(k) if measured is None else measured
+        return self._gradient_bytes()[k]
+
+    def _gradient_bytes(self) -> list[int]:
+        """Per activation, the bytes of the distinct storages its gradient holds, following
+        each gradient passed on from the output's (the caller's, one storage per tensor)."""
+        known: list[int] | None = self.__dict__.get("_gradient_bytes_memo")
+        if known is not None:
+            return known
+        n = self.length
+        last = self.stages[-1]
+        sizes = list(last.leaf_bytes) or [last.output_bytes]  # pieces: one size each
+        leaves = list(range(len(sizes)))  # a[n]'s tensors -> their gradient's piece
+        result = [0] * (n + 1)
+        result[n] = sum(sizes)
+        for k in reversed(range(n)):
+            stage = self.stages[k]
+            own = stage.input_gradient_bytes
+            own = self.activation_bytes(k) if own is None else own
+            sizes.append(own)
+            fresh = len(sizes) - 1
+            if stage.gradient_from:
+                inputs = [leaves[j] if 0 <= j < len(leaves) else fresh for j in stage.gradient_from]
+            else:
+                inputs = [fresh]
+            result[k] = sum(sizes[piece] for piece in set(inputs))
+            leaves = inputs
+        object.__setattr__(self, "_gradient_bytes_memo", result)
+        return result
 
     @property
     def weight_bytes(self) -> int:
@@ -237,6 +272,7 @@ class Chain:
                 s.backward_peak_kept_bytes,
                 *([[list(c) for c in s.shared_leaves]] if s.shared_leaves else []),
                 *([s.input_gradient_bytes] if s.input_gradient_bytes is not None else []),
+                *([list(s.gradient_from)] if s.gradient_from else []),
             ]
             for s in self.stages
         ]
@@ -288,7 +324,7 @@ class Chain:
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
     """JSON lists back to the tuples a Stage holds."""
     out = dict(fields)
-    for key in ("leaf_bytes", "saved_inputs", "saved_outputs"):
+    for key in ("leaf_bytes", "saved_inputs", "saved_outputs", "gradient_from"):
         if isinstance(out.get(key), list):
             out[key] = tuple(int(v) for v in out[key])
     for key in ("carried", "shared_leaves"):

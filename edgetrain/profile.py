@@ -345,6 +345,7 @@ class _Measured:
     saved_inputs: tuple[int, ...] | None = None
     saved_outputs: tuple[int, ...] | None = None
     input_gradient_bytes: int | None = None
+    gradient_from: tuple[int, ...] = ()
 
 
 def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage]:
@@ -391,6 +392,7 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             saved_inputs=r.saved_inputs,
             saved_outputs=r.saved_outputs,
             input_gradient_bytes=r.input_gradient_bytes,
+            gradient_from=r.gradient_from,
         )
         for k, (name, _, span, r) in enumerate(measured)
     ]
@@ -478,12 +480,27 @@ def _profile_stage(
         grad_out = _output_gradients(graph.outputs, out_leaves)
         # The model's last stage gets the caller's gradient, which the caller holds to the end.
         held = list(grad_out) if last else []
+        out_grad_keys = [None if g is None else storage_key(g) for g in grad_out]
         base = counter.reset_peak()
-        input_grads = [g for g in run_backward(graph, grad_out) if g is not None]
+        input_grads = run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
-        # An addition hands its output's gradient to both inputs: one storage, not two.
-        input_gradient_bytes = storage_bytes(input_grads) if input_grads else None
-        del graph, input_grads, grad_out, held
+        # A gradient passed on (a skip's, or a view of the output's, as cat's backward makes)
+        # is the output gradient's storage; an addition hands one gradient to both inputs.
+        gradient_from = tuple(
+            out_grad_keys.index(storage_key(g))
+            if g is not None and storage_key(g) in out_grad_keys
+            else -1
+            for g in input_grads
+        )
+        made = [
+            g for g, j in zip(input_grads, gradient_from, strict=True) if g is not None and j < 0
+        ]
+        input_gradient_bytes = (
+            storage_bytes(made) if any(g is not None for g in input_grads) else None
+        )
+        if all(j < 0 for j in gradient_from):
+            gradient_from = ()
+        del graph, input_grads, grad_out, held, made
         # Again, as in a loop that keeps gradients: each is added in place as it is computed.
         y, graph = run_forward_with_grad(
             module, x, needs_input_grad=needs_grad, params=params, sink=kept_sink, stage=index
@@ -522,6 +539,7 @@ def _profile_stage(
         saved_inputs=saved_in_leaves if several_in else None,
         saved_outputs=saved_out_leaves if several_out or carried else None,
         input_gradient_bytes=input_gradient_bytes,
+        gradient_from=gradient_from,
         forward_peak_bytes=forward_peak,
         forward_grad_peak_bytes=forward_grad_peak,
         backward_peak_bytes=backward_peak,

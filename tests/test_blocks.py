@@ -4,6 +4,7 @@ predicted time, a peak within the budget. With one stage per block it is the fla
 shared storages it is never faster than the flat DP; its options are a Pareto frontier; and a
 captured residual model trains under it exactly, holding what was predicted."""
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -20,8 +21,14 @@ from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.execute import Checkpointed, as_stages
 from edgetrain.models import build, sample_input
 from edgetrain.planners import blocks as blocks_module
-from edgetrain.planners.blocks import block_options, block_plan, blocks_of, minimum_block_memory
-from edgetrain.planners.optimal import OptimalTable, store_all
+from edgetrain.planners.blocks import (
+    block_options,
+    block_plan,
+    blocks_of,
+    minimum_block_memory,
+    plan_blocks,
+)
+from edgetrain.planners.optimal import OptimalTable, TableMaker, fastest, store_all
 from edgetrain.planners.search import FLAT_UP_TO
 from edgetrain.profile import analytic_chain
 from edgetrain.schedule import Op, Schedule, simulate
@@ -242,7 +249,7 @@ def test_a_captured_residual_model_trains_exactly_under_block_plans(name, make, 
         assert measured <= budget * 1.02
 
 
-def test_optimal_plans_a_chain_longer_than_flat_up_to_over_its_blocks():
+def test_optimal_plans_a_long_chain_over_its_blocks_and_a_short_one_both_ways():
     rng = random.Random(12)
     chain = residual_chain(rng, 1)
     while chain.length <= FLAT_UP_TO:
@@ -256,10 +263,19 @@ def test_optimal_plans_a_chain_longer_than_flat_up_to_over_its_blocks():
         chain = dataclasses.replace(chain, stages=(*chain.stages, first, *more.stages[1:]))
     peak = simulate(chain, store_all(chain)).peak_bytes
     schedule = edgetrain.plan(chain, "optimal", memory=0.6 * peak)
-    assert schedule.strategy == "blocks"
+    assert schedule.strategy == "optimal" and schedule.params["over"] == "blocks"
     assert schedule.length == chain.length and simulate(chain, schedule).peak_bytes <= 0.6 * peak
+    # A short chain: the better of the flat DP's plan and the block DP's, whichever it is.
     short = dataclasses.replace(chain, stages=chain.stages[:40])
-    assert edgetrain.plan(short, "optimal", memory=0.6 * peak).strategy == "optimal"
+    budget = 0.6 * simulate(short, store_all(short)).peak_bytes
+    best = edgetrain.plan(short, "optimal", memory=budget)
+    alone = []
+    for each in (lambda: fastest(TableMaker(short), budget), lambda: plan_blocks(short, budget)):
+        # The flat DP counts the skips at every cut: it may find nothing here.
+        with contextlib.suppress(InfeasibleBudget):
+            alone.append(simulate(short, each()).seconds)
+    assert alone and simulate(short, best).seconds == pytest.approx(min(alone), rel=1e-12)
+    assert simulate(short, best).peak_bytes <= budget
 
 
 def test_a_model_with_more_than_256_cuts_is_cut_at_every_one():

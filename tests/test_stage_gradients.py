@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from edgetrain.capture import capture, live_values, segments
-from edgetrain.measure import StorageCounter
+from edgetrain.execute import as_stages
+from edgetrain.measure import StorageCounter, storage_bytes
+from edgetrain.profile import analytic_chain
 from edgetrain.stages import run_backward, run_forward_with_grad
 
 
@@ -119,3 +121,42 @@ def test_an_output_gradient_is_freed_once_read():
         assert counter.peak_bytes - base == size
         assert grads == [None]  # run_backward took the gradient: nothing else holds it
     assert torch.allclose(gx, expected)
+
+
+class LongSkip(nn.Module):
+    """A U-Net in miniature: the encoder's output skips the bottom and is concatenated with the
+    upsampled trunk; ``torch.cat``'s backward hands each input a view of one gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(3, 4, 3, padding=1)
+        self.mid = nn.Conv2d(4, 4, 3, padding=1)
+        self.dec = nn.Conv2d(8, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = torch.relu(self.enc(x))
+        h = torch.relu(self.mid(nn.functional.max_pool2d(skip, 2)))
+        h = nn.functional.interpolate(h, scale_factor=2.0)
+        return self.dec(torch.cat([h, skip], 1))
+
+
+def test_gradient_bytes_follow_the_storages_a_backward_passes_on():
+    """After each stage's backward, the gradient tensors held are what the chain says: the
+    skip's gradient, passed on through the stages it skips, keeps the whole of the
+    concatenation's gradient alive (it is a view of it)."""
+    torch.manual_seed(0)
+    model = LongSkip()
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    stages = as_stages(model, x)
+    chain = analytic_chain(stages, x)
+    assert any(stage.gradient_from for stage in chain.stages)
+    value, graphs = x, []
+    for stage in stages:
+        value, graph = run_forward_with_grad(stage, value, needs_input_grad=True)
+        graphs.append(graph)
+    grads: list[torch.Tensor | None] = [torch.ones_like(value)]
+    del value
+    for k in reversed(range(len(graphs))):
+        grads = run_backward(graphs.pop(), grads)
+        held = storage_bytes([g for g in grads if g is not None])
+        assert held == chain.gradient_of_activation_bytes(k), chain.stages[k].name

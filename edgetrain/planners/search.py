@@ -80,9 +80,7 @@ def plan(
     if memory is not None and memory <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
     if strategy in ("optimal", "blocks"):
-        schedule = _plan_optimal(
-            _maker(chain, strategy, slots, grads_exist), memory, recompute, slots
-        )
+        schedule = _plan_best(chain, strategy, memory, recompute, slots, grads_exist)
     else:
         family: Callable[[Chain], list[Schedule]] = (
             _sequential_family if strategy == "sequential" else _revolve_family
@@ -172,20 +170,75 @@ def _pick(
 
 
 FLAT_UP_TO = 256
-"""``optimal`` plans a chain of at most this many stages on its stages; a longer one whose
-single-tensor cuts group its stages into fewer blocks (a captured model cut at every admissible
-position) over its blocks, as ``blocks`` does: fewer DP stages, so a finer memory resolution in
-less time (ResNet-152 captured, batch 8, 224²: 313 stages in 55 blocks, least memory 351.6 MiB
-in 1.3 s; flat, 895 MiB in 7 s)."""
+"""``optimal`` plans a chain of at most this many stages on its stages too (the flat DP); a
+longer one only over its blocks: fewer DP stages, so a finer memory resolution in less time
+(ResNet-152 captured, batch 8, 224²: 313 stages in 55 blocks, least memory 351.6 MiB in 1.3 s;
+flat, 895 MiB in 7 s)."""
 
 
-def _maker(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> TableMaker:
-    """The tables of rotor's DP on the chain's stages, or on its blocks."""
+def _makers(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> list[TableMaker]:
+    """The DP tables a strategy searches: ``blocks``, the chain's blocks; ``optimal``, its own
+    stages (up to :data:`FLAT_UP_TO`) and, where single-tensor cuts group its stages into
+    blocks, its blocks. Each finds plans the other misses: the flat DP may place checkpoints
+    across a block's boundary; the block DP counts a skip carried across cuts inside a block
+    once (the flat DP counts it at every cut, on the safe side)."""
     from edgetrain.planners.blocks import block_plan, blocks_of
 
-    if strategy == "blocks" or (chain.length > FLAT_UP_TO and len(blocks_of(chain)) < chain.length):
-        return block_plan(chain, grads_exist=grads_exist, slots=slots).maker()
-    return TableMaker(chain, grads_exist)
+    makers = []
+    if strategy == "optimal" and chain.length <= FLAT_UP_TO:
+        makers.append(TableMaker(chain, grads_exist))
+    if strategy == "blocks" or len(blocks_of(chain)) < chain.length or not makers:
+        makers.append(block_plan(chain, grads_exist=grads_exist, slots=slots).maker())
+    return makers
+
+
+def _plan_best(
+    chain: Chain,
+    strategy: str,
+    memory: float | None,
+    recompute: float | None,
+    slots: int,
+    grads_exist: bool,
+) -> Schedule:
+    """The best of the plans of :func:`_makers`' tables: the fastest that fits ``memory``, or
+    the smallest peak within ``recompute`` (each checked by the simulator)."""
+    found: list[tuple[Cost, Schedule]] = []
+    smallest: list[float] = []
+    for maker in _makers(chain, strategy, slots, grads_exist):
+        try:
+            schedule = _plan_optimal(maker, memory, recompute, slots)
+        except InfeasibleBudget as exc:
+            if exc.smallest is not None:
+                smallest.append(exc.smallest)
+            error = exc
+            continue
+        found.append((simulate(chain, schedule, grads_exist=grads_exist), schedule))
+    if not found:
+        if len(smallest) > 1:
+            least = min(smallest)
+            raise InfeasibleBudget(
+                f"no plan fits in {memory:.0f} bytes; the smallest that works is {least:.0f} bytes",
+                least,
+            )
+        raise error
+    if recompute is not None:
+        _, best = min(found, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds, len(cs[1])))
+    else:
+        _, best = min(found, key=lambda cs: (cs[0].seconds, cs[0].peak_bytes, len(cs[1])))
+    over = "blocks" if best.strategy == "blocks" else "stages"
+    return Schedule(best.length, best.kinds, best.indices, strategy, {**best.params, "over": over})
+
+
+def least_memory_of(
+    chain: Chain, *, grads_exist: bool = False, slots: int = DEFAULT_SLOTS
+) -> float:
+    """The smallest activation budget (bytes) with which ``plan(chain, "optimal", memory=...)``
+    finds a plan: the least of its tables' (see :func:`_makers`)."""
+    from edgetrain.planners.optimal import least_memory
+
+    return min(
+        least_memory(maker, slots) for maker in _makers(chain, "optimal", slots, grads_exist)
+    )
 
 
 def _plan_optimal(
@@ -282,7 +335,7 @@ def tradeoff(
     plain = chain.forward_seconds + chain.backward_seconds
     points: list[tuple[float, int]]
     if strategy in ("optimal", "blocks"):
-        table = _curve_table(_maker(chain, strategy, slots, False), slots)
+        table = _curve_table(_makers(chain, strategy, slots, False)[0], slots)
         points = [
             (float(t) / plain, math.ceil(m * table.slot_bytes))
             for m, t in enumerate(table.times())
