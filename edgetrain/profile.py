@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import operator
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -480,18 +481,17 @@ def _profile_stage(
         grad_out = _output_gradients(graph.outputs, out_leaves)
         # The model's last stage gets the caller's gradient, which the caller holds to the end.
         held = list(grad_out) if last else []
-        out_grad_keys = [None if g is None else storage_key(g) for g in grad_out]
+        # Weak references to the output gradients' storages: run_backward frees each once read,
+        # and a storage made after that may reuse a freed one's address (so no storage_key).
+        out_grad_storages = [
+            None if g is None else weakref.ref(g.untyped_storage()) for g in grad_out
+        ]
         base = counter.reset_peak()
         input_grads = run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
         # A gradient passed on (a skip's, or a view of the output's, as cat's backward makes)
         # is the output gradient's storage; an addition hands one gradient to both inputs.
-        gradient_from = tuple(
-            out_grad_keys.index(storage_key(g))
-            if g is not None and storage_key(g) in out_grad_keys
-            else -1
-            for g in input_grads
-        )
+        gradient_from = tuple(_passed_from(g, out_grad_storages) for g in input_grads)
         made = [
             g for g, j in zip(input_grads, gradient_from, strict=True) if g is not None and j < 0
         ]
@@ -561,6 +561,19 @@ def _output_gradients(edges: list[Any], tensors: list[torch.Tensor]) -> list[tor
         else (torch.ones_like(t) if t.device.type == "meta" else torch.randn_like(t))
         for edge, t in zip(edges, tensors, strict=True)
     ]
+
+
+def _passed_from(
+    grad: torch.Tensor | None, storages: list[weakref.ref[torch.UntypedStorage] | None]
+) -> int:
+    """Index of the output gradient whose storage ``grad`` is (still alive), or -1."""
+    if grad is None:
+        return -1
+    mine = grad.untyped_storage()
+    for j, ref in enumerate(storages):
+        if ref is not None and ref() is mine:
+            return j
+    return -1
 
 
 def _passed_through_bytes(x: Any, out: Any) -> int:
