@@ -19,6 +19,7 @@ import copy
 import operator
 import statistics
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -451,16 +452,18 @@ def _profile_stage(
         # The model's last stage gets the caller's gradient, which the caller holds to the end.
         held = list(grad_out) if last else []
         out_grad_keys = [None if g is None else storage_key(g) for g in grad_out]
+        # A freed storage's key may come back for a new one: only a live one is passed on.
+        freed: set[int] = set()
+        for j, g in enumerate(grad_out):
+            if g is not None:
+                weakref.finalize(g.untyped_storage(), freed.add, j)
         base = counter.reset_peak()
         input_grads = run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
         # A gradient passed on (a skip's, or a view of the output's, as cat's backward makes)
         # is the output gradient's storage; an addition hands one gradient to both inputs.
         gradient_from = tuple(
-            out_grad_keys.index(storage_key(g))
-            if g is not None and storage_key(g) in out_grad_keys
-            else -1
-            for g in input_grads
+            _passed_from(g, out_grad_keys, freed) if g is not None else -1 for g in input_grads
         )
         made = [
             g for g, j in zip(input_grads, gradient_from, strict=True) if g is not None and j < 0
@@ -521,6 +524,12 @@ def _profile_stage(
         param_grad_ids=grad_ids,
     )
     return result, out
+
+
+def _passed_from(grad: torch.Tensor, keys: list[int | None], freed: set[int]) -> int:
+    """The output whose (still live) gradient storage ``grad`` is, else -1."""
+    key = storage_key(grad)
+    return next((j for j, k in enumerate(keys) if k == key and j not in freed), -1)
 
 
 def _output_gradients(edges: list[Any], tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
