@@ -481,17 +481,20 @@ def _profile_stage(
         grad_out = _output_gradients(graph.outputs, out_leaves)
         # The model's last stage gets the caller's gradient, which the caller holds to the end.
         held = list(grad_out) if last else []
-        # Weak references to the output gradients' storages: run_backward frees each once read,
-        # and a storage made after that may reuse a freed one's address (so no storage_key).
-        out_grad_storages = [
-            None if g is None else weakref.ref(g.untyped_storage()) for g in grad_out
-        ]
+        out_grad_keys = [None if g is None else storage_key(g) for g in grad_out]
+        # A freed storage's key may come back for a new one: only a live one is passed on.
+        freed: set[int] = set()
+        for j, g in enumerate(grad_out):
+            if g is not None:
+                weakref.finalize(g.untyped_storage(), freed.add, j)
         base = counter.reset_peak()
         input_grads = run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
         # A gradient passed on (a skip's, or a view of the output's, as cat's backward makes)
         # is the output gradient's storage; an addition hands one gradient to both inputs.
-        gradient_from = tuple(_passed_from(g, out_grad_storages) for g in input_grads)
+        gradient_from = tuple(
+            _passed_from(g, out_grad_keys, freed) if g is not None else -1 for g in input_grads
+        )
         made = [
             g for g, j in zip(input_grads, gradient_from, strict=True) if g is not None and j < 0
         ]
@@ -553,6 +556,12 @@ def _profile_stage(
     return result, out
 
 
+def _passed_from(grad: torch.Tensor, keys: list[int | None], freed: set[int]) -> int:
+    """The output whose (still live) gradient storage ``grad`` is, else -1."""
+    key = storage_key(grad)
+    return next((j for j, k in enumerate(keys) if k == key and j not in freed), -1)
+
+
 def _output_gradients(edges: list[Any], tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
     """Random gradients for a stage's output tensors (ones on meta), None where none flows."""
     return [
@@ -561,19 +570,6 @@ def _output_gradients(edges: list[Any], tensors: list[torch.Tensor]) -> list[tor
         else (torch.ones_like(t) if t.device.type == "meta" else torch.randn_like(t))
         for edge, t in zip(edges, tensors, strict=True)
     ]
-
-
-def _passed_from(
-    grad: torch.Tensor | None, storages: list[weakref.ref[torch.UntypedStorage] | None]
-) -> int:
-    """Index of the output gradient whose storage ``grad`` is (still alive), or -1."""
-    if grad is None:
-        return -1
-    mine = grad.untyped_storage()
-    for j, ref in enumerate(storages):
-        if ref is not None and ref() is mine:
-            return j
-    return -1
 
 
 def _passed_through_bytes(x: Any, out: Any) -> int:
