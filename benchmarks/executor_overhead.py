@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit
+from _common import emit, interleaved_cpu_wall
 
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.execute import Checkpointed
@@ -100,18 +98,9 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
             continue
         add(f"budget {(budget + loss_bytes) / plain_peak:.2f}", schedule)
 
-    for step in steps.values():  # warm-up
-        step()
-    wall: dict[str, list[float]] = {c: [] for c in steps}
-    cpu: dict[str, list[float]] = {c: [] for c in steps}
-    for _ in range(rounds):
-        for config, step in steps.items():
-            start_wall, start_cpu = time.perf_counter(), time.process_time()
-            step()
-            cpu[config].append(time.process_time() - start_cpu)
-            wall[config].append(time.perf_counter() - start_wall)
-    wall_s = {c: statistics.median(v) for c, v in wall.items()}
-    cpu_s = {c: statistics.median(v) for c, v in cpu.items()}
+    medians = interleaved_cpu_wall(steps, rounds=rounds)
+    cpu_s = {c: cpu for c, (cpu, _) in medians.items()}
+    wall_s = {c: wall for c, (_, wall) in medians.items()}
     rows = []
     for config in steps:
         net = nets.get(config)
