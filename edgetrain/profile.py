@@ -478,7 +478,7 @@ def _profile_stage(
         saves_output = bool(saved_out_leaves)
 
         out_leaves = leaves(out)
-        grad_out = _output_gradients(graph.outputs, out_leaves)
+        grad_out = _output_gradients(graph.outputs, out_leaves, random=True)
         # The model's last stage gets the caller's gradient, which the caller holds to the end.
         held = list(grad_out) if last else []
         out_grad_keys = [None if g is None else storage_key(g) for g in grad_out]
@@ -509,7 +509,7 @@ def _profile_stage(
             module, x, needs_input_grad=needs_grad, params=params, sink=kept_sink, stage=index
         )
         del y
-        grad_out = _output_gradients(graph.outputs, out_leaves)
+        grad_out = _output_gradients(graph.outputs, out_leaves, random=True)
         held = list(grad_out) if last else []
         base = counter.reset_peak()
         run_backward(graph, grad_out)
@@ -562,26 +562,22 @@ def _passed_from(grad: torch.Tensor, keys: list[int | None], freed: set[int]) ->
     return next((j for j, k in enumerate(keys) if k == key and j not in freed), -1)
 
 
-def _output_gradients(edges: list[Any], tensors: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """Random gradients for a stage's output tensors (ones on meta), None where none flows."""
+def _output_gradients(
+    wanted: list[bool], tensors: list[torch.Tensor], *, random: bool = False
+) -> list[torch.Tensor | None]:
+    """Gradients for a stage's output tensors, None where none flows: ones, or with ``random``
+    standard-normal values (ones on meta)."""
     return [
         None
-        if edge is None
-        else (torch.ones_like(t) if t.device.type == "meta" else torch.randn_like(t))
-        for edge, t in zip(edges, tensors, strict=True)
+        if not want
+        else (torch.randn_like(t) if random and t.device.type != "meta" else torch.ones_like(t))
+        for want, t in zip(wanted, tensors, strict=True)
     ]
 
 
 def _passed_through_bytes(x: Any, out: Any) -> int:
     inputs = {storage_key(t) for t in leaves(x)}
     return storage_bytes([t for t in leaves(out) if storage_key(t) in inputs])
-
-
-def _grad_outputs(graph: Any, out: Any) -> list[torch.Tensor | None]:
-    return [
-        None if edge is None else torch.ones_like(t)
-        for edge, t in zip(graph.outputs, leaves(out), strict=True)
-    ]
 
 
 def _time_stage(
@@ -601,7 +597,7 @@ def _time_stage(
             module, x, needs_input_grad=needs_grad, params=params, stage=index, name=name
         )
         middle = timer.clock()
-        run_backward(graph, _grad_outputs(graph, y))
+        run_backward(graph, _output_gradients(graph.outputs, leaves(y)))
         end = timer.clock()
         forward.append(middle - start)
         backward.append(end - middle)
@@ -625,7 +621,7 @@ def _count_flops(
     forward = counter.get_total_flops()
     counter = FlopCounterMode(display=False)
     with counter:
-        run_backward(graph, _grad_outputs(graph, y))
+        run_backward(graph, _output_gradients(graph.outputs, leaves(y)))
     return forward, counter.get_total_flops()
 
 

@@ -12,9 +12,9 @@ dicts for the call, as :func:`torch.func.functional_call` does, at places found 
 :func:`stage_params`); a post-accumulate hook hands each one's gradient to the executor's sink
 the moment autograd has it, and clears it there, so nothing is written to the parameter's
 ``.grad`` and no hook of the user's runs here: the executor hands the gradients to autograd once
-per step, as plain autograd would. Of the stage's output the graph keeps only
-the gradient edges (:class:`torch.autograd.graph.GradientEdge`), not the tensors: the output's
-storage too stays alive only if autograd saved it.
+per step, as plain autograd would. Of the stage's output the graph keeps only an empty tensor
+hung on each output tensor (:class:`_Hand`), not the tensors: the output's storage too stays
+alive only if autograd saved it.
 
 Activations are tensors, or tuples, lists and dicts of tensors (any pytree); only floating-point
 tensors carry gradients.
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
+from torch.autograd.graph import _engine_run_backward
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from edgetrain.errors import InvalidInput
@@ -112,7 +112,7 @@ class StageGraph:
     """What is kept of a stage run with grad: never the stage's input or output tensors.
 
     Attributes:
-        outputs: per output tensor, the edge its gradient enters by (None: needs no gradient).
+        outputs: per output tensor, whether it needs a gradient.
         hands: per output tensor, the empty tensor and box its gradient enters through (see
             :class:`_Hand`; None for outputs that need no gradient or are ``passed``).
         inputs: per input tensor, a box its gradient lands in (None: none wanted).
@@ -125,7 +125,7 @@ class StageGraph:
             one graph (see :func:`run_backward`).
     """
 
-    outputs: list[GradientEdge | None]
+    outputs: list[bool]
     inputs: list[list[torch.Tensor] | None]
     input_anchor: torch.Tensor | None = None
     params: list[torch.Tensor] = field(default_factory=list)
@@ -208,13 +208,13 @@ def run_forward_with_grad(
             out = module(inputs)
     _check_output(out, stage, name)
     out_leaves = leaves(out)
-    output_edges = [_edge(t) if t.requires_grad else None for t in out_leaves]
-    graph = StageGraph(output_edges, boxes, anchor, made)
-    graph.passed = _passed_through(out_leaves, taps, boxes, output_edges)
+    wanted = [t.requires_grad for t in out_leaves]
+    graph = StageGraph(wanted, boxes, anchor, made)
+    graph.passed = _passed_through(out_leaves, taps, boxes)
     bypass = {j for j, _ in graph.passed}
     with torch.enable_grad():
         for j, t in enumerate(out_leaves):
-            if output_edges[j] is None or j in bypass:
+            if not wanted[j] or j in bypass:
                 graph.hands.append(None)
                 continue
             box: list[torch.Tensor] = []
@@ -226,7 +226,6 @@ def _passed_through(
     out_leaves: list[torch.Tensor],
     taps: list[torch.Tensor],
     boxes: list[list[torch.Tensor] | None],
-    edges: list[GradientEdge | None],
 ) -> list[tuple[int, int]]:
     """The outputs that are an input tap itself (returned unchanged) and whose input at most
     one operation of the stage reads: ``(output, input)`` pairs.
@@ -242,23 +241,23 @@ def _passed_through(
     candidates: list[tuple[int, int]] = []
     for j, t in enumerate(out_leaves):
         for i, tap in enumerate(taps):
-            if t is tap and boxes[i] is not None and edges[j] is not None:
+            if t is tap and boxes[i] is not None and t.requires_grad:
                 candidates.append((j, i))
     if not candidates:
         return []
     returned = [i for _, i in candidates]
-    uses = _uses_of({id(taps[i].grad_fn): i for i in returned}, edges, [j for j, _ in candidates])
+    skip = {j for j, _ in candidates}
+    readers = [t.grad_fn for j, t in enumerate(out_leaves) if j not in skip]
+    uses = _uses_of({id(taps[i].grad_fn): i for i in returned}, readers)
     return [(j, i) for j, i in candidates if returned.count(i) == 1 and uses.get(i, 0) <= 1]
 
 
-def _uses_of(
-    tap_nodes: dict[int, int], edges: list[GradientEdge | None], skip: list[int]
-) -> dict[int, int]:
-    """How many edges of the stage's graph (other than the outputs in ``skip``) lead to each
-    tap node: the operations that read that input."""
+def _uses_of(tap_nodes: dict[int, int], starts: list[Any]) -> dict[int, int]:
+    """How many edges of the stage's graph, walked from the nodes ``starts``, lead to each tap
+    node: the operations that read that input."""
     uses: dict[int, int] = {}
     seen: set[int] = set()
-    stack = [e.node for j, e in enumerate(edges) if e is not None and j not in skip]
+    stack = list(starts)
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -307,16 +306,6 @@ def _call_with(
     finally:
         for owner, pname, original in originals:
             owner[pname] = original
-
-
-def _edge(t: torch.Tensor) -> GradientEdge:
-    """Where ``t``'s gradient enters the graph: its node in C++ directly; a custom Function's
-    or a leaf's through :func:`~torch.autograd.graph.get_gradient_edge` (an ownership token, the
-    gradient accumulator)."""
-    node = t.grad_fn
-    if node is None or isinstance(node, torch._C._FunctionBase):
-        return get_gradient_edge(t)
-    return GradientEdge(node, t.output_nr)
 
 
 def _handing_to(sink: Any, index: int) -> Any:
