@@ -10,7 +10,23 @@ from hypothesis import strategies as st
 from torch import nn
 
 from edgetrain.chain import Chain, Stage
+from edgetrain.devices.energy import EnergyProfile
 from edgetrain.measure import StorageCounter
+
+# 1 flop/s and 1 flop/J, paging no cheaper than that: a node's joules equal its seconds, so
+# least energy is least time (the MILP and POET-schedule tests compare against the chain DP).
+UNIT = EnergyProfile(
+    name="unit",
+    title="one joule per second",
+    flops_per_second=1.0,
+    flops_per_joule=1.0,
+    pagein_latency_seconds=0.0,
+    pagein_bytes_per_second=1.0,
+    pageout_latency_seconds=0.0,
+    pageout_bytes_per_second=1.0,
+    memory_watts=1.0,
+    compute_watts=1.0,
+)
 
 
 def random_chain(rng: random.Random, length: int, *, scale: int = 10) -> Chain:

@@ -12,13 +12,12 @@ import pytest
 
 from edgetrain import graph as G
 from edgetrain.chain import Chain
-from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.planners import milp, plan
 from edgetrain.planners import poet_check as check
 from edgetrain.planners.optimal import store_all as dp_store_all
 from edgetrain.schedule import simulate
-from tests.conftest import output_saving_chain
+from tests.conftest import UNIT, output_saving_chain
 
 DATA = Path(__file__).parent / "data" / "poet_linear_m0.json"
 
@@ -30,20 +29,6 @@ POET_TABLE = [
     (3500, "optimal", 0.1048577428),
     (3000, "infeasible", None),
 ]
-
-# 1 flop/s and 1 flop/J: a node's joules equal its seconds, so least energy is least time.
-UNIT = EnergyProfile(
-    name="unit",
-    title="one joule per second",
-    flops_per_second=1.0,
-    flops_per_joule=1.0,
-    pagein_latency_seconds=0.0,
-    pagein_bytes_per_second=1.0,
-    pageout_latency_seconds=0.0,
-    pageout_bytes_per_second=1.0,
-    memory_watts=1.0,
-    compute_watts=1.0,
-)
 
 
 @pytest.fixture(scope="module")

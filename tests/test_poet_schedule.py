@@ -27,7 +27,7 @@ from edgetrain.planners.poet_schedule import (
 )
 from edgetrain.profile import analytic_chain
 from edgetrain.schedule import Op, simulate
-from tests.conftest import loss_and_peak, output_saving_chain
+from tests.conftest import UNIT, loss_and_peak, output_saving_chain
 
 # Paging is cheap next to recomputing (1 GB/s at 0.1 W; 1 GFLOP per joule): plans page.
 CHEAP_PAGING = EnergyProfile(
@@ -40,19 +40,6 @@ CHEAP_PAGING = EnergyProfile(
     pageout_latency_seconds=0.0,
     pageout_bytes_per_second=1e9,
     memory_watts=0.1,
-    compute_watts=1.0,
-)
-# 1 flop/s and 1 flop/J, no paging worth having: least energy is least time.
-UNIT = EnergyProfile(
-    name="unit",
-    title="one joule per second",
-    flops_per_second=1.0,
-    flops_per_joule=1.0,
-    pagein_latency_seconds=0.0,
-    pagein_bytes_per_second=1.0,
-    pageout_latency_seconds=0.0,
-    pageout_bytes_per_second=1.0,
-    memory_watts=1.0,
     compute_watts=1.0,
 )
 
