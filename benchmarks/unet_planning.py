@@ -215,14 +215,7 @@ def _as_matrices(schedule: Schedule, n: int, graph: graphs.TrainingGraph) -> dic
                     changed = True
                     if r[back - 1, u]:
                         break
-    zero = np.zeros_like(r)
-    return {
-        "R": r,
-        "S_ram": s_ram,
-        "S_flash": zero,
-        "page_in": zero.copy(),
-        "page_out": zero.copy(),
-    }
+    return poet_check.remat_plan(r, s_ram)
 
 
 def ignored_bytes(fine: Chain) -> int:

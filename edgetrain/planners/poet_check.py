@@ -231,7 +231,12 @@ def store_all(graph: TrainingGraph) -> dict[str, np.ndarray]:
         succ = graph.successors(i)
         if succ:
             s_ram[i + 1 : max(succ) + 1, i] = 1
-    zero = np.zeros((t_count, t_count), dtype=np.int64)
+    return remat_plan(r, s_ram)
+
+
+def remat_plan(r: np.ndarray, s_ram: np.ndarray) -> dict[str, np.ndarray]:
+    """A plan of recomputation only: ``R`` and ``S_ram`` as given, nothing on flash or paged."""
+    zero = np.zeros_like(r)
     return {
         "R": r,
         "S_ram": s_ram,
