@@ -26,6 +26,7 @@ least memory edgetrain can plan).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -76,16 +77,21 @@ class Row:
         }
 
 
-def _measure_once(
+def _step(
     owner: torch.nn.Module, module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-) -> int:
-    """Activation memory of one step (gradients kept, zeroed in place), measured."""
+) -> None:
+    """One training step of ``module`` on ``x``, ``owner``'s gradients kept (zeroed in place)."""
     for p in owner.parameters():
         assert p.grad is not None
         p.grad.zero_()
+    module(x).logsumexp(1).sum().backward()
+
+
+def _peak(step: Callable[[], None]) -> int:
+    """Activation memory of one run of ``step``, measured (live tensor storages)."""
     counter = StorageCounter()
     with counter:
-        module(x).logsumexp(1).sum().backward()
+        step()
     return counter.peak_bytes
 
 
@@ -123,16 +129,8 @@ def main() -> None:
     def add(
         row: Row, module: Callable[[torch.Tensor], torch.Tensor], owner: torch.nn.Module = model
     ) -> Row:
-        def step() -> None:
-            for p in owner.parameters():
-                assert p.grad is not None
-                p.grad.zero_()
-            module(x).logsumexp(1).sum().backward()
-
-        counter = StorageCounter()
-        with counter:
-            step()
-        row.measured = counter.peak_bytes
+        step = functools.partial(_step, owner, module, x)
+        row.measured = _peak(step)
         rows.append(row)
         steps[row.config] = step
         return row
@@ -164,7 +162,7 @@ def main() -> None:
     torch_costs = {s: simulate(chain, sequential(chain, s)) for s in range(2, chain.length + 1)}
     # torch's own memory use is not what the simulator predicts for its plan (it frees
     # differently), so its best is found by measuring every segment count, not by prediction.
-    swept = {s: _measure_once(model, torch_sequential(s), x) for s in torch_costs}
+    swept = {s: _peak(functools.partial(_step, model, torch_sequential(s), x)) for s in torch_costs}
     promising = sorted(swept, key=lambda s: swept[s])[:3]
     torch_rows = [
         add(
