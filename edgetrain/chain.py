@@ -178,6 +178,29 @@ class Chain:
         """Size of ``a[k]``: the input for ``k == 0``, else the output of stage ``k - 1``."""
         return self.input_bytes if k == 0 else self.stages[k - 1].output_bytes
 
+    def leaf_sizes(self, k: int) -> list[int]:
+        """Bytes of each tensor of ``a[k]``, 0 for a tensor that shares an earlier one's storage
+        (so that a sum over any set of tensors counts each storage once)."""
+        if k == 0:
+            return [self.input_bytes]
+        stage = self.stages[k - 1]
+        sizes = list(stage.leaf_bytes) or [stage.output_bytes]
+        for leaf, earlier in stage.shared_leaves:
+            if earlier < leaf < len(sizes):
+                sizes[leaf] = 0
+        return sizes
+
+    def saved_input_bytes(self, k: int) -> int:
+        """Bytes of ``a[k]`` the graph of stage ``k`` holds (only the tensors it saves: the
+        trunk a convolution reads, not the skip carried beside it)."""
+        stage = self.stages[k]
+        return _saved_bytes(stage.saved_inputs, stage.saves_input, self.leaf_sizes(k))
+
+    def saved_output_bytes(self, k: int) -> int:
+        """Bytes of ``a[k+1]`` the graph of stage ``k`` holds (the result Tanh or ReLU reads)."""
+        stage = self.stages[k]
+        return _saved_bytes(stage.saved_outputs, stage.saves_output, self.leaf_sizes(k + 1))
+
     def requires_grad(self, k: int) -> bool:
         """Whether ``a[k]`` needs a gradient (the input: as given; an output: as profiled)."""
         return self.input_requires_grad if k == 0 else self.stages[k - 1].output_requires_grad
@@ -206,16 +229,34 @@ class Chain:
             stage = self.stages[k]
             own = stage.input_gradient_bytes
             own = self.activation_bytes(k) if own is None else own
-            sizes.append(own)
-            fresh = len(sizes) - 1
-            if stage.gradient_from:
-                inputs = [leaves[j] if 0 <= j < len(leaves) else fresh for j in stage.gradient_from]
-            else:
-                inputs = [fresh]
+            sources = stage.gradient_from or (-1,) * len(self.leaf_sizes(k))
+            # A source out of range is a gradient of its own, as -1.
+            sources = tuple(j if 0 <= j < len(leaves) else -1 for j in sources)
+            first = len(sizes)
+            sizes.extend(self._own_gradient_pieces(k, sources, own))
+            inputs = [
+                leaves[j] if j >= 0 else first + (i if len(sizes) - first > 1 else 0)
+                for i, j in enumerate(sources)
+            ]
             result[k] = sum(sizes[piece] for piece in set(inputs))
             leaves = inputs
         object.__setattr__(self, "_gradient_bytes_memo", result)
         return result
+
+    def _own_gradient_pieces(self, k: int, sources: tuple[int, ...], own: int) -> list[int]:
+        """The storages of the gradients stage ``k``'s backward makes for its input tensors
+        (``own`` bytes in all): one per input tensor (indexed like the input, 0 for a tensor
+        whose gradient is passed on) when each input tensor's gradient is a storage of its own
+        the tensor's size, else one storage for all (an addition inside the stage hands one
+        gradient to two inputs). Kept apart, the gradient of a skip passed on by an earlier
+        stage is only the skip's, not also the trunk's its stage consumed."""
+        mine = [i for i, j in enumerate(sources) if j < 0]
+        shared_input = k > 0 and bool(self.stages[k - 1].shared_leaves)
+        if len(mine) > 1 and not shared_input:
+            sizes = self.leaf_sizes(k)
+            if len(sizes) == len(sources) and sum(sizes[i] for i in mine) == own:
+                return [sizes[i] if j < 0 else 0 for i, j in enumerate(sources)]
+        return [own]
 
     @property
     def weight_bytes(self) -> int:
@@ -319,6 +360,12 @@ class Chain:
         if not isinstance(data, dict):
             raise CorruptFile("not a chain description; write it with Chain.to_json")
         return cls.from_dict(data)
+
+
+def _saved_bytes(which: tuple[int, ...] | None, whole: bool, sizes: list[int]) -> int:
+    if which is None:
+        return sum(sizes) if whole else 0
+    return sum(sizes[j] for j in set(which) if j < len(sizes))
 
 
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:

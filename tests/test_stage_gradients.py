@@ -140,13 +140,36 @@ class LongSkip(nn.Module):
         return self.dec(torch.cat([h, skip], 1))
 
 
-def test_gradient_bytes_follow_the_storages_a_backward_passes_on():
-    """After each stage's backward, the gradient tensors held are what the chain says: the
-    skip's gradient, passed on through the stages it skips, keeps the whole of the
-    concatenation's gradient alive (it is a view of it)."""
+class Bottleneck(nn.Module):
+    """A ResNet bottleneck as torchvision writes it: narrow 1×1, wide 1×1, BatchNorm,
+    ``out += x``, in-place ReLU. The in-place tail is one stage, which makes two gradients of
+    its own (the trunk's and the skip's); the stage before it consumes the trunk's and passes
+    the skip's on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reduce = nn.Conv2d(8, 2, 1)
+        self.expand = nn.Conv2d(2, 8, 1)
+        self.bn = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(self.expand(torch.relu(self.reduce(x))))
+        out += x
+        return self.relu(out)
+
+
+@pytest.mark.parametrize(
+    ("model", "shape"), [(LongSkip, (2, 3, 8, 8)), (Bottleneck, (2, 8, 6, 6))], ids=["cat", "add"]
+)
+def test_gradient_bytes_follow_the_storages_a_backward_passes_on(model, shape):
+    """After each stage's backward, the gradient tensors held are what the chain says. Through
+    a long skip the skip's gradient, a view of the concatenation's, keeps all of it alive; in a
+    bottleneck the skip's gradient passed on is the skip's alone (the trunk's, made beside it
+    by the same stage, is freed by the stage that consumes it)."""
     torch.manual_seed(0)
-    model = LongSkip()
-    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    model = model()
+    x = torch.randn(*shape, requires_grad=True)
     stages = as_stages(model, x)
     chain = analytic_chain(stages, x)
     assert any(stage.gradient_from for stage in chain.stages)

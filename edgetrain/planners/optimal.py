@@ -143,21 +143,21 @@ def chain_costs(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: boo
     act = up([0] + [s.output_bytes for s in stages])
     grad = up([chain.gradient_of_activation_bytes(k) for k in range(n + 1)])
     extra = up([s.saved_bytes for s in stages])
-    saves_input = np.array([s.saves_input for s in stages], dtype=bool)
-    saves_output = np.array([s.saves_output for s in stages], dtype=bool)
+    saved_in = up([chain.saved_input_bytes(k) for k in range(n)])
+    saved_out = up([chain.saved_output_bytes(k) for k in range(n)])
     fwd_peak = up([s.forward_peak_bytes for s in stages])
     fwd_grad_peak = up([s.forward_grad_peak_bytes for s in stages])
     bwd_peak = up([s.backward_peak(grads_exist) for s in stages])
     fwd_time = np.array([s.forward_seconds for s in stages], dtype=np.float64)
     bwd_time = np.array([s.backward_seconds for s in stages], dtype=np.float64)
     s = np.arange(n)
-    graph = np.stack([extra + np.where(saves_input, act[s], 0), extra])  # [pin, s]
+    graph = np.stack([extra + saved_in, extra])  # [pin, s]
     own = np.stack([act[s], np.zeros_like(s)])
     # The forward with grad: its transient peak on top of a[s]; then its graph and a[s+1].
     fwd = np.maximum(own + fwd_grad_peak, graph + act[s + 1])
     # The backward: graph, a[s+1] if the graph holds it (or the caller does: the last
     # stage), the gradient of a[s+1], and its transient peak.
-    out = np.where(saves_output | (s + 1 == n), act[s + 1], 0)
+    out = np.where(s + 1 == n, act[s + 1], saved_out)
     bwd = graph + out + grad[s + 1] + bwd_peak
     return StepCosts(
         act=act,
