@@ -148,16 +148,42 @@ def test_options_are_a_pareto_frontier_of_valid_plans_of_the_block():
                 for b in options:
                     worse = all(x >= y for x, y in zip(a.metrics(), b.metrics(), strict=True))
                     assert a is b or not worse  # none is matched or beaten everywhere by another
-                # The two phases make a plan of the block's own stages.
+                # The two phases make a plan of the block's own stages, followed by the rest
+                # of the chain (a stage that costs nothing) unless the block ends the chain.
+                stages = chain.stages[block.start : block.stop]
+                rest = block.stop < chain.length
+                if rest:
+                    stages += (NOTHING,)
                 sub = Chain(
-                    chain.stages[block.start : block.stop],
+                    stages,
                     input_bytes=chain.activation_bytes(block.start),
                     input_requires_grad=chain.requires_grad(block.start),
                 )
-                ops = [(op, k - block.start) for op, k in (*a.forward_ops, *a.backward_ops)]
-                cost = simulate(sub, Schedule.from_ops(sub.length, ops))
+                forward = [(op, k - block.start) for op, k in a.forward_ops]
+                backward = [(op, k - block.start) for op, k in a.backward_ops]
+                last = len(block)
+                middle = [(Op.FORWARD_ALL, last), (Op.BACKWARD, last)] if rest else []
+                cost = simulate(sub, Schedule.from_ops(sub.length, forward + middle + backward))
                 assert cost.seconds == pytest.approx(a.seconds)
-                assert a.forward_ops[-1] == (Op.FORWARD_ALL, block.stop - 1)
+                assert a.forward_ops[-1][1] == block.stop - 1  # the output is made last
+                # Only a forward phase that ends building the last stage's graph pins the output.
+                if a.pins_output:
+                    assert a.forward_ops[-1] == (Op.FORWARD_ALL, block.stop - 1)
+
+
+NOTHING = Stage(
+    name="rest",
+    output_bytes=0,
+    saved_bytes=0,
+    saves_input=False,
+    forward_peak_bytes=0,
+    forward_grad_peak_bytes=0,
+    backward_peak_bytes=0,
+    weight_bytes=0,
+    gradient_bytes=0,
+    forward_seconds=0.0,
+    backward_seconds=0.0,
+)
 
 
 def _stage(name, leaves, **fields):

@@ -87,7 +87,8 @@ class BlockOption:
         forward_seconds: its forward phase (every stage once, some without grad).
         held_bytes: what it leaves held after its forward phase besides its output (the input
             among them in the first entry when the option keeps it; never in the second).
-        pins_output: whether its last stage's graph holds the block's output.
+        pins_output: whether its last stage's graph holds the block's output (an option that
+            runs the last stage without grad in its forward phase builds no graph of it there).
         forward_peak_bytes: most held during the forward phase (the output at its end included).
         backward_seconds: its backward phase, recomputation included.
         backward_peak_bytes: most held during the backward phase, starting from ``held_bytes``,
@@ -158,7 +159,7 @@ def _options(
     sub = Chain(stages, input_bytes=input_bytes, input_requires_grad=input_requires_grad)
     measured = [
         _measure(sub, kind, forward, backward, out_grad, grads_exist)
-        for kind, forward, backward in _candidates(sub, grads_exist, slots)
+        for kind, forward, backward in _candidates(sub, grads_exist, slots, out_grad is not None)
     ]
     options = [option for option in measured if option is not None]
     kept: list[BlockOption] = []
@@ -179,10 +180,13 @@ def _dominates(a: BlockOption, b: BlockOption) -> bool:
 Ops = tuple[tuple[Op, int], ...]
 
 
-def _candidates(sub: Chain, grads_exist: bool, slots: int) -> list[tuple[str, Ops, Ops]]:
-    """Plans of the block's own stages, each split where its forward phase ends."""
+def _candidates(
+    sub: Chain, grads_exist: bool, slots: int, followed: bool
+) -> list[tuple[str, Ops, Ops]]:
+    """Plans of the block's own stages, each split where its forward phase ends; ``followed``:
+    the block is not the chain's last (whose output the caller holds)."""
     n = sub.length
-    plans = [store_all(sub)]
+    plans: list[Schedule | tuple[Ops, Ops]] = [store_all(sub)]
     if n > 1:
         walk = [(Op.FORWARD_CHECKPOINT, 0)] + [(Op.FORWARD_NOSAVE, k) for k in range(1, n - 1)]
         # The block again with grad, as rotor runs it: only the graph needs a[n-1].
@@ -190,31 +194,66 @@ def _candidates(sub: Chain, grads_exist: bool, slots: int) -> list[tuple[str, Op
         again += [(Op.BACKWARD, k) for k in reversed(range(n - 1))]
         ops = [*walk, (Op.FORWARD_ALL, n - 1), (Op.BACKWARD, n - 1), *again]
         plans.append(Schedule.from_ops(n, ops))
-        # The DP counts a tensor carried across a cut (the skip) at every cut, so its budgets
-        # run to twice the simulated store-all peak; to the nearest slot as well as up.
-        peak = simulate(sub, plans[0], grads_exist=grads_exist).peak_bytes
-        slot_bytes, count = resolution(sub, max(2 * peak, 1), slots)
-        for nearest in (False, True):
-            table = OptimalTable(sub, slot_bytes, count, grads_exist=grads_exist, nearest=nearest)
-            times = table.times()
-            previous = math.inf
-            for m in np.flatnonzero(np.isfinite(times)):
-                if times[m] < previous:  # the plan changes only where the time does
-                    plans.append(table.schedule(int(m)))
-                    previous = float(times[m])
+        # A budget on the block's own peak does not ask for plans that hold little after the
+        # forward phase; in the outer plan the rest of the chain runs on top of what they hold.
+        # So the block is also planned followed by a stand-in for that rest, whose forward and
+        # backward peak ``rest`` bytes: the larger ``rest``, the more the plans save on what
+        # the forward phase leaves held. The DP counts a tensor carried across a cut (the skip)
+        # at every cut, so its budgets run to twice the simulated store-all peak; to the
+        # nearest slot as well as up.
+        peak = simulate(sub, store_all(sub), grads_exist=grads_exist).peak_bytes
+        for rest in (0, peak // 2, peak, 2 * peak) if followed else (0,):
+            plans += _dp_plans(sub, rest, grads_exist, slots)
     out: list[tuple[str, Ops, Ops]] = []
-    seen: set[str] = set()
-    for schedule in plans:
-        if schedule.text() in seen:
+    seen: set[tuple[Ops, Ops]] = set()
+    for plan in plans:
+        if isinstance(plan, Schedule):
+            every = tuple(plan)
+            end = plan.forward_phase_end
+            plan = (every[:end], every[end:])
+        if plan in seen:
             continue
-        seen.add(schedule.text())
-        every = tuple(schedule)
-        end = schedule.forward_phase_end
-        forward, backward = every[:end], every[end:]
+        seen.add(plan)
+        forward, backward = plan
         grads = sum(op is Op.FORWARD_ALL for op, _ in forward)
         kind = "store all" if grads == n else "recompute all" if grads == 1 else "keep some"
         out.append((kind, forward, backward))
     return out
+
+
+def _dp_plans(sub: Chain, rest: int, grads_exist: bool, slots: int) -> list[tuple[Ops, Ops]]:
+    """The optimal DP's plans of the block at every budget, the block followed by a stand-in
+    whose forward and backward peak ``rest`` bytes (none if 0), as forward and backward
+    phases: the operations before the stand-in runs and after its backward."""
+    n = sub.length
+    chain = sub
+    if rest:
+        tail = replace(
+            _stand_in(0, True, sub.gradient_of_activation_bytes(n) if n else None),
+            forward_peak_bytes=rest,
+            forward_grad_peak_bytes=rest,
+            backward_peak_bytes=rest,
+        )
+        chain = Chain((*sub.stages, tail), sub.input_bytes, sub.input_requires_grad)
+    peak = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
+    slot_bytes, count = resolution(chain, max(2 * peak, 1), slots)
+    plans: list[tuple[Ops, Ops]] = []
+    for nearest in (False, True):
+        table = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist, nearest=nearest)
+        times = table.times()
+        previous = math.inf
+        for m in np.flatnonzero(np.isfinite(times)):
+            if times[m] < previous:  # the plan changes only where the time does
+                every = tuple(table.schedule(int(m)))
+                if rest:
+                    start = every.index((Op.FORWARD_ALL, n))
+                    stop = every.index((Op.BACKWARD, n))
+                    plans.append((every[:start], every[stop + 1 :]))
+                else:
+                    end = next(i for i, (op, _) in enumerate(every) if op is Op.BACKWARD)
+                    plans.append((every[:end], every[end:]))
+                previous = float(times[m])
+    return plans
 
 
 def _stand_in(output_bytes: int, requires_grad: bool, input_gradient: int | None) -> Stage:
@@ -294,7 +333,7 @@ def _measure(
         kind=kind,
         forward_seconds=_seconds(stages, forward),
         held_bytes=(held[0], held[1]),
-        pins_output=stages[-1].saves_whole_output,
+        pins_output=(Op.FORWARD_ALL, len(stages) - 1) in forward and stages[-1].saves_whole_output,
         forward_peak_bytes=(fwd_peak[0], fwd_peak[1]),
         backward_seconds=_seconds(stages, backward),
         backward_peak_bytes=(bwd_peak[0], bwd_peak[1]),
