@@ -7,9 +7,10 @@ sequential, revolve and optimal plans at recompute factors 1.25, 1.5 and 2; and 
 torch's best memory and 0.55 x of it.
 
 Columns: measured activation memory (the step's peak minus what was held before it: weights,
-gradients, input), edgetrain's predicted activation peak, median step time over interleaved rounds,
-and the measured recompute factor (step time over plain autograd's). The targets are checked below
-the table.
+gradients, input), edgetrain's predicted activation peak, median step time over interleaved rounds
+(``step_s``: process CPU time, at one torch thread by default, which other jobs on a shared machine
+do not stretch; ``wall_s`` beside it), and the measured recompute factor (CPU time over plain
+autograd's). The targets are checked below the table.
 
     python benchmarks/checkpointing.py                 # batch 4, 160x160: a few minutes
     python benchmarks/checkpointing.py --batch 8 --image 224 --json
@@ -38,7 +39,7 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_medians
+from _common import emit, interleaved_cpu_wall
 
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.execute import Checkpointed
@@ -59,7 +60,8 @@ class Row:
     measured: int | None = None
     predicted: int | None = None
     plan_rho: float | None = None
-    step_s: float | None = None
+    step_s: float | None = None  # process CPU time
+    wall_s: float | None = None
     note: str = ""
 
     def output(self, plain_s: float) -> dict[str, Any]:
@@ -72,6 +74,7 @@ class Row:
             ),
             "plan_rho": self.plan_rho,
             "step_s": self.step_s,
+            "wall_s": self.wall_s,
             "measured_rho": None if self.step_s is None else self.step_s / plain_s,
             "note": self.note or None,
         }
@@ -103,11 +106,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds (median reported)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: process CPU time is then robust to other jobs on the machine)",
+    )
+    parser.add_argument(
         "--captured",
         action="store_true",
         help="edgetrain plans the -module form captured and cut inside its blocks",
     )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     model = build(args.model)
@@ -194,8 +204,9 @@ def main() -> None:
         memory_budget=fixed + int(0.55 * best_torch.measured),
     )
 
-    for name, seconds in interleaved_medians(steps, rounds=args.rounds).items():
-        next(r for r in rows if r.config == name).step_s = seconds
+    for name, (cpu, wall) in interleaved_cpu_wall(steps, rounds=args.rounds).items():
+        row = next(r for r in rows if r.config == name)
+        row.step_s, row.wall_s = cpu, wall
     assert plain.step_s is not None and best_torch.step_s is not None
     ours = [r for r in rows if r.config.startswith("edgetrain") and r.measured and r.predicted]
     worst = max(abs((r.measured or 0) / (r.predicted or 1) - 1) for r in ours)
@@ -237,6 +248,7 @@ def main() -> None:
             "measured/predicted",
             "plan_rho",
             "step_s",
+            "wall_s",
             "measured_rho",
             "note",
         ],
