@@ -26,11 +26,13 @@ backward phase must run ``B L-1``, ``B L-2`` .. ``B 0`` in that order.
 :func:`simulate` replays a schedule on a chain and returns its :class:`Cost`. Memory is counted the
 way the executor (:mod:`edgetrain.execute`) and autograd hold it: an activation's storage is held
 while our reference, a graph that saved it as its input, or a graph that saved it as its output
-refers to it, and is counted once; a graph holds only what autograd saved; each operation adds its
-measured transient peak; parameter gradients appear as the backward creates them and stay until
-the step ends (unless ``grads_exist``: then they were held before the step and are added to in
-place). The input ``a[0]``, the weights and the buffers are held before the step and are not
-counted.
+refers to it, and is counted once; a graph holds only what autograd saved; a stage run forward
+again works on copies of its buffers (the executor keeps BatchNorm's running statistics from being
+updated twice), held during the operation and, after an ``Fa``, by its graph until its ``B``;
+each operation adds its measured transient peak; parameter gradients appear as the backward
+creates them and stay until the step ends (unless ``grads_exist``: then they were held before the
+step and are added to in place). The input ``a[0]``, the weights and the buffers are held before
+the step and are not counted.
 
 Recompute factor convention: ``recompute_factor = seconds / (forward_seconds + backward_seconds)``
 of the chain, i.e. the time of the schedule over the time of one plain forward and backward. On a
@@ -332,6 +334,8 @@ def _replay(
     refs = [0] * len(sizes)
     plain = [False] * (n + 1)
     graph = [False] * n
+    ran = [False] * n  # the stage has run forward before: a run again works on buffer copies
+    copies = [0] * n  # buffer copies the graph of a stage run again holds
     plain[0] = True
     held = 0
     next_backward = n - 1  # the backward phase goes n-1 .. 0
@@ -421,7 +425,8 @@ def _replay(
             during = held + stage.backward_peak(grads_exist)
             graph[k] = False
             # The output's gradient is autograd's to free, after the whole backward.
-            held -= stage.saved_bytes + (grad[k + 1] if k + 1 < n else 0)
+            held -= stage.saved_bytes + (grad[k + 1] if k + 1 < n else 0) + copies[k]
+            copies[k] = 0
             held -= drop(saved_in[k]) + drop(saved_out[k])
             held += grad[k] + (0 if grads_exist else stage.gradient_bytes)
             next_backward -= 1
@@ -440,15 +445,20 @@ def _replay(
             seconds += stage.forward_seconds
             plain[k + 1] = True
             checkpoints += k + 1 < n
+            # Run again, a stage works on copies of its buffers (BatchNorm's running statistics:
+            # the recomputation must not update the model's), which its graph may keep.
+            again = stage.buffer_bytes if ran[k] else 0
+            ran[k] = True
             if kind is Op.FORWARD_ALL:
-                during = held + stage.forward_grad_peak_bytes
+                during = held + again + stage.forward_grad_peak_bytes
                 graph[k] = True
-                held += take(pieces[k + 1]) + stage.saved_bytes
+                copies[k] = again
+                held += take(pieces[k + 1]) + stage.saved_bytes + again
                 held += take(saved_out[k]) + take(saved_in[k])
                 held -= release(k)
                 forward_all += 1
             else:
-                during = held + stage.forward_peak_bytes
+                during = held + again + stage.forward_peak_bytes
                 held += take(pieces[k + 1])
                 if kind is Op.FORWARD_NOSAVE:
                     held -= release(k)
