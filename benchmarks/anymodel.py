@@ -413,9 +413,10 @@ def _fit(
     its 12 MiB input gradient, so a plan whose peak falls there measures over while a plan for
     a smaller budget may fit (the planner is not monotone in the budget either). So the
     planner's budget is searched by measuring: the target first; when that plan measures over,
-    the least plan's budget; then bisection between the highest budget whose plan fits and the
-    lowest above it whose plan does not, or, while none fits, the middle of the widest interval
-    between budgets tried; at most ``probes`` budgets, down to 0.25 MiB apart. ``known`` (plan
+    the target less what it showed over, and the least plan's budget if that does not fit
+    either; then bisection between the highest budget whose plan fits and the lowest above it
+    whose plan does not, or, while none fits, the middle of the widest interval between budgets
+    tried; at most ``probes`` budgets, down to 0.25 MiB apart. ``known`` (plan
     text -> (``Checkpointed``, heap budget, measured peak)): plans measured before, candidates
     too; the plans measured here are added to it.
     """
@@ -425,7 +426,8 @@ def _fit(
     def fitting(net: Any, peak: int) -> bool:
         return peak <= target and edgetrain.predicted(net).peak_bytes <= target
 
-    def probe(budget: int) -> None:
+    def probe(budget: int) -> int:
+        """Measure the plan for ``budget``; returns how far its peak is over ``target``."""
         net = edgetrain.net(budget)
         text = net.schedule.text()
         if text not in known:
@@ -436,16 +438,22 @@ def _fit(
             f"  within {target / MiB:.1f} MiB? planned for {budget / MiB:.2f}: predicted "
             f"{edgetrain.predicted(net).peak_bytes / MiB:.2f}, measured {peak / MiB:.2f}"
         )
+        return max(peak, edgetrain.predicted(net).peak_bytes) - target
 
-    probe(max(target, least))
-    if target > least and not fits[target]:
-        probe(least)
+    over = probe(max(target, least))
+    if target > least and over > 0:
+        probe(max(least, target - over))  # less by what the heap showed over
+        if not any(fits.values()) and least not in fits:
+            probe(least)
         while len(fits) < probes:
             budgets = sorted(fits)
             good = [b for b in budgets if fits[b]]
             if good:
                 low = max(good)
-                high = min(b for b in budgets if b > low)
+                above = [b for b in budgets if b > low]
+                if not above:
+                    break
+                high = min(above)
             else:
                 low, high = max(itertools.pairwise(budgets), key=lambda pair: pair[1] - pair[0])
             if high - low < MiB // 4:
