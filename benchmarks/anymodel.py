@@ -161,13 +161,16 @@ def with_loss(chain: Chain, loss: Stage) -> Chain:
 class Edgetrain:
     """One model's profiled chain, and the chain with the loss to plan rows on."""
 
-    def __init__(self, base: nn.Module, x: torch.Tensor) -> None:
+    def __init__(self, base: nn.Module, x: torch.Tensor, chain: Chain | None = None) -> None:
+        """``chain``: the model's chain when already made (else profiled here)."""
         from edgetrain.execute import Checkpointed
         from edgetrain.profile import profile
 
         self.base, self.x = base, x
         start = time.perf_counter()
-        self.chain = Checkpointed(copy.deepcopy(base), x).chain  # stores everything: profiles
+        if chain is None:
+            chain = Checkpointed(copy.deepcopy(base), x).chain  # stores everything: profiles
+        self.chain = chain
         with torch.no_grad():
             leaf = torch.zeros_like(base(x)).requires_grad_()
         self.loss = profile(nn.Sequential(SquareMean()), leaf).stages[0]
