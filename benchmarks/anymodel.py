@@ -13,8 +13,9 @@ weights), one training step (forward, mean-square loss, backward; gradients then
 * ``edgetrain@f``: the model captured, cut and profiled once (:class:`Edgetrain`), planned for
   f × plain's measured peak; ``edgetrain@store-all`` for the store-all plan's predicted peak;
   ``edgetrain≤compile@b``: the fastest plan whose measured peak is within compile@b's measured
-  peak (planned for that peak, measured, planned again for what the heap showed over or
-  free, at most 4 tries; see :func:`_fit`).
+  peak (planned for that peak; when it measures over, the planner's budget searched by
+  measuring each candidate; see :func:`_fit`). Every plan is made for the whole step, the loss
+  merged into the chain's last stage (:func:`with_loss`): predicted peaks are the step's.
 
 Memory: ``peak_MiB`` is the most heap memory in use during the step above what was in use when
 it started (weights, buffers, input; parameter gradients are allocated during the step and
@@ -42,10 +43,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_cpu_wall
 from _malloc_peak import malloc_peak
 
+from edgetrain.chain import Chain, Stage
 from edgetrain.errors import EdgetrainError, InfeasibleBudget
 from edgetrain.measure import StorageCounter
 from edgetrain.models import build, canonical_name, sample_input
@@ -65,7 +69,7 @@ from edgetrain.models.resnet import BasicBlock, Bottleneck
 from edgetrain.models.transformer import Block
 from edgetrain.models.unet import UNet
 from edgetrain.planners.optimal import store_all
-from edgetrain.schedule import simulate
+from edgetrain.schedule import Cost, simulate
 
 MiB = 2**20
 COMPILE_BUDGETS = (1.0, 0.5, 0.3, 0.1)
@@ -84,44 +88,117 @@ Step = Callable[[torch.Tensor], torch.Tensor]
 
 # ---------------------------------------------------------------------------------------------
 # EDGETRAIN. The model is captured and cut into stages (between and inside its blocks) and
-# profiled once on this machine (:class:`Edgetrain`); every edgetrain row plans on that one chain.
-# A row for a heap budget B (bytes: f × plain autograd's measured ``peak_MiB``, or a compiled
-# row's measured peak) plans for B less what the loss itself holds (measured on a tensor of the
-# output's shape): ``peak_MiB`` is the step's peak above weights, buffers and input, parameter
-# gradients created during the step included (the loop here sets them to None), and the loss
-# is computed by the caller between the forward and the backward.
+# profiled once on this machine (:class:`Edgetrain`); every edgetrain row plans on that one chain
+# with the step's loss merged into its last stage (:func:`with_loss`), so that a plan's predicted
+# peak is the whole step's: ``peak_MiB`` is the step's peak above weights, buffers and input,
+# parameter gradients created during the step included (the loop here sets them to None), and
+# the loss is computed by the caller between the forward and the backward.
 # ---------------------------------------------------------------------------------------------
-class Edgetrain:
-    """One model's profiled chain and the memory its loss holds, to plan rows on."""
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    """The step's loss: the mean of the output's squares."""
+    return out.float().square().mean()
 
-    def __init__(self, base: nn.Module, x: torch.Tensor) -> None:
+
+class SquareMean(nn.Module):
+    """:func:`_loss` as a module, to profile it as a stage."""
+
+    def forward(self, out: torch.Tensor) -> torch.Tensor:
+        return _loss(out)
+
+
+def with_loss(chain: Chain, loss: Stage) -> Chain:
+    """``chain`` whose last stage also computes the caller's loss (``loss``: the loss profiled
+    as a one-stage chain on a leaf of the output's shape), for planning the whole step.
+
+    The loss runs between the forward phase and the backward phase, on top of what the plan
+    holds when the forward ends, not at the chain's peak; and the forward's output and its
+    gradient are already counted by :func:`~edgetrain.schedule.simulate` (the caller holds the
+    output, the output's gradient is held until the backward ends), so the loss cannot be a
+    reserve subtracted from the budget without counting it wrongly. Merged into the last stage
+    (not appended as a stage of its own, which would let a plan run the last stage without
+    grad, compute the loss, and build the last stage's graph afterwards: the caller's step
+    cannot), the plan's ops are the same for both chains, and on this chain its predicted peak
+    is what the step holds, loss included (``StorageCounter`` agrees to the byte on TinyLM and
+    MobileNetV2):
+
+    * forward: the output (``O`` bytes) and the last stage's graph, then the loss's forward on
+      top; the graph keeps the output when the loss saves its input (a square does);
+    * backward: the loss's backward (its peak includes the output's gradient it leaves), which
+      frees the output if only the loss held it, then the last stage's backward on top of the
+      output's gradient; that gradient is held until the backward ends, as the parameter
+      gradients are (counted with them: plans for steps whose gradients start as None).
+    """
+    last = chain.stages[-1]
+    if last.leaf_bytes or any(j >= 0 for j in last.gradient_from):
+        raise ValueError(f"{chain.name}: the last stage's output is not one tensor of its own")
+    out = last.output_bytes
+    out_grad = out if loss.input_gradient_bytes is None else loss.input_gradient_bytes
+    graph_keeps = loss.saves_input or last.saves_output
+    freed_by_loss = out if loss.saves_input and not last.saves_output else 0
+    merged = replace(
+        last,
+        name=f"{last.name}+loss",
+        output_bytes=loss.output_bytes,
+        saved_bytes=last.saved_bytes + (out if graph_keeps else 0),
+        saves_output=False,
+        saved_outputs=None,
+        forward_peak_bytes=max(last.forward_peak_bytes, out + loss.forward_peak_bytes),
+        forward_grad_peak_bytes=max(
+            last.forward_grad_peak_bytes, out + last.saved_bytes + loss.forward_grad_peak_bytes
+        ),
+        backward_peak_bytes=max(
+            loss.backward_peak_bytes, out_grad - freed_by_loss + last.backward_peak_bytes
+        ),
+        backward_peak_kept_bytes=None,
+        gradient_bytes=last.gradient_bytes + out_grad,
+        forward_seconds=last.forward_seconds + loss.forward_seconds,
+        backward_seconds=last.backward_seconds + loss.backward_seconds,
+    )
+    stages = (*chain.stages[:-1], merged)
+    return Chain(stages, chain.input_bytes, chain.input_requires_grad, f"{chain.name}+loss")
+
+
+class Edgetrain:
+    """One model's profiled chain, and the chain with the loss to plan rows on."""
+
+    def __init__(self, base: nn.Module, x: torch.Tensor, chain: Chain | None = None) -> None:
+        """``chain``: the model's chain when already made (else profiled here)."""
         from edgetrain.execute import Checkpointed
+        from edgetrain.profile import profile
 
         self.base, self.x = base, x
         start = time.perf_counter()
-        self.chain = Checkpointed(copy.deepcopy(base), x).chain  # stores everything: profiles
-        self.profile_s = time.perf_counter() - start
+        if chain is None:
+            chain = Checkpointed(copy.deepcopy(base), x).chain  # stores everything: profiles
+        self.chain = chain
         with torch.no_grad():
-            shape = base(x).shape
-        leaf = torch.zeros(shape, requires_grad=True)
-        counter = StorageCounter()
-        with counter:
-            leaf.float().square().mean().backward()
-        self.loss_bytes = counter.peak_bytes  # the square, its gradient, the output's gradient
+            leaf = torch.zeros_like(base(x)).requires_grad_()
+        self.loss = profile(nn.Sequential(SquareMean()), leaf).stages[0]
+        self.planning = with_loss(self.chain, self.loss)
+        self.profile_s = time.perf_counter() - start
 
     def net(self, heap_bytes: int) -> Any:
-        """A ``Checkpointed`` copy of the model with the fastest plan for a step peak of
-        ``heap_bytes``. Raises ``InfeasibleBudget`` when no plan fits."""
+        """A ``Checkpointed`` copy of the model with the fastest plan for a step peak (loss
+        included) of ``heap_bytes``. Raises ``InfeasibleBudget`` when no plan fits."""
         from edgetrain.execute import Checkpointed
         from edgetrain.planners import plan
+        from edgetrain.planners.search import made_for
 
-        if heap_bytes <= self.loss_bytes:
-            raise EdgetrainError(
-                f"the loss alone holds {self.loss_bytes / MiB:.1f} MiB of the "
-                f"{heap_bytes / MiB:.1f} MiB budget"
-            )
-        schedule = plan(self.chain, "optimal", memory=heap_bytes - self.loss_bytes)
+        schedule = made_for(plan(self.planning, "optimal", memory=heap_bytes), self.chain)
         return Checkpointed(copy.deepcopy(self.base), self.x, chain=self.chain, schedule=schedule)
+
+    def predicted(self, net: Any) -> Cost:
+        """The whole step's cost under ``net``'s plan, loss included."""
+        return simulate(self.planning, net.schedule)
+
+    def least_bytes(self) -> int:
+        """The least step peak any plan has."""
+        try:
+            return int(self.predicted(self.net(1)).peak_bytes)
+        except InfeasibleBudget as exc:
+            if exc.smallest is None:
+                raise
+            return int(exc.smallest)
 
 
 def checkpoint_blocks(model: nn.Module) -> nn.Module:
@@ -153,7 +230,7 @@ class _Checkpoint(nn.Module):
 
 def _training_step(net: Step, params: list[nn.Parameter], x: torch.Tensor) -> Callable[[], None]:
     def step() -> None:
-        net(x).float().square().mean().backward()
+        _loss(net(x)).backward()
         for p in params:  # as zero_grad() would; after the step, so each starts without them
             p.grad = None
 
@@ -255,22 +332,23 @@ def bench_model(
         for fraction in args.fractions:
             add_edgetrain(f"edgetrain@{fraction:g}", int(fraction * peaks["plain"]))
         # The least budget that allows storing everything (the store-all plan's predicted
-        # peak and the loss's): the plan then runs the model as it is.
-        everything = simulate(edgetrain.chain, store_all(edgetrain.chain)).peak_bytes
-        add_edgetrain("edgetrain@store-all", everything + edgetrain.loss_bytes)
+        # peak, loss included): the plan then runs the model as it is.
+        everything = simulate(edgetrain.planning, store_all(edgetrain.planning)).peak_bytes
+        add_edgetrain("edgetrain@store-all", everything)
         # Matched rows: the fastest plan whose *measured* heap peak is within compile@b's.
         for budget in args.budgets:
             target = compile_peaks.get(f"compile@{budget:g}")
             if target is not None:
                 config = f"edgetrain≤compile@{budget:g}"
-                found = _fit(edgetrain, target, lambda net: _measured_peak(net, x, args), known)
-                if isinstance(found, str):
-                    notes[config] = found
-                else:
-                    add_net(config, *found)
-                    if peaks[config] > target:
-                        over = (peaks[config] - target) / MiB
-                        notes[config] = f"no plan measured within: this one is {over:.1f} MiB over"
+                try:
+                    found = _fit(edgetrain, target, lambda n: _measured_peak(n, x, args), known)
+                except EdgetrainError as exc:
+                    notes[config] = str(exc)
+                    continue
+                add_net(config, *found)
+                if peaks[config] > target:
+                    over = (peaks[config] - target) / MiB
+                    notes[config] = f"no plan measured within: this one is {over:.1f} MiB over"
 
     _progress(f"{name}: timing {len(configs)} configurations, {args.rounds} rounds")
     times = interleaved_cpu_wall(configs, rounds=args.rounds, warmup=0)
@@ -325,62 +403,80 @@ def _fit(
     target: int,
     peak_of: Callable[[Any], int],
     known: dict[str, tuple[Any, int, int]],
-    tries: int = 4,
-) -> tuple[Any, int] | str:
+    probes: int = 10,
+) -> tuple[Any, int]:
     """The fastest plan whose measured heap peak is within ``target`` bytes: (its
     ``Checkpointed``, the heap budget it was planned for); or, when none is found, the plan
-    with the least measured peak; or a note saying why there is no plan at all.
+    with the least measured peak.
 
-    The planner predicts tensors, the heap also holds kernel scratch and the loss's memory does
-    not all coincide with the step's peak, so the prediction is off by a few MiB either way:
-    plan for the target, measure, and plan again for the prediction plus what the heap showed
-    free (or less by what it showed over), at most ``tries`` times. A budget below the least
-    plan's is planned at the least plan (whose measured peak may still fit). ``known`` (plan
+    A plan fits when both its predicted peak (tensors, loss included: exact) and its measured
+    heap peak (``peak_of``, as the rows measure it) are within ``target``. The heap also holds
+    what kernels allocate without making a tensor, which no plan predicts: on MobileNetV2 the
+    backward of the depthwise stride-2 convolution on 8 x 96 x 64 x 64 holds 13-27 MiB beyond
+    its 12 MiB input gradient, so a plan whose peak falls there measures over while a plan for
+    a smaller budget may fit (the planner is not monotone in the budget either). So the
+    planner's budget is searched by measuring: the target first; when that plan measures over,
+    the target less what it showed over, and the least plan's budget if that does not fit
+    either; then bisection between the highest budget whose plan fits and the lowest above it
+    whose plan does not, or, while none fits, the middle of the widest interval between budgets
+    tried; at most ``probes`` budgets, down to 0.25 MiB apart. ``known`` (plan
     text -> (``Checkpointed``, heap budget, measured peak)): plans measured before, candidates
-    too (the planner is not monotone in the budget); the plans measured here are added to it.
+    too; the plans measured here are added to it.
     """
-    seen = known  # plan text -> (net, heap, measured peak)
-    heap = target
-    tried: set[str] = set()
-    for _ in range(tries):
-        try:
-            net = edgetrain.net(heap)
-        except InfeasibleBudget as exc:
-            if exc.smallest is None:
-                return str(exc)
-            heap = int(exc.smallest) + edgetrain.loss_bytes + 1
-            net = edgetrain.net(heap)
-        except EdgetrainError as exc:
-            return str(exc)
+    least = edgetrain.least_bytes()
+    fits: dict[int, bool] = {}  # budget tried -> whether its plan fits
+
+    def fitting(net: Any, peak: int) -> bool:
+        return peak <= target and edgetrain.predicted(net).peak_bytes <= target
+
+    def probe(budget: int) -> int:
+        """Measure the plan for ``budget``; returns how far its peak is over ``target``."""
+        net = edgetrain.net(budget)
         text = net.schedule.text()
-        if text in tried:
-            break
-        tried.add(text)
-        if text not in seen:
-            seen[text] = (net, heap, peak_of(net))
-        net, _, peak = seen[text]
-        if net._stores_everything and peak <= target:
-            break
-        gap = target - peak
-        if 0 <= gap < MiB:
-            break
-        heap = net.cost.peak_bytes + edgetrain.loss_bytes + gap
-    fitting = [v for v in seen.values() if v[2] <= target]
-    if fitting:
-        net, heap, _ = min(fitting, key=lambda v: v[0].cost.seconds)
+        if text not in known:
+            known[text] = (net, budget, peak_of(net))
+        net, _, peak = known[text]
+        fits[budget] = fitting(net, peak)
+        _progress(
+            f"  within {target / MiB:.1f} MiB? planned for {budget / MiB:.2f}: predicted "
+            f"{edgetrain.predicted(net).peak_bytes / MiB:.2f}, measured {peak / MiB:.2f}"
+        )
+        return max(peak, edgetrain.predicted(net).peak_bytes) - target
+
+    over = probe(max(target, least))
+    if target > least and over > 0:
+        probe(max(least, target - over))  # less by what the heap showed over
+        if not any(fits.values()) and least not in fits:
+            probe(least)
+        while len(fits) < probes:
+            budgets = sorted(fits)
+            good = [b for b in budgets if fits[b]]
+            if good:
+                low = max(good)
+                above = [b for b in budgets if b > low]
+                if not above:
+                    break
+                high = min(above)
+            else:
+                low, high = max(itertools.pairwise(budgets), key=lambda pair: pair[1] - pair[0])
+            if high - low < MiB // 4:
+                break
+            probe((low + high) // 2)
+    candidates = [v for v in known.values() if fitting(v[0], v[2])]
+    if candidates:
+        net, heap, _ = min(candidates, key=lambda v: edgetrain.predicted(v[0]).seconds)
         return net, heap
-    if not seen:
-        return "no plan"
-    net, heap, _ = min(seen.values(), key=lambda v: v[2])
+    net, heap, _ = min(known.values(), key=lambda v: v[2])
     return net, heap
 
 
 def _describe(net: Any, edgetrain: Edgetrain | None) -> str:
-    """The plan in a few words: store-all, or its predicted recompute factor and peak."""
+    """The plan in a few words: store-all, or the whole step's predicted recompute factor and
+    peak (loss included)."""
     if net._stores_everything:
         return "store-all"
-    loss = edgetrain.loss_bytes if edgetrain is not None else 0
-    return f"rho {net.cost.recompute_factor:.2f}, pred {(net.cost.peak_bytes + loss) / MiB:.1f}"
+    cost = edgetrain.predicted(net) if edgetrain is not None else net.cost
+    return f"rho {cost.recompute_factor:.2f}, pred {cost.peak_bytes / MiB:.1f}"
 
 
 def _verdicts(label: str, rows: list[dict[str, Any]], budgets: list[float]) -> list[dict[str, Any]]:
