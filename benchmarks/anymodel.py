@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import itertools
 import json
 import sys
@@ -58,7 +59,7 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_cpu_wall
-from _malloc_peak import malloc_peak
+from _malloc_peak import malloc_peak, release_free_memory
 
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import EdgetrainError, InfeasibleBudget
@@ -69,7 +70,7 @@ from edgetrain.models.resnet import BasicBlock, Bottleneck
 from edgetrain.models.transformer import Block
 from edgetrain.models.unet import UNet
 from edgetrain.planners.optimal import store_all
-from edgetrain.schedule import Cost, simulate
+from edgetrain.schedule import Cost, Schedule, simulate
 
 MiB = 2**20
 COMPILE_BUDGETS = (1.0, 0.5, 0.3, 0.1)
@@ -177,24 +178,32 @@ class Edgetrain:
         self.planning = with_loss(self.chain, self.loss)
         self.profile_s = time.perf_counter() - start
 
-    def net(self, heap_bytes: int) -> Any:
-        """A ``Checkpointed`` copy of the model with the fastest plan for a step peak (loss
-        included) of ``heap_bytes``. Raises ``InfeasibleBudget`` when no plan fits."""
-        from edgetrain.execute import Checkpointed
+    def plan(self, heap_bytes: int) -> Schedule:
+        """The fastest plan for a step peak (loss included) of ``heap_bytes``. Raises
+        ``InfeasibleBudget`` when no plan fits."""
         from edgetrain.planners import plan
         from edgetrain.planners.search import made_for
 
-        schedule = made_for(plan(self.planning, "optimal", memory=heap_bytes), self.chain)
+        return made_for(plan(self.planning, "optimal", memory=heap_bytes), self.chain)
+
+    def checkpointed(self, schedule: Schedule) -> Any:
+        """A ``Checkpointed`` copy of the model running ``schedule``."""
+        from edgetrain.execute import Checkpointed
+
         return Checkpointed(copy.deepcopy(self.base), self.x, chain=self.chain, schedule=schedule)
 
-    def predicted(self, net: Any) -> Cost:
-        """The whole step's cost under ``net``'s plan, loss included."""
-        return simulate(self.planning, net.schedule)
+    def net(self, heap_bytes: int) -> Any:
+        """A ``Checkpointed`` copy of the model with :meth:`plan`'s plan for ``heap_bytes``."""
+        return self.checkpointed(self.plan(heap_bytes))
+
+    def predicted(self, schedule: Schedule) -> Cost:
+        """The whole step's cost under ``schedule``, loss included."""
+        return simulate(self.planning, schedule)
 
     def least_bytes(self) -> int:
         """The least step peak any plan has."""
         try:
-            return int(self.predicted(self.net(1)).peak_bytes)
+            return int(self.predicted(self.plan(1)).peak_bytes)
         except InfeasibleBudget as exc:
             if exc.smallest is None:
                 raise
@@ -313,7 +322,7 @@ def bench_model(
             add_net(config, net, heap)
             return True
 
-        known: dict[str, tuple[Any, int, int]] = {}  # every plan measured: see _fit
+        known: dict[str, tuple[Schedule, int, int]] = {}  # every plan measured: see _fit
 
         def add_net(config: str, net: Any, heap: int) -> None:
             planned[config] = heap
@@ -327,7 +336,7 @@ def bench_model(
                 return
             add(config, net, list(net.module.parameters()))
             measure(config)
-            known.setdefault(text, (net, heap, peaks[config]))
+            known.setdefault(text, (net.schedule, heap, peaks[config]))
 
         for fraction in args.fractions:
             add_edgetrain(f"edgetrain@{fraction:g}", int(fraction * peaks["plain"]))
@@ -402,7 +411,7 @@ def _fit(
     edgetrain: Edgetrain,
     target: int,
     peak_of: Callable[[Any], int],
-    known: dict[str, tuple[Any, int, int]],
+    known: dict[str, tuple[Schedule, int, int]],
     probes: int = 10,
 ) -> tuple[Any, int]:
     """The fastest plan whose measured heap peak is within ``target`` bytes: (its
@@ -426,22 +435,28 @@ def _fit(
     least = edgetrain.least_bytes()
     fits: dict[int, bool] = {}  # budget tried -> whether its plan fits
 
-    def fitting(net: Any, peak: int) -> bool:
-        return peak <= target and edgetrain.predicted(net).peak_bytes <= target
+    def fitting(schedule: Schedule, peak: int) -> bool:
+        return peak <= target and edgetrain.predicted(schedule).peak_bytes <= target
 
     def probe(budget: int) -> int:
         """Measure the plan for ``budget``; returns how far its peak is over ``target``."""
-        net = edgetrain.net(budget)
-        text = net.schedule.text()
+        schedule = edgetrain.plan(budget)
+        text = schedule.text()
         if text not in known:
-            known[text] = (net, budget, peak_of(net))
-        net, _, peak = known[text]
-        fits[budget] = fitting(net, peak)
+            # Only the plan is kept: a model copy per probe grew the heap, and glibc's
+            # mallinfo2, which the sampler calls, walks it holding the allocator's lock,
+            # slowing every later step (probes 4 s apart at first, 85 s by the seventh).
+            known[text] = (schedule, budget, peak_of(edgetrain.checkpointed(schedule)))
+            gc.collect()
+            release_free_memory()
+        schedule, _, peak = known[text]
+        fits[budget] = fitting(schedule, peak)
+        predicted = edgetrain.predicted(schedule).peak_bytes
         _progress(
             f"  within {target / MiB:.1f} MiB? planned for {budget / MiB:.2f}: predicted "
-            f"{edgetrain.predicted(net).peak_bytes / MiB:.2f}, measured {peak / MiB:.2f}"
+            f"{predicted / MiB:.2f}, measured {peak / MiB:.2f}"
         )
-        return max(peak, edgetrain.predicted(net).peak_bytes) - target
+        return max(peak, predicted) - target
 
     over = probe(max(target, least))
     if target > least and over > 0:
@@ -464,10 +479,10 @@ def _fit(
             probe((low + high) // 2)
     candidates = [v for v in known.values() if fitting(v[0], v[2])]
     if candidates:
-        net, heap, _ = min(candidates, key=lambda v: edgetrain.predicted(v[0]).seconds)
-        return net, heap
-    net, heap, _ = min(known.values(), key=lambda v: v[2])
-    return net, heap
+        schedule, heap, _ = min(candidates, key=lambda v: edgetrain.predicted(v[0]).seconds)
+    else:
+        schedule, heap, _ = min(known.values(), key=lambda v: v[2])
+    return edgetrain.checkpointed(schedule), heap
 
 
 def _describe(net: Any, edgetrain: Edgetrain | None) -> str:
@@ -475,7 +490,7 @@ def _describe(net: Any, edgetrain: Edgetrain | None) -> str:
     peak (loss included)."""
     if net._stores_everything:
         return "store-all"
-    cost = edgetrain.predicted(net) if edgetrain is not None else net.cost
+    cost = edgetrain.predicted(net.schedule) if edgetrain is not None else net.cost
     return f"rho {cost.recompute_factor:.2f}, pred {cost.peak_bytes / MiB:.1f}"
 
 

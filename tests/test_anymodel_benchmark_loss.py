@@ -75,7 +75,7 @@ def test_step_peak_with_the_loss_is_predicted_exactly(anymodel, name, make, make
     out_grad = edgetrain.chain.gradient_of_activation_bytes(edgetrain.chain.length)
     for budget in (least, (least + most) // 2, most):
         net = edgetrain.net(budget)
-        predicted = edgetrain.predicted(net).peak_bytes
+        predicted = edgetrain.predicted(net.schedule).peak_bytes
         assert predicted <= budget
         step = anymodel._training_step(net, list(net.module.parameters()), x)
         step()  # warm-up, as the benchmark does
