@@ -1,8 +1,9 @@
 """The any-model benchmark's planning chain (``benchmarks/anymodel.py``: the caller's loss merged
 into the chain's last stage) predicts the whole training step's peak, loss included, as
 ``StorageCounter`` measures it: on a language model whose logits and loss dominate memory and on
-a CNN whose output is small, for plans from the least memory to storing everything (to within
-64 bytes, and the output's gradient for the store-all plan, which plain autograd frees early)."""
+a CNN whose output is small, for plans from the least memory to storing everything (never
+below, above by at most 64 bytes, and the output's gradient for the store-all plan, which plain
+autograd frees early)."""
 
 import importlib.util
 import sys
@@ -82,11 +83,11 @@ def test_step_peak_with_the_loss_is_predicted_exactly(anymodel, name, make, make
         counter = StorageCounter()
         with counter:
             step()
-        # Exact but for a few scalars (a recomputed BatchNorm's copy of num_batches_tracked is
-        # not in the chain: 8 bytes), and for a plan that stores everything, which runs the
-        # model as it is: plain autograd frees the output's gradient as soon as it is used.
+        # Never below the measurement; above it by at most a few scalars, and for a plan that
+        # stores everything, which runs the model as it is, by the output's gradient: plain
+        # autograd frees it as soon as it is used.
         slack = out_grad if net._stores_everything else 0
-        assert -64 <= predicted - counter.peak_bytes <= 64 + slack, (name, budget)
+        assert 0 <= predicted - counter.peak_bytes <= 64 + slack, (name, budget)
 
 
 def test_loss_is_not_counted_twice_nor_at_the_chains_peak(anymodel):
