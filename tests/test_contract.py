@@ -224,14 +224,21 @@ def test_measured_peak_equals_prediction_for_every_plan(name, make, shape, set_t
         assert measured <= plain * 1.02 + chain.gradient_of_activation_bytes(chain.length)
 
 
-def test_the_canary_model_holds_its_promise_with_zero_grad():
+def canary_model(blocks: int) -> tuple[nn.Module, torch.Tensor]:
+    """The budget canary's model: convolution, BatchNorm and a default activation of six kinds,
+    ``blocks`` times; and its input."""
     acts = [nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU]
     torch.manual_seed(0)
     layers = []
-    for i in range(6):
+    for i in range(blocks):
         layers += [nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), acts[i % len(acts)]()]
-    model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(8 * 12 * 12, 4))
-    x = torch.randn(4, 8, 12, 12)
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(8 * 12 * 12, 4)), torch.randn(
+        4, 8, 12, 12
+    )
+
+
+def test_the_canary_model_holds_its_promise_with_zero_grad():
+    model, x = canary_model(6)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for rho in (1.2, 1.5, 2.0):
         net = Checkpointed(model, x, max_recompute=rho)
@@ -253,13 +260,7 @@ def test_a_recomputed_batchnorm_is_counted_with_its_buffer_copies(plan):
     updated once), and a graph built in that run keeps the copies it saved: the prediction
     counts them, and the measured peak is never above it, not by a byte (without them the
     budget canary's model at ρ 1.2 measured 136 bytes above its prediction)."""
-    acts = [nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU]
-    torch.manual_seed(0)
-    layers = []
-    for i in range(12):
-        layers += [nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), acts[i % len(acts)]()]
-    model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(8 * 12 * 12, 4))
-    x = torch.randn(4, 8, 12, 12)
+    model, x = canary_model(12)
     chain = analytic_chain(model, x)
     if "fraction" in plan:
         least, everything = minimum_memory(chain), simulate(chain, store_all(chain)).peak_bytes
