@@ -186,14 +186,14 @@ def _candidates(
     """Plans of the block's own stages, each split where its forward phase ends; ``followed``:
     the block is not the chain's last (whose output the caller holds)."""
     n = sub.length
-    plans: list[Schedule | tuple[Ops, Ops]] = [store_all(sub)]
+    plans = [_phases(store_all(sub))]
     if n > 1:
         walk = [(Op.FORWARD_CHECKPOINT, 0)] + [(Op.FORWARD_NOSAVE, k) for k in range(1, n - 1)]
         # The block again with grad, as rotor runs it: only the graph needs a[n-1].
         again = [(Op.FORWARD_ALL, k) for k in range(n - 1)] + [(Op.DISCARD, n - 1)]
         again += [(Op.BACKWARD, k) for k in reversed(range(n - 1))]
         ops = [*walk, (Op.FORWARD_ALL, n - 1), (Op.BACKWARD, n - 1), *again]
-        plans.append(Schedule.from_ops(n, ops))
+        plans.append(_phases(Schedule.from_ops(n, ops)))
         # A budget on the block's own peak does not ask for plans that hold little after the
         # forward phase; in the outer plan the rest of the chain runs on top of what they hold.
         # So the block is also planned followed by a stand-in for that rest, whose forward and
@@ -207,10 +207,6 @@ def _candidates(
     out: list[tuple[str, Ops, Ops]] = []
     seen: set[tuple[Ops, Ops]] = set()
     for plan in plans:
-        if isinstance(plan, Schedule):
-            every = tuple(plan)
-            end = plan.forward_phase_end
-            plan = (every[:end], every[end:])
         if plan in seen:
             continue
         seen.add(plan)
@@ -244,16 +240,23 @@ def _dp_plans(sub: Chain, rest: int, grads_exist: bool, slots: int) -> list[tupl
         previous = math.inf
         for m in np.flatnonzero(np.isfinite(times)):
             if times[m] < previous:  # the plan changes only where the time does
-                every = tuple(table.schedule(int(m)))
+                schedule = table.schedule(int(m))
                 if rest:
+                    every = tuple(schedule)
                     start = every.index((Op.FORWARD_ALL, n))
                     stop = every.index((Op.BACKWARD, n))
                     plans.append((every[:start], every[stop + 1 :]))
                 else:
-                    end = next(i for i, (op, _) in enumerate(every) if op is Op.BACKWARD)
-                    plans.append((every[:end], every[end:]))
+                    plans.append(_phases(schedule))
                 previous = float(times[m])
     return plans
+
+
+def _phases(schedule: Schedule) -> tuple[Ops, Ops]:
+    """A plan's operations split where its forward phase ends."""
+    every = tuple(schedule)
+    end = schedule.forward_phase_end
+    return every[:end], every[end:]
 
 
 def _stand_in(output_bytes: int, requires_grad: bool, input_gradient: int | None) -> Stage:
