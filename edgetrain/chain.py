@@ -144,12 +144,21 @@ class Chain:
         input_bytes: size of ``a[0]``; it is held by the caller, so planners do not count it.
         input_requires_grad: whether backward must produce a gradient for the input.
         name: a label for tables and files.
+        autograd_peak_bytes: the peak of one step of the stages run as they are by plain
+            autograd (bytes above what the step starts with; the output's gradient made by the
+            caller and held until the backward ends), measured when the chain was profiled:
+            ``(gradients created by the step, gradients kept from the step before)``. The
+            store-all plan runs exactly that (no executor), so it is that plan's peak (see
+            :func:`~edgetrain.schedule.simulate`): autograd's engine adds the two gradients of a
+            tensor used twice into a new tensor where the executor adds in place, which no
+            stage-by-stage count sees. None: not measured (a chain made by hand).
     """
 
     stages: tuple[Stage, ...]
     input_bytes: int
     input_requires_grad: bool = False
     name: str = ""
+    autograd_peak_bytes: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -326,6 +335,11 @@ class Chain:
             "input_bytes": self.input_bytes,
             "input_requires_grad": self.input_requires_grad,
             "stages": [asdict(s) for s in self.stages],
+            **(
+                {"autograd_peak_bytes": list(self.autograd_peak_bytes)}
+                if self.autograd_peak_bytes is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -338,6 +352,7 @@ class Chain:
                 input_bytes=int(data["input_bytes"]),
                 input_requires_grad=bool(data.get("input_requires_grad", False)),
                 name=str(data.get("name", "")),
+                autograd_peak_bytes=_pair(data.get("autograd_peak_bytes")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptFile(
@@ -360,6 +375,13 @@ class Chain:
         if not isinstance(data, dict):
             raise CorruptFile("not a chain description; write it with Chain.to_json")
         return cls.from_dict(data)
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    created, kept = (int(v) for v in value)
+    return created, kept
 
 
 def _saved_bytes(which: tuple[int, ...] | None, whole: bool, sizes: list[int]) -> int:

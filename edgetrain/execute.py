@@ -70,7 +70,7 @@ from edgetrain.paging import PageStore
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
 from edgetrain.profile import _check_model, profile
-from edgetrain.schedule import Cost, Op, Schedule, simulate
+from edgetrain.schedule import Cost, Op, Schedule, simulate, stores_everything
 from edgetrain.stages import (
     StageGraph,
     differentiable,
@@ -188,7 +188,11 @@ class Checkpointed(nn.Module):
                     worst,
                 )
         self._stages = _stage_modules(self.model, self.chain)
-        self._stores_everything = schedule.text() == store_all(self.chain).text()
+        # The store-all plan runs as plain autograd when its peak was measured so (the chain's
+        # autograd_peak_bytes, which simulate() gives it); otherwise stage by stage, as counted.
+        self._stores_everything = (
+            stores_everything(schedule) and self.chain.autograd_peak_bytes is not None
+        )
         index_of = {id(p): i for i, p in enumerate(self._params)}
         self._stage_params = [stage_params(m, index_of) for m in self._stages]
         # What every step runs, decoded once: the operations of each phase, and the stages run
@@ -259,9 +263,9 @@ class Checkpointed(nn.Module):
             self._plan(x, None, None)
         self._grads_exist = _kept(params)  # the loop this step runs in
         if self._stores_everything:
-            # Every stage once with its graph, nothing recomputed: that is plain autograd, which
-            # holds no more than the plan predicts and pays no executor overhead.
-            return self.module(x)
+            # Every stage once with its graph, nothing recomputed: plain autograd on the stages,
+            # whose peak the profile measured; no executor overhead.
+            return self.model(x)
         run = _Run(self, x, trainable)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))

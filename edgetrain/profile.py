@@ -119,12 +119,7 @@ def _analytic(
     )
     if stages is model:
         return chain
-    return Chain(
-        tuple(_segment_names(stages, chain)),
-        chain.input_bytes,
-        chain.input_requires_grad,
-        name=type(model).__name__,
-    )
+    return replace(chain, stages=tuple(_segment_names(stages, chain)), name=type(model).__name__)
 
 
 def _to_meta(sample_input: Any) -> Any:
@@ -307,13 +302,57 @@ def _profile(
                     memo[key] = (result, x)
             measured.append((name, module, span, result))
             needs_grad = result.output_requires_grad
+        done(detail="one step of plain autograd")
+        autograd_peaks = _autograd_peaks(model, sample_input)
     stages = _stages(measured)
     return Chain(
         stages=tuple(stages),
         input_bytes=storage_bytes(leaves(sample_input)),
         input_requires_grad=any(t.requires_grad for t in leaves(sample_input)),
         name=type(model).__name__,
+        autograd_peak_bytes=autograd_peaks,
     )
+
+
+def _autograd_peaks(model: nn.Module, sample_input: Any) -> tuple[int, int] | None:
+    """Peak bytes of one training step of ``model`` as it is under plain autograd, above what
+    the step starts with: ``(gradients set to None before it, gradients kept)`` (see
+    :attr:`~edgetrain.chain.Chain.autograd_peak_bytes`).
+
+    Measured on meta tensors (a copy of the model unless it is already there): the byte counts
+    are the same, and the whole step, which may not fit in the device's memory, is never run in
+    it. The output's gradient is made by the caller and held until the backward ends, as the
+    plans count it. None when the model cannot be copied to or run on meta tensors: its
+    store-all plan then runs stage by stage, as counted.
+    """
+    try:
+        meta_model = model if _on_meta(model) else _meta_copy(model)
+    except (TypeError, RuntimeError, copy.Error):
+        return None  # a module deepcopy cannot copy (one holding a lock): run as counted
+    x = _to_meta(sample_input)
+    params = list(meta_model.parameters())
+    saved = [p.grad for p in params]
+    peaks: list[int] = []
+    try:
+        for kept in (False, True):
+            if not kept:
+                for p in params:
+                    p.grad = None
+            counter = StorageCounter()
+            with torch.enable_grad(), counter:
+                out = meta_model(x)
+                outs = [t for t in leaves(out) if t.requires_grad]
+                grads = [torch.ones_like(t) for t in outs]
+                if outs:
+                    torch.autograd.backward(outs, grads)
+                del out, outs, grads
+            peaks.append(counter.peak_bytes)
+    except (NotImplementedError, RuntimeError):
+        return None  # an operation without a meta kernel: the store-all plan runs as counted
+    finally:
+        for p, grad in zip(params, saved, strict=True):
+            p.grad = grad
+    return peaks[0], peaks[1]
 
 
 def _shares_parameters(module: nn.Module, measured: list[tuple[str, nn.Module, int, Any]]) -> bool:
@@ -671,4 +710,4 @@ def model_chain(name: str, batch: int, image: int, *, timing: bool = True) -> Ch
     else:
         sample = torch.empty(batch, 3, image, image, device="meta")
     chain = _analytic(model, sample, flops_per_second=NOMINAL_FLOPS, flops=timing)
-    return Chain(chain.stages, chain.input_bytes, chain.input_requires_grad, name=key)
+    return replace(chain, name=key)

@@ -47,7 +47,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -280,8 +280,27 @@ def simulate(chain: Chain, schedule: Schedule, *, grads_exist: bool = False) -> 
     (``zero_grad(set_to_none=False)``); by default they do not (PyTorch's ``zero_grad()``) and the
     backward creates them. Raises :class:`InvalidSchedule` naming the first operation that cannot
     run (a forward whose input is gone, a stage run twice with grad, a backward out of order, ...).
+
+    The store-all plan is plain autograd (the executor runs the stages as they are): when the
+    chain carries that step's measured peak (:attr:`Chain.autograd_peak_bytes`), it is the plan's
+    ``peak_bytes``; the replay counts every other plan, which the executor runs stage by stage.
     """
-    return _replay(chain, schedule, None, grads_exist)
+    cost = _replay(chain, schedule, None, grads_exist)
+    measured = chain.autograd_peak_bytes
+    if measured is not None and stores_everything(schedule):
+        return replace(cost, peak_bytes=measured[1] if grads_exist else measured[0])
+    return cost
+
+
+def stores_everything(schedule: Schedule) -> bool:
+    """Whether ``schedule`` is plain autograd's: every stage forward with its graph in order,
+    then every backward in reverse order."""
+    n = schedule.length
+    if len(schedule) != 2 * n:
+        return False
+    order = np.concatenate([np.arange(n), np.arange(n - 1, -1, -1)])
+    kinds = np.repeat(np.array([int(Op.FORWARD_ALL), int(Op.BACKWARD)], dtype=np.int8), n)
+    return bool(np.array_equal(schedule.kinds, kinds) and np.array_equal(schedule.indices, order))
 
 
 def memory_trace(

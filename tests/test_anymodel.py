@@ -7,6 +7,7 @@ RNG state), and the measured peak (live tensor storages) equals the prediction w
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from edgetrain.models.vit import ViT
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
-from edgetrain.profile import analytic_chain
+from edgetrain.profile import analytic_chain, profile
 from edgetrain.schedule import simulate
 
 F64 = torch.float64
@@ -147,3 +148,53 @@ def test_any_model_holds_what_the_plan_predicts(name, make, make_input):
             # nor above plain autograd, but for the output's gradient, which autograd holds
             # for the executor until the backward ends (plain autograd frees it earlier)
             assert measured <= plain * 1.02 + chain.gradient_of_activation_bytes(chain.length)
+
+
+STORE_ALL_CASES = [
+    *CASES,
+    ("resnet50-module", lambda: build("resnet50-module"), lambda: sample_input("resnet50", 2, 32)),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "make_input"), STORE_ALL_CASES, ids=[c[0] for c in STORE_ALL_CASES]
+)
+@pytest.mark.parametrize("measured_chain", [True, False], ids=["profiled", "analytic"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-none", "grads-kept"])
+def test_a_store_all_plan_stays_within_a_budget_of_its_predicted_peak(
+    name, make, make_input, measured_chain, set_to_none
+):
+    """The store-all plan runs the stages as plain autograd, whose engine adds the two gradients
+    of a tensor used twice (a skip) into a new tensor where the executor adds in place. Priced
+    stage by stage, a budget of exactly its predicted peak was exceeded by 0.5 % on the U-Net
+    and 0.2 % on ResNet-50; its price is now the step measured when the chain was made."""
+    torch.manual_seed(0)
+    model = make()
+    x = make_input()
+    stages = as_stages(model, x)
+    chain = profile(stages, x) if measured_chain else analytic_chain(stages, x)
+    budget = simulate(chain, store_all(chain), grads_exist=not set_to_none).peak_bytes
+    schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=not set_to_none)
+    net = Checkpointed(model, x, chain=chain, schedule=schedule)
+    assert net._stores_everything, name  # the fast path, no executor
+    for p in net.parameters():  # the loop's zero_grad(): gradients to None, or kept and zeroed
+        p.grad = None if set_to_none else torch.zeros_like(p)
+    counter = StorageCounter()
+    with counter:
+        out = net(x)
+        out.backward(torch.full_like(out, 1 / out.numel()))
+        del out
+    assert counter.peak_bytes <= budget, name
+    assert counter.peak_bytes == pytest.approx(budget, rel=0.05), name
+
+
+def test_a_store_all_plan_on_a_chain_without_its_measured_step_runs_as_counted():
+    """A chain made without the measured step (by hand, or edited) has its store-all plan run
+    stage by stage, which the replay counts exactly."""
+    torch.manual_seed(0)
+    model, x = UNet(base=8, depth=3), torch.randn(1, 3, 32, 32)
+    stages = as_stages(model, x)
+    chain = replace(profile(stages, x), autograd_peak_bytes=None)
+    net = Checkpointed(model, x, chain=chain, schedule=store_all(chain))
+    assert not net._stores_everything
+    assert measured_peak(net, x) == net.cost.peak_bytes

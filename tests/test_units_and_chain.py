@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from edgetrain.chain import Chain, Stage, uniform_chain
@@ -47,6 +49,10 @@ def test_chain_round_trips_through_json_and_rejects_garbage():
         Chain.from_json("{")
     with pytest.raises(CorruptFile):
         Chain.from_dict({"stages": [{"name": "x"}]})
+    measured = replace(chain, autograd_peak_bytes=(120, 96))  # what a profile measured
+    assert Chain.from_json(measured.to_json()) == measured
+    with pytest.raises(CorruptFile):
+        Chain.from_dict({**measured.to_dict(), "autograd_peak_bytes": [1]})
 
 
 def test_chain_rejects_negative_costs_and_empty_chains():

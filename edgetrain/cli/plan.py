@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import click
@@ -169,7 +170,7 @@ def _chain(choice: ModelChoice) -> tuple[Chain, tuple[int, ...]]:
     sample = user.sample(choice.shape, choice.default_shape)
     progress.note(f"capturing {type(user.model).__name__} on an input {tuple(sample.shape)}")
     chain = analytic_chain(user.model, sample)
-    named = Chain(chain.stages, chain.input_bytes, chain.input_requires_grad, name=choice.label)
+    named = replace(chain, name=choice.label)
     return named, tuple(sample.shape)
 
 
