@@ -3,9 +3,13 @@
 For each model (built from code, not nn.Sequential: residuals, long skips, attention, tied
 weights), one training step (forward, mean-square loss, backward; gradients then set to None):
 
-* ``plain``: eager autograd.
+* ``plain``: eager autograd; ``plain (again)``: the same step again, timed in the same rounds
+  (its ratio to ``plain`` is the resolution of every time ratio of the model).
 * ``checkpoint``: ``torch.utils.checkpoint.checkpoint(block, use_reentrant=False)`` around every
-  block (residual block, inverted residual, U-Net double convolution, transformer block).
+  block (residual block, inverted residual, U-Net double convolution, transformer block);
+  ``checkpoint-selective``: the same blocks under torch's selective activation checkpointing,
+  saving convolution, matrix-product and attention outputs and recomputing the rest (eager's
+  counterpart of what compile's partitioner does, see :data:`SELECTIVE`).
 * ``compile@b``: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget = b``
   (b = 1.0, 0.5, 0.3, 0.1): the min-cut partitioner with a knapsack over what to save. The first
   call compiles (``compile_s``, reported apart; inductor's on-disk caches make a second run
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import itertools
 import json
@@ -55,7 +60,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_cpu_wall
@@ -210,8 +219,9 @@ class Edgetrain:
             return int(exc.smallest)
 
 
-def checkpoint_blocks(model: nn.Module) -> nn.Module:
-    """``model`` with every block wrapped in non-reentrant ``torch.utils.checkpoint``."""
+def checkpoint_blocks(model: nn.Module, *, selective: bool = False) -> nn.Module:
+    """``model`` with every block wrapped in non-reentrant ``torch.utils.checkpoint``; with
+    ``selective``, torch's selective activation checkpointing (:data:`SELECTIVE`)."""
     kinds = (BasicBlock, Bottleneck, InvertedResidual, Block)
     targets = [
         (parent, name)
@@ -223,17 +233,43 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
         targets.append((unet, "bottom"))
         targets += [(group, str(i)) for group in (unet.down, unet.merge) for i in range(len(group))]
     for parent, name in targets:
-        setattr(parent, name, _Checkpoint(getattr(parent, name)))
+        setattr(parent, name, _Checkpoint(getattr(parent, name), selective))
     return model
 
 
+SELECTIVE = (
+    torch.ops.aten.convolution.default,
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+"""What ``checkpoint-selective`` saves inside a block: the outputs of convolutions, matrix
+products and attention (what ``torch.compile``'s partitioner prefers to save); everything else
+(normalisation, activations, additions) is recomputed in the backward. This is torch's eager
+counterpart of compile's choice (``create_selective_checkpoint_contexts``); like plain
+``checkpoint`` it updates BatchNorm's running statistics again when it recomputes
+(pytorch#96136), which does not change its time or memory."""
+
+
+def _selective_policy(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 class _Checkpoint(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, selective: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.selective = selective
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = checkpoint(self.inner, *args, use_reentrant=False)
+        if self.selective:
+            contexts = functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+            out: torch.Tensor = checkpoint(
+                self.inner, *args, use_reentrant=False, context_fn=contexts
+            )
+            return out
+        out = checkpoint(self.inner, *args, use_reentrant=False)
         return out
 
 
@@ -274,8 +310,14 @@ def bench_model(
 
     plain = copy.deepcopy(base)
     add("plain", plain, list(plain.parameters()))
+    # The same step again, timed in the same rounds: how far apart two identical
+    # configurations' medians land, the resolution of every ratio in the table.
+    again = copy.deepcopy(base)
+    add("plain (again)", again, list(again.parameters()))
     ckpt = checkpoint_blocks(copy.deepcopy(base))
     add("checkpoint", ckpt, list(ckpt.parameters()))
+    selective = checkpoint_blocks(copy.deepcopy(base), selective=True)
+    add("checkpoint-selective", selective, list(selective.parameters()))
     compiled: list[str] = []
     for budget in args.budgets if args.compile else ():
         config = f"compile@{budget:g}"
