@@ -54,7 +54,12 @@ class Stage:
         backward_seconds: one backward, likewise.
         layer_output_bytes: outputs of the stage's convolution, normalisation, activation and linear
             layers added up: the activations of the paper's memory model (Tables I-III).
-        buffer_bytes: non-parameter state (BatchNorm running statistics).
+        buffer_bytes: non-parameter state (BatchNorm running statistics) the stage is the
+            first to use, so that a sum over a chain counts a module run by several stages once.
+        copied_buffer_bytes: all the buffers of the modules the stage runs, those an earlier
+            stage ran too included (one BatchNorm applied twice): what a run of the stage
+            again copies (see :attr:`recompute_buffer_bytes`). None: ``buffer_bytes`` (chains
+            written before this field).
         span: how many consecutive children of the ``nn.Sequential`` the stage runs (a child that
             returns a view of its input or overwrites it in place is merged with its neighbour).
         output_requires_grad: whether the output needs a gradient (False for leading stages
@@ -105,6 +110,16 @@ class Stage:
     backward_peak_kept_bytes: int | None = None
     input_gradient_bytes: int | None = None
     gradient_from: tuple[int, ...] = ()
+    copied_buffer_bytes: int | None = None
+
+    @property
+    def recompute_buffer_bytes(self) -> int:
+        """Bytes of the buffer copies a run of the stage again works on (the executor keeps
+        the model's BatchNorm statistics from being updated twice): every buffer of its
+        modules, one used by an earlier stage too included."""
+        if self.copied_buffer_bytes is None:
+            return self.buffer_bytes
+        return self.copied_buffer_bytes
 
     def backward_peak(self, grads_exist: bool) -> int:
         """The backward's peak when parameter gradients are created (held from then on) or,

@@ -80,6 +80,7 @@ from edgetrain.stages import (
     run_forward_with_grad,
     shapes,
     signature,
+    stage_buffers,
     stage_params,
 )
 from edgetrain.units import format_bytes, parse_bytes
@@ -205,7 +206,8 @@ class Checkpointed(nn.Module):
         self._backward_ops = ops[schedule.forward_phase_end :]
         runs = Counter(k for kind, k in ops if kind in _FORWARDS)
         self._rerun = {k for k, count in runs.items() if count > 1}
-        # A recomputation runs on copies of the buffers of these modules (see _recomputing).
+        # A recomputation runs on copies of the buffers of these modules (see _recomputing):
+        # those the chain counts (Stage.copied_buffer_bytes, from buffer_copy_bytes).
         self._submodules = {k: list(self._stages[k].modules()) for k in self._rerun}
 
     @property
@@ -494,19 +496,22 @@ def _autocast_state() -> list[tuple[str, torch.dtype, bool]]:
 
 @contextmanager
 def _recomputing(state: _RngState, modules: list[nn.Module]) -> Iterator[None]:
-    """Replay a stage's first RNG state, on copies of the buffers of its ``modules``.
+    """Replay a stage's first RNG state, on copies of the buffers of its ``modules`` (all of
+    them, those of a module an earlier stage ran too included; a tensor held in two places is
+    copied once, and the copy is held in both).
 
     The recomputation updates the copies (BatchNorm running statistics ...), which are then
     dropped: the module's own buffers are untouched, and a graph may keep the copies it saved.
     """
     outer = _rng_state()
     _set_rng_state(state)
-    swapped: list[tuple[dict[str, torch.Tensor | None], str, torch.Tensor]] = []
-    for sub in modules:
-        for name, buffer in sub._buffers.items():
-            if buffer is not None:
-                swapped.append((sub._buffers, name, buffer))
-                sub._buffers[name] = buffer.detach().clone()
+    swapped = stage_buffers(modules)
+    copies: dict[int, torch.Tensor] = {}
+    for buffers, name, buffer in swapped:
+        if id(buffer) not in copies:
+            copies[id(buffer)] = buffer.detach().clone()
+        buffers[name] = copies[id(buffer)]
+    del copies
     try:
         yield
     finally:

@@ -36,6 +36,7 @@ from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, storage_bytes, storage_key
 from edgetrain.stages import (
     StageParams,
+    buffer_copy_bytes,
     empty_like,
     group_children,
     leaves,
@@ -389,7 +390,8 @@ class _Measured:
 
 
 def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage]:
-    """Stages with weights counted where first used and gradients where first created."""
+    """Stages with weights and buffers counted where first used and gradients where first
+    created; each stage's buffer copies (what a recomputation copies) count all its buffers."""
     weights_seen: set[int] = set()
     buffers_seen: set[int] = set()
     weights: list[int] = []
@@ -424,6 +426,7 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             backward_seconds=r.backward_seconds,
             layer_output_bytes=r.layer_output_bytes,
             buffer_bytes=buffers[k],
+            copied_buffer_bytes=buffer_copy_bytes(module),
             span=span,
             output_requires_grad=r.output_requires_grad,
             leaf_bytes=r.leaf_bytes,
@@ -434,7 +437,7 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             input_gradient_bytes=r.input_gradient_bytes,
             gradient_from=r.gradient_from,
         )
-        for k, (name, _, span, r) in enumerate(measured)
+        for k, (name, module, span, r) in enumerate(measured)
     ]
 
 

@@ -27,8 +27,9 @@ backward phase must run ``B L-1``, ``B L-2`` .. ``B 0`` in that order.
 way the executor (:mod:`edgetrain.execute`) and autograd hold it: an activation's storage is held
 while our reference, a graph that saved it as its input, or a graph that saved it as its output
 refers to it, and is counted once; a graph holds only what autograd saved; a stage run forward
-again works on copies of its buffers (the executor keeps BatchNorm's running statistics from being
-updated twice), held during the operation and, after an ``Fa``, by its graph until its ``B``;
+again works on copies of all its buffers (:attr:`~edgetrain.chain.Stage.recompute_buffer_bytes`;
+the executor keeps BatchNorm's running statistics from being updated twice), held during the
+operation and, after an ``Fa``, by its graph until its ``B``;
 each operation adds its measured transient peak; parameter gradients appear as the backward
 creates them and stay until the step ends (unless ``grads_exist``: then they were held before the
 step and are added to in place). The input ``a[0]``, the weights and the buffers are held before
@@ -465,8 +466,9 @@ def _replay(
             plain[k + 1] = True
             checkpoints += k + 1 < n
             # Run again, a stage works on copies of its buffers (BatchNorm's running statistics:
-            # the recomputation must not update the model's), which its graph may keep.
-            again = stage.buffer_bytes if ran[k] else 0
+            # the recomputation must not update the model's), which its graph may keep; of all
+            # of them, those of a BatchNorm an earlier stage ran too included.
+            again = stage.recompute_buffer_bytes if ran[k] else 0
             ran[k] = True
             if kind is Op.FORWARD_ALL:
                 during = held + again + stage.forward_grad_peak_bytes

@@ -28,6 +28,7 @@ intact for recomputation and its output must be a tensor of its own.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -415,6 +416,30 @@ def stage_params(module: nn.Module, index_of: dict[int, int]) -> StageParams:
                 params.append((index_of[id(p)], p))
             slots.append((sub._parameters, pname, position[id(p)]))
     return StageParams(tuple(params), tuple(slots))
+
+
+BufferPlace = tuple[dict[str, torch.Tensor | None], str, torch.Tensor]
+"""Where a module holds a buffer: its buffer dict, the name in it, and the tensor."""
+
+
+def stage_buffers(modules: Iterable[nn.Module]) -> list[BufferPlace]:
+    """Every buffer the ``modules`` (a stage's ``modules()``) hold, with where: what a
+    recomputation of the stage runs on copies of (:mod:`edgetrain.execute`), a module another
+    stage runs too (one BatchNorm applied twice) included. A tensor held in two places appears
+    twice (it is copied once)."""
+    return [
+        (sub._buffers, name, buffer)
+        for sub in modules
+        for name, buffer in sub._buffers.items()
+        if buffer is not None
+    ]
+
+
+def buffer_copy_bytes(module: nn.Module) -> int:
+    """Bytes of the copies of :func:`stage_buffers` a recomputation of the stage ``module``
+    makes: each distinct buffer once, its elements times their size (what ``clone`` holds)."""
+    distinct = {id(t): t for _, _, t in stage_buffers(module.modules())}
+    return sum(t.numel() * t.element_size() for t in distinct.values())
 
 
 def _check_output(out: object, stage: int, name: str) -> None:

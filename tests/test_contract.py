@@ -10,11 +10,11 @@ from torch import nn
 
 import edgetrain
 from edgetrain.errors import InvalidInput, InvalidSchedule
-from edgetrain.execute import Checkpointed
+from edgetrain.execute import Checkpointed, as_stages
 from edgetrain.measure import StorageCounter
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
-from edgetrain.profile import analytic_chain
+from edgetrain.profile import analytic_chain, profile
 from edgetrain.schedule import Op, simulate
 
 F64 = torch.float64
@@ -278,6 +278,82 @@ def test_a_recomputed_batchnorm_is_counted_with_its_buffer_copies(plan):
         with counter:
             net(x).sum().backward()
     assert counter.peak_bytes <= net.cost.peak_bytes
+
+
+class ReusedNorm(nn.Module):
+    """A user's model that applies one BatchNorm twice (before and after an upsampling), so
+    that the BatchNorm runs in two stages and the second, on the larger activation, is the one
+    a tight plan recomputes at its peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.norm(self.conv1(x)))
+        x = nn.functional.interpolate(x, scale_factor=2.0)
+        x = nn.functional.gelu(self.norm(self.conv2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+def reused_norm_sequential() -> nn.Sequential:
+    """The same layers as an ``nn.Sequential`` that lists the BatchNorm twice."""
+    m = ReusedNorm()
+    return nn.Sequential(
+        m.conv1, m.norm, nn.ReLU(), nn.Upsample(scale_factor=2.0), m.conv2, m.norm, nn.GELU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), m.head,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("form", ["forward", "sequential"])
+@pytest.mark.parametrize("measured", [False, True], ids=["analytic", "profiled"])
+def test_a_batchnorm_reused_in_two_stages_is_counted_when_either_is_recomputed(form, measured):
+    """A recomputation copies the buffers of every module its stage runs, a BatchNorm that an
+    earlier stage ran too included; the prediction counts those copies (the chain's fixed
+    buffers count the BatchNorm once), so the measured peak is never above it, and the model
+    trains as under plain autograd (gradients, running statistics, ``num_batches_tracked``)."""
+    torch.manual_seed(4)
+    model = (ReusedNorm() if form == "forward" else reused_norm_sequential()).to(F64)
+    norm = model.norm if form == "forward" else model[1]
+    x = torch.randn(4, 8, 6, 6, dtype=F64)
+    analytic = analytic_chain(model, x)
+    chain = profile(as_stages(model, x), x, repeats=1) if measured else analytic
+    least = minimum_memory(analytic)
+    everything = simulate(analytic, store_all(analytic)).peak_bytes
+    reran_second_use = False
+    for fraction in (0.0, 0.1, 0.2, 0.5):
+        budget = least + fraction * (everything - least)
+        schedule = edgetrain.plan(analytic, "optimal", memory=budget)
+        plain = copy.deepcopy(model)
+        net = Checkpointed(model, x, chain=chain, schedule=schedule)
+        users = [k for k, stage in enumerate(net._stages) if norm in stage.modules()]
+        assert len(users) == 2  # the BatchNorm runs in two stages
+        norm_bytes = sum(b.numel() * b.element_size() for b in norm.buffers())
+        second = chain.stages[users[1]]  # counted once in the fixed buffers, copied in both runs
+        assert (second.buffer_bytes, second.copied_buffer_bytes) == (0, norm_bytes)
+        reran_second_use |= len(_forwards(schedule, users[1])) > 1
+        for _ in range(2):  # the second step, as the canary measures it
+            for p in model.parameters():
+                p.grad = None
+            counter = StorageCounter()
+            with counter:  # the output's gradient as the prediction counts it: the output's size
+                out = net(x)
+                ours = out.detach()  # the same storage
+                out.backward(torch.ones_like(out))
+                del out
+            assert counter.peak_bytes <= net.cost.peak_bytes, (fraction, schedule.text())
+            assert counter.peak_bytes == pytest.approx(net.cost.peak_bytes, rel=0.02)
+            plain.zero_grad()
+            theirs = plain(x)
+            theirs.backward(torch.ones_like(theirs))
+            assert torch.equal(ours, theirs)
+            same_grads(plain, model)
+            for (name, b), c in zip(model.named_buffers(), plain.buffers(), strict=True):
+                assert torch.equal(b, c), name
+    assert reran_second_use
 
 
 def _forwards(schedule, k):

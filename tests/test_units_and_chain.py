@@ -55,6 +55,18 @@ def test_chain_round_trips_through_json_and_rejects_garbage():
         Chain.from_dict({**measured.to_dict(), "autograd_peak_bytes": [1]})
 
 
+def test_buffer_copies_round_trip_and_a_chain_written_without_them_copies_its_own_buffers():
+    # A stage that runs a BatchNorm an earlier stage ran first: its buffers are counted there.
+    stage = replace(uniform_chain(1).stages[0], buffer_bytes=0, copied_buffer_bytes=136)
+    chain = Chain((stage,), input_bytes=1)
+    assert Chain.from_json(chain.to_json()) == chain
+    assert chain.stages[0].recompute_buffer_bytes == 136
+    written_before = chain.to_dict()
+    del written_before["stages"][0]["copied_buffer_bytes"]
+    written_before["stages"][0]["buffer_bytes"] = 64
+    assert Chain.from_dict(written_before).stages[0].recompute_buffer_bytes == 64
+
+
 def test_chain_rejects_negative_costs_and_empty_chains():
     stage = uniform_chain(1).stages[0]
     bad = Stage(**{**stage.__dict__, "output_bytes": -1})
