@@ -84,8 +84,10 @@ class _Hand(torch.autograd.Function):
 
 # The leaf every tap hangs from. One serves all stages: it is empty, never gets a gradient
 # (a tap's backward passes none on), and a backward targeting it reaches only the taps of the
-# graph it starts from; making one per stage run cost about a microsecond.
-_ANCHOR = torch.empty(0, requires_grad=True)
+# graph it starts from; making one per stage run cost about a microsecond. (Made outside
+# inference mode, in case this module is first imported inside it.)
+with torch.inference_mode(False):
+    _ANCHOR = torch.empty(0, requires_grad=True)
 
 
 def _anchor() -> torch.Tensor:
