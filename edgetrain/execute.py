@@ -209,6 +209,7 @@ class Checkpointed(nn.Module):
         # A recomputation runs on copies of the buffers of these modules (see _recomputing):
         # those the chain counts (Stage.copied_buffer_bytes, from buffer_copy_bytes).
         self._submodules = {k: list(self._stages[k].modules()) for k in self._rerun}
+        self._needs: dict[int, list[bool]] = {}  # per stage, filled as the stages first run
 
     @property
     def grads_exist(self) -> bool:
@@ -414,29 +415,42 @@ class _Run:
 
     def _forward(self, kind: Op, k: int) -> None:
         x = self.plain[k]
-        module = self.net._stages[k]
-        with self._replay(k), self._autocast():
-            if kind is Op.FORWARD_ALL:
-                needs: list[bool] = (
-                    [t.requires_grad for t in leaves(self.sample)]
-                    if k == 0
-                    else [self.net.chain.requires_grad(k) and differentiable(t) for t in leaves(x)]
-                )
-                out, self.graphs[k] = run_forward_with_grad(
-                    module,
-                    x,
-                    needs_input_grad=needs,
-                    params=self.net._stage_params[k],
-                    sink=self.receive,
-                    stage=k,
-                )
-            else:
-                out = run_forward(module, x, stage=k)
+        if k in self.rng or k in self.net._rerun or self.autocast:
+            with self._replay(k), self._autocast():
+                out = self._run_stage(kind, k, x)
+        else:  # the common case: nothing to remember or replay, no autocast to enter
+            out = self._run_stage(kind, k, x)
         del x
         self.plain[k + 1] = out
         del out
         if kind is not Op.FORWARD_CHECKPOINT and k > 0:
             del self.plain[k]
+
+    def _run_stage(self, kind: Op, k: int, x: Any) -> Any:
+        module = self.net._stages[k]
+        if kind is not Op.FORWARD_ALL:
+            return run_forward(module, x, stage=k)
+        out, self.graphs[k] = run_forward_with_grad(
+            module,
+            x,
+            needs_input_grad=self._needs(k, x),
+            params=self.net._stage_params[k],
+            sink=self.receive,
+            stage=k,
+        )
+        return out
+
+    def _needs(self, k: int, x: Any) -> list[bool]:
+        """Which of stage k's input tensors need a gradient: the model input's as given; for
+        later stages what the chain records, known once per plan (the input's shapes and dtypes
+        are the plan's, and so are those of every activation)."""
+        if k == 0:
+            return [t.requires_grad for t in leaves(self.sample)]
+        needs = self.net._needs.get(k)
+        if needs is None:
+            wanted = self.net.chain.requires_grad(k)
+            needs = self.net._needs[k] = [wanted and differentiable(t) for t in leaves(x)]
+        return needs
 
     def _backward(self, k: int) -> None:
         graph = self.graphs.pop(k)
