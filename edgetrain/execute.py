@@ -69,7 +69,7 @@ from edgetrain.memory import fixed_training_bytes
 from edgetrain.paging import PageStore
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
-from edgetrain.profile import _check_model, profile
+from edgetrain.profile import _check_model, profile, with_module_step
 from edgetrain.schedule import Cost, Op, Schedule, simulate, stores_everything
 from edgetrain.stages import (
     StageGraph,
@@ -156,7 +156,12 @@ class Checkpointed(nn.Module):
     # -- planning ----------------------------------------------------------------------------------
 
     def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
-        self.chain = chain if chain is not None else profile(self.model, sample)
+        if chain is None:
+            chain = profile(self.model, sample)
+        if self.model is not self.module:
+            # The store-all plan runs the module itself: its own step's peak counts too.
+            chain = with_module_step(chain, self.module, sample)
+        self.chain = chain
         self._signature = signature(sample)
         self._shapes = shapes(sample)
         if schedule is None:
@@ -266,9 +271,9 @@ class Checkpointed(nn.Module):
             self._plan(x, None, None)
         self._grads_exist = _kept(params)  # the loop this step runs in
         if self._stores_everything:
-            # Every stage once with its graph, nothing recomputed: plain autograd on the stages,
-            # whose peak the profile measured; no executor overhead.
-            return self.model(x)
+            # Every stage once with its graph, nothing recomputed: plain autograd on the module,
+            # whose step's peak was measured (Chain.autograd_peak_bytes); no executor overhead.
+            return self.module(x)
         run = _Run(self, x, trainable)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))

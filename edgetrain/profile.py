@@ -120,7 +120,26 @@ def _analytic(
     )
     if stages is model:
         return chain
-    return replace(chain, stages=tuple(_segment_names(stages, chain)), name=type(model).__name__)
+    return replace(
+        with_module_step(chain, model, sample_input),
+        stages=tuple(_segment_names(stages, chain)),
+        name=type(model).__name__,
+    )
+
+
+def with_module_step(chain: Chain, module: nn.Module, sample_input: Any) -> Chain:
+    """``chain`` (of ``module``'s captured stages) with its measured plain-autograd step
+    (:attr:`~edgetrain.chain.Chain.autograd_peak_bytes`) raised to that of ``module`` itself:
+    the store-all plan runs the user's module as it is, whose ``forward()`` may keep a tensor
+    longer than the captured stages do (a local). None when either cannot be measured."""
+    staged = chain.autograd_peak_bytes
+    if staged is None:
+        return chain
+    own = _autograd_peaks(module, sample_input)
+    if own is None:
+        return replace(chain, autograd_peak_bytes=None)
+    peaks = (max(staged[0], own[0]), max(staged[1], own[1]))
+    return replace(chain, autograd_peak_bytes=peaks)
 
 
 def _to_meta(sample_input: Any) -> Any:
