@@ -293,15 +293,20 @@ def simulate(chain: Chain, schedule: Schedule, *, grads_exist: bool = False) -> 
     return cost
 
 
+def store_all_operations(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Plain autograd's plan for ``length`` stages as :class:`Schedule` arrays ``(kinds,
+    indices)``: every stage forward with its graph in order, then every backward in reverse."""
+    kinds = np.repeat(np.array([int(Op.FORWARD_ALL), int(Op.BACKWARD)], dtype=np.int8), length)
+    indices = np.concatenate([np.arange(length), np.arange(length - 1, -1, -1)])
+    return kinds, indices.astype(np.int64)
+
+
 def stores_everything(schedule: Schedule) -> bool:
-    """Whether ``schedule`` is plain autograd's: every stage forward with its graph in order,
-    then every backward in reverse order."""
-    n = schedule.length
-    if len(schedule) != 2 * n:
+    """Whether ``schedule`` is plain autograd's plan (:func:`store_all_operations`)."""
+    if len(schedule) != 2 * schedule.length:
         return False
-    order = np.concatenate([np.arange(n), np.arange(n - 1, -1, -1)])
-    kinds = np.repeat(np.array([int(Op.FORWARD_ALL), int(Op.BACKWARD)], dtype=np.int8), n)
-    return bool(np.array_equal(schedule.kinds, kinds) and np.array_equal(schedule.indices, order))
+    kinds, indices = store_all_operations(schedule.length)
+    return bool(np.array_equal(schedule.kinds, kinds) and np.array_equal(schedule.indices, indices))
 
 
 def memory_trace(

@@ -41,7 +41,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from edgetrain.chain import Chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.schedule import Op, Schedule, simulate
+from edgetrain.schedule import Op, Schedule, simulate, store_all_operations
 
 DEFAULT_SLOTS = 500
 MIN_SLOTS = 48
@@ -396,9 +396,8 @@ class OptimalTable:
 
 def store_all(chain: Chain) -> Schedule:
     """Plain autograd as a plan: every stage forward with its graph, then every backward."""
-    n = chain.length
-    ops = [(Op.FORWARD_ALL, k) for k in range(n)] + [(Op.BACKWARD, k) for k in reversed(range(n))]
-    return Schedule.from_ops(n, ops, "optimal", {"budget_bytes": None})
+    kinds, indices = store_all_operations(chain.length)
+    return Schedule(chain.length, kinds, indices, "optimal", {"budget_bytes": None})
 
 
 def _shift_each(values: np.ndarray, offset: np.ndarray) -> np.ndarray:
