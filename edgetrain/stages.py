@@ -100,15 +100,14 @@ def _anchor() -> torch.Tensor:
 # run with grad applies a tap per input and a hand per output, so calling the C ``apply``
 # directly when no transform is active saves about a microsecond each.
 _C_APPLY = torch._C._FunctionBase.__dict__["apply"]
-_TAP_APPLY = _C_APPLY.__get__(None, _Tap)
-_HAND_APPLY = _C_APPLY.__get__(None, _Hand)
+_FAST_APPLY = {fn: _C_APPLY.__get__(None, fn) for fn in (_Tap, _Hand)}
 
 
-def _hand(x: torch.Tensor, box: list[torch.Tensor]) -> torch.Tensor:
-    """``_Hand.apply(x, box)``."""
+def _apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
+    """``fn.apply(*args)``, by the C ``apply`` when no functorch transform is active."""
     if torch._C._are_functorch_transforms_active():
-        return _Hand.apply(x, box)
-    return _HAND_APPLY(x, box)
+        return fn.apply(*args)
+    return _FAST_APPLY[fn](*args)
 
 
 def leaves(value: Any) -> list[torch.Tensor]:
@@ -244,7 +243,7 @@ def run_forward_with_grad(
                 graph.hands.append(None)
                 continue
             box: list[torch.Tensor] = []
-            graph.hands.append((_hand(t, box), box))
+            graph.hands.append((_apply(_Hand, t, box), box))
     return out, graph
 
 
@@ -311,11 +310,7 @@ def _tap(
         boxes.append(None)
         return plain
     box: list[torch.Tensor] = []
-    view: torch.Tensor = (
-        _Tap.apply(anchor, plain, box)
-        if torch._C._are_functorch_transforms_active()
-        else _TAP_APPLY(anchor, plain, box)  # the same, faster (see _C_APPLY)
-    )
+    view: torch.Tensor = _apply(_Tap, anchor, plain, box)
     boxes.append(box)
     return view
 
