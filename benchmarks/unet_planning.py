@@ -190,7 +190,7 @@ def _as_matrices(schedule: Schedule, n: int, graph: graphs.TrainingGraph) -> dic
             for j in pending:
                 r[2 * n - k, j] = 1
             pending = []
-        elif started and kind in (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL):
+        elif started and kind.is_forward:
             pending.append(k)
     s_ram = np.zeros((t_count, t_count), dtype=np.int64)
     for i in range(t_count):

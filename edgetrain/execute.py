@@ -87,7 +87,7 @@ from edgetrain.units import format_bytes, parse_bytes
 
 _RngState = tuple[torch.Tensor, list[torch.Tensor]]  # CPU generator state, CUDA states
 _NEW_SHAPE = ("replan", "error")
-_FORWARDS = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL)
+_FORWARDS = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.FORWARD_RELEASE)
 
 
 class Checkpointed(nn.Module):
@@ -433,7 +433,7 @@ class _Run:
 
     def _run_stage(self, kind: Op, k: int, x: Any) -> Any:
         module = self.net._stages[k]
-        if kind is not Op.FORWARD_ALL:
+        if not kind.builds_graph:
             return run_forward(module, x, stage=k)
         out, self.graphs[k] = run_forward_with_grad(
             module,
@@ -442,6 +442,7 @@ class _Run:
             params=self.net._stage_params[k],
             sink=self.receive,
             stage=k,
+            release=kind is Op.FORWARD_RELEASE,
         )
         return out
 
@@ -462,8 +463,12 @@ class _Run:
         grad_out = self.grads.pop(k + 1)
         if k == 0 and not self.want_input:
             graph.inputs = [None] * len(graph.inputs)
-        input_grads = run_backward(graph, grad_out, params=bool(self.wanted_params))
-        del graph, grad_out
+        # A graph built by Fr k reads a[k] again, which the plan recomputed; B k drops it.
+        rebuilt = None if graph.release is None else self.plain.pop(k) if k else self.plain[0]
+        input_grads = run_backward(
+            graph, grad_out, params=bool(self.wanted_params), rebuilt=rebuilt
+        )
+        del graph, grad_out, rebuilt
         self.grads[k] = input_grads
 
     def receive(self, index: int, grad: torch.Tensor) -> None:

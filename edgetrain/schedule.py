@@ -9,9 +9,12 @@ activations are ``a[0]`` (the input) .. ``a[L]`` (the output):
 ``Fc k``            forward stage ``k`` without grad, keeping ``a[k]`` as a checkpoint
 ``Fa k``            forward stage ``k`` with grad, building its graph (what autograd saves);
                     ``a[k+1]`` is kept, our reference to ``a[k]`` is dropped
+``Fr k``            as ``Fa k``, but the graph *releases* the stage's input: what autograd saves
+                    of ``a[k]`` is not held; ``a[k]`` must be held again (recomputed by the
+                    stage before) when ``B k`` runs, which reads it there and drops it
 ``B k``             backward of stage ``k``: needs the graph of ``k`` and the gradient of
-                    ``a[k+1]``; leaves the gradient of ``a[k]`` and the parameter gradients it
-                    creates, and frees the graph
+                    ``a[k+1]`` (and ``a[k]`` after an ``Fr k``); leaves the gradient of
+                    ``a[k]`` and the parameter gradients it creates, and frees the graph
 ``D k``             discard our reference to ``a[k]``
 ``Po k``            page ``a[k]`` out to a file (a background write that overlaps the next
                     operation; the memory is freed when that operation ends)
@@ -72,10 +75,21 @@ class Op(IntEnum):
     DISCARD = 4
     PAGE_OUT = 5
     PAGE_IN = 6
+    FORWARD_RELEASE = 7
+
+    @property
+    def builds_graph(self) -> bool:
+        """``Fa`` or ``Fr``: a forward with grad."""
+        return self in (Op.FORWARD_ALL, Op.FORWARD_RELEASE)
+
+    @property
+    def is_forward(self) -> bool:
+        """Any forward: ``Fn``, ``Fc``, ``Fa`` or ``Fr``."""
+        return self in _FORWARD_KINDS
 
     @property
     def code(self) -> str:
-        """Short name used in text and JSON: Fn, Fc, Fa, B, D."""
+        """Short name used in text and JSON: Fn, Fc, Fa, Fr, B, D, Po, Pi."""
         return _CODES[self]
 
 
@@ -87,7 +101,11 @@ _CODES = {
     Op.DISCARD: "D",
     Op.PAGE_OUT: "Po",
     Op.PAGE_IN: "Pi",
+    Op.FORWARD_RELEASE: "Fr",
 }
+_FORWARD_KINDS = frozenset(
+    (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.FORWARD_RELEASE)
+)
 _BY_CODE = {code: op for op, code in _CODES.items()}
 
 
@@ -255,7 +273,7 @@ class Cost:
         seconds: the schedule's compute time: the sum of its operations' stage times.
         recompute_factor: ``seconds`` over the time of one plain forward and backward.
         forward_steps: forwards without grad (``Fn`` + ``Fc``).
-        forward_all_steps: forwards with grad (``Fa``).
+        forward_all_steps: forwards with grad (``Fa`` and ``Fr``).
         max_checkpoints: most activations held as checkpoints at once (the input not counted).
         peak_op: index of the operation at which the peak occurs.
         pages_out / pages_in: paging operations (``Po`` / ``Pi``).
@@ -359,6 +377,7 @@ def _replay(
     refs = [0] * len(sizes)
     plain = [False] * (n + 1)
     graph = [False] * n
+    released = [False] * n  # the graph of stage k was built by Fr k: it holds none of a[k]
     ran = [False] * n  # the stage has run forward before: a run again works on buffer copies
     copies = [0] * n  # buffer copies the graph of a stage run again holds
     plain[0] = True
@@ -441,6 +460,8 @@ def _replay(
                 )
             if not graph[k]:
                 raise fail(i, kind, k, f"needs the graph of stage {k}, which is not in memory")
+            if released[k] and not plain[k]:
+                raise fail(i, kind, k, f"needs a[{k}] again (Fr{k} released it), which is not held")
             stage = stages[k]
             if not in_backward:
                 # The loss: the caller holds the output and hands us its gradient.
@@ -452,7 +473,11 @@ def _replay(
             # The output's gradient is autograd's to free, after the whole backward.
             held -= stage.saved_bytes + (grad[k + 1] if k + 1 < n else 0) + copies[k]
             copies[k] = 0
-            held -= drop(saved_in[k]) + drop(saved_out[k])
+            if released[k]:
+                held -= drop(_kept_by_release(saved_out[k], pieces[k])) + release(k)
+                released[k] = False
+            else:
+                held -= drop(saved_in[k]) + drop(saved_out[k])
             held += grad[k] + (0 if grads_exist else stage.gradient_bytes)
             next_backward -= 1
             seconds += stage.backward_seconds
@@ -463,7 +488,7 @@ def _replay(
                 raise fail(i, kind, k, f"needs a[{k}], which is not held")
             if in_backward and k > next_backward:
                 raise fail(i, kind, k, "recomputes a stage whose backward is already done")
-            if plain[k + 1] or graph[k] or _holds(graph, saved_in, k + 1):
+            if plain[k + 1] or graph[k] or _holds(graph, released, saved_in, k + 1):
                 # A second copy of a[k+1] (or of its graph): discard the first one before.
                 raise fail(i, kind, k, f"recomputes a[{k + 1}], which is already in memory")
             stage = stages[k]
@@ -475,12 +500,18 @@ def _replay(
             # of them, those of a BatchNorm an earlier stage ran too included.
             again = stage.recompute_buffer_bytes if ran[k] else 0
             ran[k] = True
-            if kind is Op.FORWARD_ALL:
+            if kind.builds_graph:
                 during = held + again + stage.forward_grad_peak_bytes
                 graph[k] = True
                 copies[k] = again
                 held += take(pieces[k + 1]) + stage.saved_bytes + again
-                held += take(saved_out[k]) + take(saved_in[k])
+                if kind is Op.FORWARD_RELEASE:
+                    # Whatever the graph saved of a[k] is not held (its outputs passed through
+                    # from the input are a[k]'s storages too).
+                    released[k] = True
+                    held += take(_kept_by_release(saved_out[k], pieces[k]))
+                else:
+                    held += take(saved_out[k]) + take(saved_in[k])
                 held -= release(k)
                 forward_all += 1
             else:
@@ -522,7 +553,13 @@ def _held(which: tuple[int, ...] | None, whole: bool, ids: list[int]) -> list[in
     return [ids[j] for j in which if j < len(ids)]
 
 
-def _holds(graph: list[bool], saved_in: list[list[int]], k: int) -> bool:
+def _holds(graph: list[bool], released: list[bool], saved_in: list[list[int]], k: int) -> bool:
     """Whether the graph of stage ``k`` holds part of ``a[k]`` (its input), so that computing
-    ``a[k]`` again would make a second copy."""
-    return k < len(graph) and graph[k] and bool(saved_in[k])
+    ``a[k]`` again would make a second copy (a graph built by ``Fr k`` holds none of it)."""
+    return k < len(graph) and graph[k] and not released[k] and bool(saved_in[k])
+
+
+def _kept_by_release(saved_out: list[int], inputs: list[int]) -> list[int]:
+    """The pieces of its output a graph built by ``Fr`` holds: those it saved that are not
+    pieces of its input (a tensor passed through unchanged is released with the input)."""
+    return [piece for piece in saved_out if piece not in inputs]

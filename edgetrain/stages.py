@@ -155,6 +155,39 @@ class StageGraph:
     params: list[torch.Tensor] = field(default_factory=list)
     passed: list[tuple[int, int]] = field(default_factory=list)
     hands: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = field(default_factory=list)
+    release: Release | None = None
+
+
+class Release:
+    """Saved-tensor hooks that keep a stage's graph from holding its input (``Fr``).
+
+    What autograd saves of the input's storages (a convolution's or a linear layer's input, a
+    tensor passed through) is replaced by where it lies in which input tensor; the backward reads
+    it from the input computed again (:attr:`rebuilt`, set just before it runs: the same kernels
+    on the same values give the same tensor). A saved tensor of the input's storage that an
+    in-place operation of the stage changed is kept as it is (never so for a stage of a chain:
+    a stage's input stays intact, see :func:`group_children`).
+    """
+
+    def __init__(self, inputs: list[torch.Tensor]) -> None:
+        self.versions: dict[int, tuple[int, int, torch.dtype]] = {}
+        for i, t in enumerate(inputs):
+            self.versions.setdefault(storage_key(t), (i, t._version, t.dtype))
+        self.rebuilt: list[torch.Tensor] | None = None
+
+    def pack(self, t: torch.Tensor) -> Any:
+        hit = self.versions.get(storage_key(t))
+        if hit is None or t._version != hit[1] or t.dtype != hit[2]:
+            return t
+        return (hit[0], tuple(t.shape), t.stride(), t.storage_offset())
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        if self.rebuilt is None:
+            raise RuntimeError("edgetrain: a released input was read before it was rebuilt")
+        index, size, stride, offset = saved
+        return self.rebuilt[index].as_strided(size, stride, offset)
 
 
 def run_forward(module: nn.Module, x: Any, *, stage: int = 0, name: str = "") -> Any:
@@ -174,13 +207,29 @@ def run_forward_with_grad(
     sink: Any = None,
     stage: int = 0,
     name: str = "",
+    release: bool = False,
 ) -> tuple[Any, StageGraph]:
     """Run one stage building its graph; returns ``(output, graph)`` for :func:`run_backward`.
 
     ``needs_input_grad``: whether (each of) the input's tensors needs a gradient. ``params``: the
     stage's trainable parameters (:func:`stage_params`); :func:`run_backward` hands each one's
-    gradient to ``sink(index, grad)`` as autograd computes it.
+    gradient to ``sink(index, grad)`` as autograd computes it. ``release``: the graph holds
+    nothing of the input (:class:`Release`); :func:`run_backward` then needs it again.
     """
+    if release:
+        hooks = Release(leaves(x))
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            out, graph = run_forward_with_grad(
+                module,
+                x,
+                needs_input_grad=needs_input_grad,
+                params=params,
+                sink=sink,
+                stage=stage,
+                name=name,
+            )
+        graph.release = hooks
+        return out, graph
     with torch.enable_grad():  # one switch for the whole stage: taps, call and hands
         anchor = _anchor()
         boxes: list[list[torch.Tensor] | None] = []
@@ -343,9 +392,15 @@ def _handing_to(sink: Any, index: int) -> Any:
 
 
 def run_backward(
-    graph: StageGraph, grad_outputs: list[torch.Tensor | None], *, params: bool = True
+    graph: StageGraph,
+    grad_outputs: list[torch.Tensor | None],
+    *,
+    params: bool = True,
+    rebuilt: Any = None,
 ) -> list[torch.Tensor | None]:
-    """Backpropagate through a stage's graph (once: it is freed).
+    """Backpropagate through a stage's graph (once: it is freed). ``rebuilt``: the stage's
+    input computed again, for a graph that released it (``release=True``); held until the
+    backward ends.
 
     Takes the output gradients out of ``grad_outputs`` (its entries become None), so that
     autograd frees each as soon as the operation that reads it is done (see :class:`_Hand`);
@@ -363,6 +418,10 @@ def run_backward(
         grad_outputs[j] = None
         roots.append(root)
     graph.hands = []
+    if graph.release is not None:
+        if rebuilt is None:
+            raise RuntimeError("edgetrain: the backward of a released stage needs its input")
+        graph.release.rebuilt = leaves(rebuilt)
     targets: list[torch.Tensor] = []
     if any(box is not None for box in graph.inputs) and graph.input_anchor is not None:
         targets.append(graph.input_anchor)
@@ -381,6 +440,8 @@ def run_backward(
             accumulate_grad=True,
         )
     del roots
+    if graph.release is not None:
+        graph.release.rebuilt = None
     results = [None if box is None or not box else box.pop() for box in graph.inputs]
     for j, i in graph.passed:
         carried, grad_outputs[j] = grad_outputs[j], None

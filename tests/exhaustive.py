@@ -20,25 +20,28 @@ from edgetrain.schedule import Op, Schedule
 
 
 def fastest_schedule(
-    chain: Chain, budget: int, *, nested: bool = True
+    chain: Chain, budget: int, *, nested: bool = True, release: bool = False
 ) -> tuple[float, Schedule | None]:
     """The least time of any valid schedule whose peak stays within ``budget`` bytes.
 
     ``nested``: only schedules of the dynamic program's form, in which no stage runs forward while
     the graph of a later stage is held (rotor's class). Without it, every schedule; that can be
     faster in rare cases (recomputing an earlier stage with grad before a later backward, about
-    4 in 10 000 random chain/budget pairs).
+    4 in 10 000 random chain/budget pairs). ``release``: ``Fr`` too (a graph that holds nothing
+    of its input, which must be held again for its backward, which drops it); nested then also
+    lets a stage run forward while the released graph of the next stage is held (rebuilding its
+    input).
     """
     n = chain.length
     st = chain.stages
     act = [0] + [s.output_bytes for s in st]
     grad = [chain.gradient_of_activation_bytes(k) for k in range(n + 1)]
 
-    def memory(plain: int, graph: int, nb: int, loss: bool) -> int:
+    def memory(plain: int, graph: int, rel: int, nb: int, loss: bool) -> int:
         total = 0
         for k in range(n + 1):
             held = (plain >> k) & 1
-            held |= k < n and st[k].saves_input and (graph >> k) & 1
+            held |= k < n and st[k].saves_input and (graph >> k) & 1 and not (rel >> k) & 1
             held |= k >= 1 and st[k - 1].saves_output and (graph >> (k - 1)) & 1
             if held:
                 total += act[k]
@@ -48,28 +51,35 @@ def fastest_schedule(
             total += sum(st[k].gradient_bytes for k in range(nb + 1, n))
         return total
 
-    start = (1, 0, n - 1, False)  # plain bit 0: the input
+    State = tuple[int, int, int, int, bool]
+    start: State = (1, 0, 0, n - 1, False)  # plain bit 0: the input
     counter = itertools.count()
-    queue: list[tuple[float, int, tuple[int, int, int, bool], tuple[tuple[Op, int], ...]]] = [
+    queue: list[tuple[float, int, State, tuple[tuple[Op, int], ...]]] = [
         (0.0, next(counter), start, ())
     ]
-    best: dict[tuple[int, int, int, bool], float] = {start: 0.0}
+    best: dict[State, float] = {start: 0.0}
     while queue:
         time, _, state, ops = heapq.heappop(queue)
         if best.get(state, float("inf")) < time:
             continue
-        plain, graph, nb, loss = state
+        plain, graph, rel, nb, loss = state
         if nb == -1:
             return time, Schedule.from_ops(n, list(ops), "exhaustive")
-        held = memory(plain, graph, nb, loss)
-        moves: list[tuple[float, int, tuple[int, int, int, bool], tuple[Op, int]]] = []
+        held = memory(plain, graph, rel, nb, loss)
+        moves: list[tuple[float, int, State, tuple[Op, int]]] = []
         for k in range(n):
             if not (plain >> k) & 1 or (loss and k > nb):
                 continue
-            if nested and graph >> (k + 1):
+            later = graph >> (k + 1)
+            if nested and later and not (later == 1 and (rel >> (k + 1)) & 1):
                 continue
             out_held = (plain >> (k + 1)) & 1 or (graph >> k) & 1
-            out_held |= k + 1 < n and st[k + 1].saves_input and (graph >> (k + 1)) & 1
+            out_held |= (
+                k + 1 < n
+                and st[k + 1].saves_input
+                and (graph >> (k + 1)) & 1
+                and not (rel >> (k + 1)) & 1
+            )
             if out_held:
                 continue  # a second copy of a[k+1]
             with_out = plain | (1 << (k + 1))
@@ -78,15 +88,24 @@ def fastest_schedule(
                 (
                     st[k].forward_seconds,
                     held + st[k].forward_grad_peak_bytes,
-                    (consumed, graph | (1 << k), nb, loss),
+                    (consumed, graph | (1 << k), rel, nb, loss),
                     (Op.FORWARD_ALL, k),
                 )
             )
+            if release:
+                moves.append(
+                    (
+                        st[k].forward_seconds,
+                        held + st[k].forward_grad_peak_bytes,
+                        (consumed, graph | (1 << k), rel | (1 << k), nb, loss),
+                        (Op.FORWARD_RELEASE, k),
+                    )
+                )
             moves.append(
                 (
                     st[k].forward_seconds,
                     held + st[k].forward_peak_bytes,
-                    (with_out, graph, nb, loss),
+                    (with_out, graph, rel, nb, loss),
                     (Op.FORWARD_CHECKPOINT, k),
                 )
             )
@@ -95,16 +114,20 @@ def fastest_schedule(
                     (
                         st[k].forward_seconds,
                         held + st[k].forward_peak_bytes,
-                        (consumed, graph, nb, loss),
+                        (consumed, graph, rel, nb, loss),
                         (Op.FORWARD_NOSAVE, k),
                     )
                 )
         for k in range(1, n):
             if (plain >> k) & 1:
-                moves.append((0.0, held, (plain & ~(1 << k), graph, nb, loss), (Op.DISCARD, k)))
-        if (graph >> nb) & 1:
-            before = memory(plain, graph, nb, True)
-            new = (plain, graph & ~(1 << nb), nb - 1, True)
+                moves.append(
+                    (0.0, held, (plain & ~(1 << k), graph, rel, nb, loss), (Op.DISCARD, k))
+                )
+        released = (rel >> nb) & 1
+        if (graph >> nb) & 1 and (not released or (plain >> nb) & 1):
+            before = memory(plain, graph, rel, nb, True)
+            left = plain & ~(1 << nb) if released and nb > 0 else plain
+            new = (left, graph & ~(1 << nb), rel & ~(1 << nb), nb - 1, True)
             moves.append(
                 (
                     st[nb].backward_seconds,

@@ -525,3 +525,92 @@ def test_plan_takes_the_same_budget_forms_as_checkpointed():
     assert simulate(chain, as_text).peak_bytes <= everything
     with pytest.raises(InvalidInput, match="cannot read size"):
         edgetrain.plan(chain, "optimal", memory="lots")
+
+
+# -- a graph that releases its input (Fr): the stage before rebuilds it --------------------------
+
+
+class GeluResidualMLP(nn.Module):
+    """A user's transformer-style MLP with a ``forward()``: pre-norm residual blocks (LayerNorm,
+    Linear, GELU, Linear, Dropout), a frozen input projection and one layer used in every
+    block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.embed = nn.Linear(16, 32).requires_grad_(False)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(32), nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32), nn.Dropout(0.2)
+            )
+            for _ in range(3)
+        )
+        self.mix = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+            h = torch.tanh(self.mix(h))
+        return self.head(h)
+
+
+def silu_convnet() -> nn.Sequential:
+    torch.manual_seed(9)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.SiLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.SiLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 3),
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [(GeluResidualMLP, (64, 16)), (silu_convnet, (6, 3, 8, 8))],
+    ids=["gelu-residual-mlp", "silu-convnet"],
+)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_plans_that_release_inputs_train_exactly_and_hold_what_they_predict(
+    make, shape, set_to_none
+):
+    """The planner's plans between storing everything and the least memory use ``Fr`` where a
+    cheap stage feeds one that saves its input; each trains as plain autograd does (gradients,
+    dropout masks, BatchNorm statistics) and holds its predicted peak."""
+    model = make()
+    x = torch.randn(shape)
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    plain_peak = measured_peak(reference, x, set_to_none)
+    net = Checkpointed(copy.deepcopy(model), x)
+    chain = net.chain
+    everything = simulate(chain, store_all(chain), grads_exist=not set_to_none).peak_bytes
+    least = minimum_memory(chain, grads_exist=not set_to_none)
+    releasing = 0
+    for fraction in (0.85, 0.65, 0.45):
+        budget = least + fraction * (everything - least)
+        schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=not set_to_none)
+        releasing += schedule.count(Op.FORWARD_RELEASE) > 0
+        run = Checkpointed(copy.deepcopy(model), x, chain=chain, schedule=schedule)
+        torch.manual_seed(1)
+        measured = measured_peak(run, x, set_to_none)
+        predicted = run.cost.peak_bytes
+        assert predicted <= budget + 1
+        # The prediction leaves out only the caller's cross-entropy loss (a few bytes).
+        assert predicted - 64 <= measured <= predicted + 64, (fraction, schedule.text())
+        assert measured < plain_peak
+        for (name, p), q in zip(reference.named_parameters(), run.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            assert p.grad is None or torch.equal(p.grad, q.grad), name
+        for (name, a), b in zip(reference.named_buffers(), run.buffers(), strict=True):
+            assert torch.equal(a, b), name
+        reference = copy.deepcopy(model)  # the next plan runs the same step from the start
+        torch.manual_seed(1)
+        measured_peak(reference, x, set_to_none)
+    assert releasing >= 2

@@ -104,7 +104,7 @@ def test_revolve_refuses_a_schedule_too_long_to_build():
 @settings(max_examples=40, deadline=None)
 @given(chains(max_length=5), st.integers(0, 120))
 def test_optimal_equals_brute_force_on_small_random_chains(chain, budget):
-    table = OptimalTable(chain, 1.0, 150)  # one-byte slots: no rounding
+    table = OptimalTable(chain, 1.0, 150, release=False)  # one-byte slots: no rounding
     best, reference = fastest_schedule(chain, budget)
     assert table.time(budget) == pytest.approx(best, abs=1e-9) or (
         math.isinf(best) and math.isinf(table.time(budget))
@@ -130,7 +130,7 @@ def test_optimal_equals_brute_force_when_gradients_are_shared():
             for k, s in enumerate(chain.stages)
         )
         chain = dataclasses.replace(chain, stages=stages)
-        table = OptimalTable(chain, 1.0, 150)
+        table = OptimalTable(chain, 1.0, 150, release=False)
         for budget in range(5, 150, 9):
             best, _ = fastest_schedule(chain, budget)
             assert table.time(budget) == pytest.approx(best) or math.isinf(best)
@@ -163,7 +163,7 @@ def test_optimal_charges_a_graph_only_the_input_tensors_it_saves():
                 )
             )
         chain = dataclasses.replace(base, stages=tuple(stages))
-        table = OptimalTable(chain, 1.0, 150)
+        table = OptimalTable(chain, 1.0, 150, release=False)
         for budget in range(5, 150, 7):
             whole, _ = fastest_schedule(chain, budget)
             assert table.time(budget) <= whole + 1e-9
@@ -179,10 +179,64 @@ def test_optimal_equals_brute_force_on_six_stage_chains():
     rng = random.Random(7)
     for _ in range(4):
         chain = random_chain(rng, 6)
-        table = OptimalTable(chain, 1.0, 140)
+        table = OptimalTable(chain, 1.0, 140, release=False)
         for budget in range(10, 140, 13):
             best, _ = fastest_schedule(chain, budget)
             assert table.time(budget) == pytest.approx(best) or math.isinf(best)
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(min_length=2, max_length=5), st.integers(0, 120))
+def test_releasing_an_input_is_never_slower_than_rotor_nor_faster_than_possible(chain, budget):
+    """With the *release* start (``Fc s, Fr s+1 .. Fa s, B s+1, B s``) the table is at least as
+    fast as rotor's optimum (the exhaustive search without ``Fr``) and never faster than the
+    exhaustive search with ``Fr``; its plan runs in the simulator at the table's time, within
+    the budget."""
+    table = OptimalTable(chain, 1.0, 150)
+    rotor, _ = fastest_schedule(chain, budget)
+    bound, _ = fastest_schedule(chain, budget, release=True)
+    assert table.time(budget) <= rotor + 1e-9
+    assert table.time(budget) >= bound - 1e-9
+    if math.isfinite(table.time(budget)):
+        cost = simulate(chain, table.schedule(budget))
+        assert cost.seconds == pytest.approx(table.time(budget))
+        assert cost.peak_bytes <= budget
+
+
+def test_releasing_an_input_beats_rotor_where_the_stage_before_is_cheap():
+    """A cheap stage (GELU) between two expensive ones that save their inputs (linear layers):
+    rebuilding the second's input by running the cheap one again saves memory for little
+    time, which rotor can only buy by running the expensive one again. Exhaustive search
+    agrees with the table on every budget."""
+    expensive = dict(forward_seconds=10.0, backward_seconds=20.0)
+    cheap = dict(forward_seconds=0.5, backward_seconds=1.0)
+    base = random_chain(random.Random(5), 4)
+    stages = []
+    for k, stage in enumerate(base.stages):
+        stages.append(
+            dataclasses.replace(
+                stage,
+                output_bytes=8,
+                saves_input=True,
+                saves_output=False,
+                saved_bytes=0,
+                forward_peak_bytes=8,
+                forward_grad_peak_bytes=8,
+                backward_peak_bytes=8,
+                gradient_bytes=1,
+                **(cheap if k in (1, 3) else expensive),
+            )
+        )
+    chain = dataclasses.replace(base, stages=tuple(stages))
+    with_release = OptimalTable(chain, 1.0, 120)
+    rotor = OptimalTable(chain, 1.0, 120, release=False)
+    faster = 0
+    for budget in range(0, 120):
+        bound, _ = fastest_schedule(chain, budget, release=True)
+        assert with_release.time(budget) >= bound - 1e-9
+        assert with_release.time(budget) <= rotor.time(budget) + 1e-9
+        faster += with_release.time(budget) < rotor.time(budget) - 1e-9
+    assert faster > 0
 
 
 @settings(max_examples=40, deadline=None)

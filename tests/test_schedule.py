@@ -93,6 +93,32 @@ def test_shared_storage_is_counted_once():
     assert trace[1][2] == 20  # a1 (graph 0's) + a2 (ours and graph 1's)
 
 
+def test_a_released_graph_holds_nothing_of_its_input_until_its_backward_reads_it_again():
+    # Three stages that save their inputs (linear layers). Stored: stage 1's graph holds a1
+    # from Fa1 to B1. Released: Fr1 keeps a1 out of the graph (a1 is freed), Fa0 computes it
+    # again just before B1, which reads it and drops it.
+    keeps_input = Stage("s", 10, 0, True, 10, 10, 10, 0, 0, 1.0, 1.0)
+    chain = Chain((keeps_input, keeps_input, keeps_input), input_bytes=10)
+    R = Op.FORWARD_RELEASE
+    released = ops(3, (C, 0), (R, 1), (A, 2), (B, 2), (A, 0), (B, 1), (B, 0))
+    stored = ops(3, (C, 0), (A, 1), (A, 2), (B, 2), (B, 1), (A, 0), (B, 0))
+    trace, kept = memory_trace(chain, released), memory_trace(chain, stored)
+    assert trace[0][2] == kept[0][2] == 10  # a1 (a0 is the caller's)
+    assert kept[1][2] == 20 and trace[1][2] == 10  # a2, and a1 only where stage 1 saved it
+    assert trace[4][2] == trace[3][2] + 10  # Fa0: a1 again, ours
+    assert trace[5][0] - trace[5][2] == kept[4][0] - kept[4][2]  # B1 drops a1 either way
+    # Until B2 ends a1 is not held: less at the forward's end and B2's peak.
+    assert max(d for _, d, _ in trace[:4]) == max(d for _, d, _ in kept[:4]) - 10
+    cost = simulate(chain, released)
+    assert cost.forward_all_steps == 3 and cost.seconds == 3 + 1 + 3  # stage 0 twice
+    with pytest.raises(InvalidSchedule, match="Fr1 released it"):
+        simulate(chain, ops(3, (C, 0), (R, 1), (A, 2), (B, 2), (B, 1), (A, 0), (B, 0)))
+    # Recomputing a1 while a stored graph of stage 1 holds it would make a second copy.
+    with pytest.raises(InvalidSchedule, match="already in memory"):
+        simulate(chain, ops(3, (C, 0), (A, 1), (A, 2), (B, 2), (A, 0), (B, 1), (B, 0)))
+    assert Schedule.from_dict(released.to_dict()).text() == "Fc0 Fr1 Fa2 B2 Fa0 B1 B0"
+
+
 def test_a_stage_that_saves_neither_end_frees_its_input_and_output():
     # Between two Linear layers a Tanh-like stage saves its output, a BatchNorm-like one only
     # extra statistics: plain autograd frees such activations as soon as the next stage is done

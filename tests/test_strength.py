@@ -52,14 +52,15 @@ TOLERANCE = 1e-9
 # -- references ----------------------------------------------------------------------------------
 
 
-def exhaustive_times(chain: Chain) -> list[float]:
+def exhaustive_times(chain: Chain, *, release: bool = False) -> list[float]:
     """``times[b]``: the least time of any schedule within ``b`` bytes (Dijkstra over all
-    schedules), for every budget from 0 up to the first that allows plain autograd's time."""
+    schedules; rotor's, or with ``release`` those with ``Fr`` too), for every budget from 0 up
+    to the first that allows plain autograd's time."""
     plain = chain.forward_seconds + chain.backward_seconds
     times: list[float] = []
     budget = 0
     while not times or times[-1] > plain * (1 + TOLERANCE):
-        times.append(fastest_schedule(chain, budget)[0])
+        times.append(fastest_schedule(chain, budget, release=release)[0])
         budget += 1
     return times
 
@@ -91,13 +92,16 @@ EXACT = {seed: random_chain(random.Random(seed), 5) for seed in (0, 1, 2, 3, 4, 
 
 @pytest.mark.parametrize("seed", sorted(EXACT))
 @pytest.mark.parametrize("rho", [1.05, 1.2, 1.5, 2.0, 3.0])
-def test_optimal_recompute_search_needs_the_least_memory_of_any_schedule(seed, rho):
+def test_optimal_recompute_search_needs_at_most_rotors_least_memory(seed, rho):
+    """No more than rotor's least (exhaustive over rotor's schedules), no less than the least of
+    any schedule with ``Fr`` (the release start is one of those)."""
     chain = EXACT[seed]
     plain = chain.forward_seconds + chain.backward_seconds
     least = least_budget(exhaustive_times(chain), rho * plain)
+    possible = least_budget(exhaustive_times(chain, release=True), rho * plain)
     cost = simulate(chain, plan(chain, "optimal", recompute=rho))
     assert cost.recompute_factor <= rho + TOLERANCE
-    assert cost.peak_bytes == least
+    assert possible <= cost.peak_bytes <= least
 
 
 @pytest.mark.parametrize("rho", [1.5, 2.0, 3.0])
@@ -152,17 +156,18 @@ def test_family_memory_search_picks_the_fastest_that_fits(chain_name, strategy):
 
 
 @pytest.mark.parametrize("seed", sorted(EXACT))
-def test_optimal_tradeoff_curve_is_the_exhaustive_pareto_front(seed):
+def test_optimal_tradeoff_curve_reaches_rotors_exhaustive_front_with_possible_points(seed):
     chain = EXACT[seed]
     plain = chain.forward_seconds + chain.backward_seconds
     times = exhaustive_times(chain)
+    possible = exhaustive_times(chain, release=True)
     front = pareto([(t / plain, b) for b, t in enumerate(times) if math.isfinite(t)])
     curve = tradeoff(chain, "optimal")
-    for rho, _ in front:  # every point of the true front is on the curve ...
+    for rho, _ in front:  # every point of rotor's front is on the curve or beaten ...
         least = least_budget(times, rho * plain)  # (factors equal up to rounding count as one)
-        assert min(p for r, p in curve if r <= rho * (1 + TOLERANCE)) == least, (rho, least)
+        assert min(p for r, p in curve if r <= rho * (1 + TOLERANCE)) <= least, (rho, least)
     for rho, peak in curve:  # ... and every point of the curve can be had
-        assert least_budget(times, rho * plain) <= peak, (rho, peak)
+        assert least_budget(possible, rho * plain) <= peak, (rho, peak)
 
 
 def assert_table_is_the_exhaustive_optimum(chain: Chain) -> None:
@@ -172,7 +177,7 @@ def assert_table_is_the_exhaustive_optimum(chain: Chain) -> None:
     smallest = next(b for b, t in enumerate(times) if math.isfinite(t))
     everything = len(times) - 1
     assert smallest < everything  # checkpointing matters on these chains
-    table = OptimalTable(chain, 1.0, everything + 1)
+    table = OptimalTable(chain, 1.0, everything + 1, release=False)  # rotor's recursion
     assert math.isinf(table.time(smallest - 1))
     for budget in range(smallest, everything + 1):
         assert table.time(budget) == pytest.approx(times[budget], rel=1e-9), budget

@@ -176,6 +176,7 @@ def _chain(choice: ModelChoice) -> tuple[Chain, tuple[int, ...]]:
 
 _FIRST = {
     Op.FORWARD_ALL: "keep graph",
+    Op.FORWARD_RELEASE: "keep graph, release input",
     Op.FORWARD_CHECKPOINT: "checkpoint",
     Op.FORWARD_NOSAVE: "drop",
 }
@@ -211,7 +212,7 @@ def describe(chain: Chain, schedule: Schedule, fixed_total: int) -> dict[str, An
         }
         for k, stage in enumerate(chain.stages)
     ]
-    graphs = sum(1 for f in first if f == _FIRST[Op.FORWARD_ALL])
+    graphs = sum(1 for f in first if f in (_FIRST[Op.FORWARD_ALL], _FIRST[Op.FORWARD_RELEASE]))
     recomputed = sum(1 for r in runs if r > 1)
     return {
         "strategy": schedule.strategy,

@@ -211,7 +211,7 @@ def _candidates(
             continue
         seen.add(plan)
         forward, backward = plan
-        grads = sum(op is Op.FORWARD_ALL for op, _ in forward)
+        grads = sum(op.builds_graph for op, _ in forward)
         kind = "store all" if grads == n else "recompute all" if grads == 1 else "keep some"
         out.append((kind, forward, backward))
     return out
@@ -351,7 +351,7 @@ def _seconds(stages: Sequence[Stage], ops: Ops) -> float:
     for op, k in ops:
         if op is Op.BACKWARD:
             total += stages[k].backward_seconds
-        elif op in (Op.FORWARD_ALL, Op.FORWARD_CHECKPOINT, Op.FORWARD_NOSAVE):
+        elif op.is_forward:
             total += stages[k].forward_seconds
     return total
 

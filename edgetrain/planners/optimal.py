@@ -10,7 +10,12 @@ reference (*unpinned*), the table holds the least time to backpropagate through 
 * **graph first**: ``Fa s``, then the sub-chain ``s+1..t`` (pinned when stage ``s`` saves its
   output), then ``B s``;
 * **checkpoint**: ``Fc s``, ``Fn s+1 .. j-1``, the sub-chain ``j..t`` (owning ``a[j]``), then the
-  sub-chain ``s..j-1`` again from ``a[s]`` — for the best ``j``.
+  sub-chain ``s..j-1`` again from ``a[s]`` — for the best ``j``;
+* **release** (beyond rotor): ``Fc s``, ``Fr s+1`` (stage ``s+1``'s graph without its input),
+  the sub-chain ``s+2..t``, then ``Fa s`` (which gives ``a[s+1]`` back), ``B s+1``, ``B s``.
+  Stage ``s+1``'s input is rebuilt by running stage ``s`` again, not by running ``s+1`` again:
+  what ``torch.compile``'s partitioner does when it keeps a matrix product's input's producer's
+  input and recomputes the cheap operation (GELU, LayerNorm, BatchNorm and ReLU) between them.
 
 The recursion reads its stages' costs from :class:`StepCosts`, where running a stage "graph
 first" may be one of several *options* (its forward phase, what it leaves held, its backward
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -84,6 +89,11 @@ class StepCosts:
             if its graph holds it and the gradient of ``a[s+1]``; the parameter gradients of
             later stages not counted, the ones it creates counted.
         opt_time: seconds of option o's forward and backward phases (inf: no such option).
+        pair_fwd_peak, pair_held, pair_pins, pair_bwd_peak, pair_time: the same for the
+            *release* start at stage s (``Fc s``, ``Fr s+1`` .. ``Fa s``, ``B s+1``, ``B s``;
+            ``[pin, s]`` arrays; what it leaves held besides ``a[s+2]``, ``a[s]`` when counted
+            included; the backward peak after the sub-chain ``s+2..t``; inf time where stage
+            s+1 saves nothing of its input). None: no such start (blocks).
     """
 
     act: np.ndarray
@@ -97,6 +107,11 @@ class StepCosts:
     opt_pins: np.ndarray
     opt_bwd_peak: np.ndarray
     opt_time: np.ndarray
+    pair_fwd_peak: np.ndarray | None = None
+    pair_held: np.ndarray | None = None
+    pair_pins: np.ndarray | None = None
+    pair_bwd_peak: np.ndarray | None = None
+    pair_time: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -124,6 +139,11 @@ class StepCosts:
             opt_pins=self.opt_pins,
             opt_bwd_peak=up(self.opt_bwd_peak),
             opt_time=self.opt_time,
+            pair_fwd_peak=None if self.pair_fwd_peak is None else up(self.pair_fwd_peak),
+            pair_held=None if self.pair_held is None else up(self.pair_held),
+            pair_pins=self.pair_pins,
+            pair_bwd_peak=None if self.pair_bwd_peak is None else up(self.pair_bwd_peak),
+            pair_time=self.pair_time,
         )
 
 
@@ -159,6 +179,29 @@ def chain_costs(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: boo
     # stage), the gradient of a[s+1], and its transient peak.
     out = np.where(s + 1 == n, act[s + 1], saved_out)
     bwd = graph + out + grad[s + 1] + bwd_peak
+    # Release: Fc p, Fr q (q = p + 1), the sub-chain q+1.., then Fa p, B q, B p. Arrays over
+    # p = 0..n-1 (p = n-1 has no q: its time is inf); q's values at min(p + 1, n - 1).
+    q = np.minimum(s + 1, n - 1)
+    after_q = np.minimum(s + 2, n)
+    keep_p = np.stack([act[s], np.zeros_like(s)])  # our checkpoint a[p]: counted, or held outside
+    first = np.maximum(fwd_peak, act[s + 1])
+    pair_fwd = keep_p + np.maximum(
+        np.maximum(first, act[q] + fwd_grad_peak[q]), extra[q] + act[after_q]
+    )
+    pair_pins = np.array([st.saves_whole_output and not st.carried for st in stages], dtype=bool)
+    pair_pins = pair_pins[q]
+    pair_held = keep_p + extra[q]
+    out_q = np.where(after_q == n, act[after_q], saved_out[q])
+    rest = keep_p + extra[q] + out_q + grad[after_q]  # when the sub-chain q+1.. is done
+    with_p = rest - keep_p + graph + act[q]  # after Fa p: its graph and a[q] again
+    # B p: q's graph is gone; the caller's output and its gradient stay when q is the last.
+    caller = np.where(after_q == n, act[n] + grad[n], 0)
+    pair_bwd = np.maximum(
+        np.maximum(rest + fwd_grad_peak, with_p + bwd_peak[q]),
+        graph + saved_out + grad[q] + created[q] + bwd_peak + caller,
+    )
+    pair_time = 2 * fwd_time + fwd_time[q] + bwd_time + bwd_time[q]
+    pair_time = np.where((s + 1 < n) & (saved_in[q] > 0), pair_time, np.inf)
     return StepCosts(
         act=act,
         grad=grad,
@@ -171,6 +214,11 @@ def chain_costs(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: boo
         opt_pins=np.array([st.saves_whole_output for st in stages], dtype=bool)[None],
         opt_bwd_peak=bwd[None],
         opt_time=(fwd_time + bwd_time)[None],
+        pair_fwd_peak=pair_fwd,
+        pair_held=pair_held,
+        pair_pins=pair_pins,
+        pair_bwd_peak=pair_bwd,
+        pair_time=pair_time,
     )
 
 
@@ -197,6 +245,7 @@ class OptimalTable:
     By default the recursion's stages are the chain's (:func:`chain_costs`); ``costs`` gives
     other ones (blocks of stages with several options each, see
     :mod:`edgetrain.planners.blocks`), and ``expand`` turns their operations into the chain's.
+    ``release=False``: rotor's recursion alone, without the *release* start.
     """
 
     def __init__(
@@ -210,6 +259,7 @@ class OptimalTable:
         costs: Callable[[float, bool], StepCosts] | None = None,
         expand: Expand | None = None,
         strategy: str = "optimal",
+        release: bool = True,
     ) -> None:
         if slot_bytes <= 0 or slots < 1:
             raise InvalidInput("the memory budget must be positive; give e.g. --memory 512MB")
@@ -223,6 +273,8 @@ class OptimalTable:
             self._z = chain_costs(chain, self.slot_bytes, grads_exist, nearest)
         else:
             self._z = costs(self.slot_bytes, nearest)
+        if not release:  # rotor's recursion alone
+            self._z = replace(self._z, pair_time=None)
         z = self._z
         n = self.length = z.length
         if 2 * n * n * (slots + 1) * 12 > TABLE_LIMIT_BYTES:
@@ -236,6 +288,7 @@ class OptimalTable:
             int(z.act.max()),
             int(z.act[n] + z.grad[n]),
             int((z.opt_graph + z.act[None, None, 1:]).max()),
+            0 if z.pair_held is None or n < 2 else int((z.pair_held[:, :-1] + z.act[2:]).max()),
         )
         self._pad = min(size, max(widest, 0))
         # time[pin, s, t, m] (a view of a table with ``_pad`` slots of inf before m = 0) and
@@ -310,6 +363,11 @@ class OptimalTable:
                     better = value < best
                     best = np.where(better, value, best)
                     choice = np.where(better, np.int32(-1 - o), choice)
+                if span > 0 and z.pair_time is not None:
+                    value = self._release(s, t, pin, span, entry_rest, after, left_b)
+                    better = value < best
+                    best = np.where(better, value, best)
+                    choice = np.where(better, np.int32(-1 - options), choice)
                 if span > 0:
                     # Checkpoint at j: forward to a[j], the sub-chain j..t owning a[j], then
                     # s..j-1 again from a[s].
@@ -328,6 +386,40 @@ class OptimalTable:
                 if pin == 0:
                     self._reach[s, t, pad:] = best + prefix[s][:, None]
                 self._choice[pin, s, t] = np.where(np.isfinite(best), choice, NO_PLAN)
+
+    def _release(
+        self,
+        s: np.ndarray,
+        t: np.ndarray,
+        pin: int,
+        span: int,
+        entry_rest: np.ndarray,
+        after: np.ndarray,
+        left_b: np.ndarray,
+    ) -> np.ndarray:
+        """Times of the *release* start at every ``s`` of this span (inf where it does not fit
+        or does not exist): ``Fc s``, ``Fr s+1``, the sub-chain ``s+2..t``, ``Fa s``, ``B s+1``,
+        ``B s``."""
+        z = self._z
+        assert z.pair_time is not None and z.pair_fwd_peak is not None
+        assert z.pair_bwd_peak is not None and z.pair_held is not None
+        assert z.pair_pins is not None
+        m = np.arange(self.slots + 1)
+        peak_f = entry_rest + z.pair_fwd_peak[pin, s]
+        peak_b = z.held_grads[np.minimum(s + 2, self.length)] + z.pair_bwd_peak[pin, s]
+        if span > 1:
+            peak_b = peak_b + after
+        peak_b = np.maximum(peak_b, left_b)
+        ok = m[None, :] >= np.maximum(peak_f, peak_b)[:, None]
+        base = z.pair_time[s]
+        if span == 1:
+            return np.where(ok, base[:, None], np.inf)
+        pinned = z.pair_pins[s].astype(np.int64)
+        shift = z.pair_held[pin, s] + pinned * z.act[s + 2]
+        index = self._pad - np.minimum(shift, self._pad)
+        windows = sliding_window_view(self._padded, self.slots + 1, axis=-1)
+        inner = windows[pinned, s + 2, t, index]
+        return np.where(ok, base[:, None] + inner, np.inf)
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -367,11 +459,29 @@ class OptimalTable:
             assert isinstance(m, int)
             j = int(self._choice[pin, s, t, m])
             after = act_out + int(z.grad[n]) if t == n - 1 else 0
-            if j < 0:
+            todo: list[tuple[object, ...]]
+            if j < 0 and -1 - j == z.opt_time.shape[0]:  # release
+                assert z.pair_held is not None and z.pair_pins is not None
+                pinned = int(z.pair_pins[s])
+                held = int(z.pair_held[pin, s]) + pinned * int(z.act[s + 2])
+                todo = [
+                    ("emit", Op.FORWARD_CHECKPOINT, s, 0),
+                    ("emit", Op.FORWARD_RELEASE, s + 1, 0),
+                ]
+                if t > s + 1:
+                    todo.append(("solve", pinned, s + 2, t, m - held))
+                elif s + 2 < n:
+                    todo.append(("emit", Op.DISCARD, s + 2, 0))
+                todo += [
+                    ("emit", Op.FORWARD_ALL, s, 0),
+                    ("emit", Op.BACKWARD, s + 1, 0),
+                    ("emit", Op.BACKWARD, s, 0),
+                ]
+            elif j < 0:
                 o = -1 - j
                 graph = int(z.opt_graph[o, pin, s])
                 pinned = int(z.opt_pins[o, s])
-                todo: list[tuple[object, ...]] = [("emit", Op.FORWARD_ALL, s, o)]
+                todo = [("emit", Op.FORWARD_ALL, s, o)]
                 if t > s:
                     todo.append(("solve", pinned, s + 1, t, m - graph - pinned * int(z.act[s + 1])))
                 elif s + 1 < n:
@@ -424,7 +534,7 @@ class TableMaker:
         grads_exist: as in :func:`~edgetrain.schedule.simulate`.
         length: stages of the recursion (the chain's by default).
         unit: a size (bytes) every size of the recursion is a multiple of (0: none known).
-        costs, expand, strategy: as in :class:`OptimalTable`.
+        costs, expand, strategy, release: as in :class:`OptimalTable`.
     """
 
     chain: Chain
@@ -434,6 +544,7 @@ class TableMaker:
     costs: Callable[[float, bool], StepCosts] | None = None
     expand: Expand | None = None
     strategy: str = "optimal"
+    release: bool = True
 
     @property
     def stages(self) -> int:
@@ -451,6 +562,7 @@ class TableMaker:
             costs=self.costs,
             expand=self.expand,
             strategy=self.strategy,
+            release=self.release,
         )
 
     def resolution(self, budget_bytes: float, slots: int) -> tuple[float, int]:
