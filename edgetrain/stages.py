@@ -176,6 +176,8 @@ class Release:
         self.rebuilt: list[torch.Tensor] | None = None
 
     def pack(self, t: torch.Tensor) -> Any:
+        if t.layout is not torch.strided:
+            return t  # no storage of its own to compare (sparse ...): kept
         hit = self.versions.get(storage_key(t))
         if hit is None or t._version != hit[1] or t.dtype != hit[2]:
             return t
