@@ -87,7 +87,6 @@ from edgetrain.units import format_bytes, parse_bytes
 
 _RngState = tuple[torch.Tensor, list[torch.Tensor]]  # CPU generator state, CUDA states
 _NEW_SHAPE = ("replan", "error")
-_FORWARDS = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.FORWARD_RELEASE)
 
 
 class Checkpointed(nn.Module):
@@ -209,7 +208,7 @@ class Checkpointed(nn.Module):
         ]
         self._forward_ops = ops[: schedule.forward_phase_end]
         self._backward_ops = ops[schedule.forward_phase_end :]
-        runs = Counter(k for kind, k in ops if kind in _FORWARDS)
+        runs = Counter(k for kind, k in ops if kind.is_forward)
         self._rerun = {k for k, count in runs.items() if count > 1}
         # A recomputation runs on copies of the buffers of these modules (see _recomputing):
         # those the chain counts (Stage.copied_buffer_bytes, from buffer_copy_bytes).

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +159,13 @@ class StageGraph:
     release: Release | None = None
 
 
+def _saving(hooks: Release | None) -> AbstractContextManager[None]:
+    """The saved-tensor hooks of a stage's call: a release's, or autograd's own."""
+    if hooks is None:
+        return nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+
+
 class Release:
     """Saved-tensor hooks that keep a stage's graph from holding its input (``Fr``).
 
@@ -218,20 +226,6 @@ def run_forward_with_grad(
     gradient to ``sink(index, grad)`` as autograd computes it. ``release``: the graph holds
     nothing of the input (:class:`Release`); :func:`run_backward` then needs it again.
     """
-    if release:
-        hooks = Release(leaves(x))
-        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-            out, graph = run_forward_with_grad(
-                module,
-                x,
-                needs_input_grad=needs_input_grad,
-                params=params,
-                sink=sink,
-                stage=stage,
-                name=name,
-            )
-        graph.release = hooks
-        return out, graph
     with torch.enable_grad():  # one switch for the whole stage: taps, call and hands
         anchor = _anchor()
         boxes: list[list[torch.Tensor] | None] = []
@@ -280,13 +274,16 @@ def run_forward_with_grad(
                 # makes (a third of the leaf's cost): the leaf dies with the stage's graph.
                 leaf._post_accumulate_grad_hooks = {0: _handing_to(sink, index)}
                 made.append(leaf)
-            out = _call_with(module, inputs, params.slots, made)
-        else:
-            out = module(inputs)
+        hooks = Release(leaves(x)) if release else None
+        with _saving(hooks):
+            if params is not None and params.params:
+                out = _call_with(module, inputs, params.slots, made)
+            else:
+                out = module(inputs)
         _check_output(out, stage, name)
         out_leaves = leaves(out)
         wanted = [t.requires_grad for t in out_leaves]
-        graph = StageGraph(wanted, boxes, anchor, made)
+        graph = StageGraph(wanted, boxes, anchor, made, release=hooks)
         graph.passed = _passed_through(out_leaves, taps, boxes)
         bypass = {j for j, _ in graph.passed}
         for j, t in enumerate(out_leaves):

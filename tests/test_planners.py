@@ -208,26 +208,13 @@ def test_releasing_an_input_beats_rotor_where_the_stage_before_is_cheap():
     rebuilding the second's input by running the cheap one again saves memory for little
     time, which rotor can only buy by running the expensive one again. Exhaustive search
     agrees with the table on every budget."""
-    expensive = dict(forward_seconds=10.0, backward_seconds=20.0)
-    cheap = dict(forward_seconds=0.5, backward_seconds=1.0)
-    base = random_chain(random.Random(5), 4)
-    stages = []
-    for k, stage in enumerate(base.stages):
-        stages.append(
-            dataclasses.replace(
-                stage,
-                output_bytes=8,
-                saves_input=True,
-                saves_output=False,
-                saved_bytes=0,
-                forward_peak_bytes=8,
-                forward_grad_peak_bytes=8,
-                backward_peak_bytes=8,
-                gradient_bytes=1,
-                **(cheap if k in (1, 3) else expensive),
-            )
-        )
-    chain = dataclasses.replace(base, stages=tuple(stages))
+    base = uniform_chain(4, activation_bytes=8, weight_bytes=1)  # each stage saves its input
+    times = [(10.0, 20.0), (0.5, 1.0), (10.0, 20.0), (0.5, 1.0)]
+    stages = tuple(
+        dataclasses.replace(stage, forward_seconds=f, backward_seconds=b)
+        for stage, (f, b) in zip(base.stages, times, strict=True)
+    )
+    chain = dataclasses.replace(base, stages=stages)
     with_release = OptimalTable(chain, 1.0, 120)
     rotor = OptimalTable(chain, 1.0, 120, release=False)
     faster = 0

@@ -206,7 +206,7 @@ def chain_costs(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: boo
         act=act,
         grad=grad,
         held_grads=held,
-        first=np.maximum(fwd_peak, act[s + 1]),
+        first=first,
         step=np.maximum(act[s] + fwd_peak, act[s + 1]),
         fwd_time=fwd_time,
         opt_fwd_peak=fwd[None],
@@ -316,10 +316,7 @@ class OptimalTable:
         windows = sliding_window_view(self._padded, size, axis=-1)
         reach = sliding_window_view(self._reach, size, axis=-1)
 
-        def back(offset: np.ndarray) -> np.ndarray:
-            index: np.ndarray = pad - np.minimum(offset, pad)
-            return index
-
+        back = self._back
         for span in range(n):
             s = np.arange(n - span)
             t = s + span
@@ -364,7 +361,7 @@ class OptimalTable:
                     best = np.where(better, value, best)
                     choice = np.where(better, np.int32(-1 - o), choice)
                 if span > 0 and z.pair_time is not None:
-                    value = self._release(s, t, pin, span, entry_rest, after, left_b)
+                    value = self._release(windows, s, t, pin, span, entry_rest, after, left_b)
                     better = value < best
                     best = np.where(better, value, best)
                     choice = np.where(better, np.int32(-1 - options), choice)
@@ -387,8 +384,15 @@ class OptimalTable:
                     self._reach[s, t, pad:] = best + prefix[s][:, None]
                 self._choice[pin, s, t] = np.where(np.isfinite(best), choice, NO_PLAN)
 
+    def _back(self, offset: np.ndarray) -> np.ndarray:
+        """Where a row shifted right by ``offset`` slots starts in a window of the padded
+        table (offsets beyond the padding read only inf)."""
+        index: np.ndarray = self._pad - np.minimum(offset, self._pad)
+        return index
+
     def _release(
         self,
+        windows: np.ndarray,
         s: np.ndarray,
         t: np.ndarray,
         pin: int,
@@ -399,7 +403,7 @@ class OptimalTable:
     ) -> np.ndarray:
         """Times of the *release* start at every ``s`` of this span (inf where it does not fit
         or does not exist): ``Fc s``, ``Fr s+1``, the sub-chain ``s+2..t``, ``Fa s``, ``B s+1``,
-        ``B s``."""
+        ``B s``. ``windows``: the shifted rows of the table (see :meth:`_fill`)."""
         z = self._z
         assert z.pair_time is not None and z.pair_fwd_peak is not None
         assert z.pair_bwd_peak is not None and z.pair_held is not None
@@ -416,9 +420,7 @@ class OptimalTable:
             return np.where(ok, base[:, None], np.inf)
         pinned = z.pair_pins[s].astype(np.int64)
         shift = z.pair_held[pin, s] + pinned * z.act[s + 2]
-        index = self._pad - np.minimum(shift, self._pad)
-        windows = sliding_window_view(self._padded, self.slots + 1, axis=-1)
-        inner = windows[pinned, s + 2, t, index]
+        inner = windows[pinned, s + 2, t, self._back(shift)]
         return np.where(ok, base[:, None] + inner, np.inf)
 
     # -- queries -----------------------------------------------------------------------------------
