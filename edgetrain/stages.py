@@ -160,10 +160,29 @@ class StageGraph:
 
 
 def _saving(hooks: Release | None) -> AbstractContextManager[None]:
-    """The saved-tensor hooks of a stage's call: a release's, or autograd's own."""
+    """The saved-tensor hooks of a stage's call: a release's (over the caller's own, which it
+    keeps for what it does not release), or autograd's own."""
     if hooks is None:
         return nullcontext()
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+        raise InvalidInput(
+            "this plan releases stage inputs (Fr), which needs saved-tensor hooks, but they are "
+            "disabled here (torch.autograd.graph.disable_saved_tensors_hooks); run the step "
+            "outside that context"
+        )
+    hooks.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+
+
+class _Released:
+    """Where a released saved tensor lies: input tensor ``index``, as a strided view of it."""
+
+    __slots__ = ("index", "offset", "size", "stride")
+
+    def __init__(
+        self, index: int, size: tuple[int, ...], stride: tuple[int, ...], offset: int
+    ) -> None:
+        self.index, self.size, self.stride, self.offset = index, size, stride, offset
 
 
 class Release:
@@ -175,6 +194,10 @@ class Release:
     on the same values give the same tensor). A saved tensor of the input's storage that an
     in-place operation of the stage changed is kept as it is (never so for a stage of a chain:
     a stage's input stays intact, see :func:`group_children`).
+
+    Saved-tensor hooks the caller has set around the step (``save_on_cpu``, their own) still get
+    every tensor the stage saves but a released one, which is not held at all (:attr:`outer`,
+    the caller's hooks when the stage ran; the innermost hooks are the only ones autograd calls).
     """
 
     def __init__(self, inputs: list[torch.Tensor]) -> None:
@@ -182,22 +205,21 @@ class Release:
         for i, t in enumerate(inputs):
             self.versions.setdefault(storage_key(t), (i, t._version, t.dtype))
         self.rebuilt: list[torch.Tensor] | None = None
+        self.outer: tuple[Any, Any] | None = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        if t.layout is not torch.strided:
-            return t  # no storage of its own to compare (sparse ...): kept
-        hit = self.versions.get(storage_key(t))
-        if hit is None or t._version != hit[1] or t.dtype != hit[2]:
-            return t
-        return (hit[0], tuple(t.shape), t.stride(), t.storage_offset())
+        if t.layout is torch.strided:  # else no storage of its own to compare (sparse ...)
+            hit = self.versions.get(storage_key(t))
+            if hit is not None and t._version == hit[1] and t.dtype == hit[2]:
+                return _Released(hit[0], tuple(t.shape), t.stride(), t.storage_offset())
+        return t if self.outer is None else self.outer[0](t)
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, torch.Tensor):
-            return saved
+        if type(saved) is not _Released:
+            return saved if self.outer is None else self.outer[1](saved)  # type: ignore[no-any-return]
         if self.rebuilt is None:
             raise RuntimeError("edgetrain: a released input was read before it was rebuilt")
-        index, size, stride, offset = saved
-        return self.rebuilt[index].as_strided(size, stride, offset)
+        return self.rebuilt[saved.index].as_strided(saved.size, saved.stride, saved.offset)
 
 
 def run_forward(module: nn.Module, x: Any, *, stage: int = 0, name: str = "") -> Any:

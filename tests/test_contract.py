@@ -2,6 +2,7 @@
 inputs and RNG state, or one clear error; and measured memory equal to the prediction, on models
 written the way users write them (default activations, frozen and reused layers, zero_grad())."""
 
+import collections
 import copy
 
 import pytest
@@ -614,3 +615,78 @@ def test_plans_that_release_inputs_train_exactly_and_hold_what_they_predict(
         torch.manual_seed(1)
         measured_peak(reference, x, set_to_none)
     assert releasing >= 2
+
+
+class _Held:
+    """What a user's saved-tensor hook hands autograd: a box around the tensor."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _step_under_hooks(net, x, packed):
+    def pack(t):
+        packed.append((tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+        return _Held(t)
+
+    def unpack(held):
+        assert isinstance(held, _Held)  # only what this pack returned comes back here
+        return held.t
+
+    for p in net.parameters():
+        p.grad = None
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = net(x)
+        torch.nn.functional.cross_entropy(
+            out, torch.zeros(out.shape[0], dtype=torch.long)
+        ).backward()
+
+
+def test_released_stages_keep_the_callers_saved_tensor_hooks_for_what_they_do_not_release():
+    """A caller's saved-tensor hooks (``save_on_cpu``, their own) see every tensor a stage saves
+    but the inputs an ``Fr`` stage releases (those are not held at all); gradients stay plain
+    autograd's."""
+    model = GeluResidualMLP()
+    x = torch.randn(64, 16)
+    reference = copy.deepcopy(model)
+    plain: list = []
+    torch.manual_seed(1)
+    _step_under_hooks(reference, x, plain)
+    chain = Checkpointed(copy.deepcopy(model), x).chain
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    budget = minimum_memory(chain) + 0.6 * (everything - minimum_memory(chain))
+    schedule = edgetrain.plan(chain, "optimal", memory=budget)
+    released = [k for kind, k in schedule if kind is Op.FORWARD_RELEASE]
+    assert released
+    net = Checkpointed(copy.deepcopy(model), x, chain=chain, schedule=schedule)
+    seen: list = []
+    torch.manual_seed(1)
+    _step_under_hooks(net, x, seen)
+    for (name, p), q in zip(reference.named_parameters(), net.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    missing = collections.Counter(plain) - collections.Counter(seen)
+    assert not collections.Counter(seen) - collections.Counter(plain)
+    inputs = {
+        n
+        for k in released
+        for n in chain.stages[k - 1].leaf_bytes or [chain.stages[k - 1].output_bytes]
+    }
+    assert missing and {n for _, _, n in missing} <= inputs, (missing, inputs)
+
+
+def test_a_plan_that_releases_inputs_refuses_to_run_with_saved_tensor_hooks_disabled():
+    model = GeluResidualMLP()
+    x = torch.randn(64, 16)
+    chain = Checkpointed(copy.deepcopy(model), x).chain
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    budget = minimum_memory(chain) + 0.6 * (everything - minimum_memory(chain))
+    schedule = edgetrain.plan(chain, "optimal", memory=budget)
+    assert schedule.count(Op.FORWARD_RELEASE)
+    net = Checkpointed(model, x, chain=chain, schedule=schedule)
+    with (
+        torch.autograd.graph.disable_saved_tensors_hooks("not here"),
+        pytest.raises(InvalidInput, match=r"saved-tensor hooks.*disabled"),
+    ):
+        net(x)
+    net(x).sum().backward()  # outside that context it runs
