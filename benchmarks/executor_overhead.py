@@ -17,13 +17,27 @@ rounds of process CPU time (robust to other jobs on a shared machine: one torch 
 time. ``cpu/plain - rho_pred`` is what the executor costs beyond the compute the planner counts.
 
     python benchmarks/executor_overhead.py [--models vit-tiny:8:128,...] [--rounds 7] [--json]
+
+``--per-stage`` measures instead what the executor adds per stage, where compute is negligible:
+a chain of 126 ``Linear(4, 4)`` stages (ViT-Tiny's count), each of which first writes
+``--traffic`` MiB of one buffer under no grad (0: nothing), the way a real stage's kernels
+pass megabytes through the caches between two runs of the executor's Python. Rows: the
+forward (with grad) and the backward of plain eager autograd on the module and of the store-all
+plan run stage by stage through the executor, in µs per stage (medians of interleaved rounds,
+wall clock, garbage collection off while timing), and the executor's excess over plain.
+
+    python benchmarks/executor_overhead.py --per-stage [--traffic 0,1,4,16] [--rounds 30] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
+import gc
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,14 +135,100 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
     return rows
 
 
+class _Traffic(torch.nn.Module):
+    """A ``Linear(4, 4)`` stage that first writes ``scratch`` (shared by all stages; no grad)."""
+
+    def __init__(self, scratch: torch.Tensor | None) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.scratch = scratch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scratch is not None:
+            with torch.no_grad():
+                self.scratch.add_(1.0)
+        return self.linear(x)
+
+
+def bench_per_stage(traffic: int, rounds: int, stages: int = 126) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    scratch = torch.zeros(traffic * MiB // 4) if traffic else None
+    model = torch.nn.Sequential(*(_Traffic(scratch) for _ in range(stages)))
+    x = torch.randn(2, 4)
+    chain = Checkpointed(copy.deepcopy(model), x).chain
+    chain = dataclasses.replace(chain, autograd_peak_bytes=None)  # store-all: not the module
+    executor = Checkpointed(copy.deepcopy(model), x, chain=chain, schedule=store_all(chain))
+    executor._stores_everything = False  # run the store-all plan stage by stage
+    nets: dict[str, torch.nn.Module] = {"plain": model, "executor": executor}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in nets}
+
+    def step(name: str) -> None:
+        net = nets[name]
+        start = time.perf_counter()
+        loss = net(x).square().mean()
+        middle = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        for p in net.parameters():
+            p.grad = None
+        times[name].append((middle - start, end - middle))
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(2):
+            for name in nets:
+                step(name)
+        for name in nets:
+            times[name].clear()
+        for _ in range(rounds):
+            for name in nets:
+                step(name)
+    finally:
+        if enabled:
+            gc.enable()
+    us = {
+        name: [statistics.median(t[i] for t in samples) * 1e6 / stages for i in (0, 1)]
+        for name, samples in times.items()
+    }
+    return [
+        {
+            "traffic_MiB": traffic,
+            "plain_fwd_us": us["plain"][0],
+            "executor_fwd_us": us["executor"][0],
+            "plain_bwd_us": us["plain"][1],
+            "executor_bwd_us": us["executor"][1],
+            "excess_us": us["executor"][0] + us["executor"][1] - us["plain"][0] - us["plain"][1],
+        }
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", default=DEFAULT_MODELS, help="name:batch:size,...")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--per-stage", action="store_true", help="the executor's cost per stage")
+    parser.add_argument("--traffic", default="0,1,4,16", help="MiB written between stages")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.per_stage:
+        rounds = max(args.rounds, 30)
+        per_stage = []
+        for mib in args.traffic.split(","):
+            per_stage += bench_per_stage(int(mib), rounds)
+        emit(
+            "What the executor adds per stage (126 Linear(4, 4) stages), us per stage",
+            list(per_stage[0]),
+            per_stage,
+            args.json,
+            extra={
+                "setting": f"torch {torch.__version__}, {args.threads} threads, "
+                f"{rounds} interleaved rounds, medians, wall clock, gc off"
+            },
+        )
+        return
     rows = []
     for item in args.models.split(","):
         name, batch, size = item.strip().split(":")
