@@ -54,7 +54,7 @@ import weakref
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +69,8 @@ from edgetrain.memory import fixed_training_bytes
 from edgetrain.paging import PageStore
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
-from edgetrain.profile import _check_model, profile, with_module_step
-from edgetrain.schedule import Cost, Op, Schedule, simulate, stores_everything
+from edgetrain.profile import _check_model, merged_chain, profile, with_module_step
+from edgetrain.schedule import Cost, Op, Schedule, simulate, stored_runs, stores_everything
 from edgetrain.stages import (
     StageGraph,
     differentiable,
@@ -115,6 +115,8 @@ class Checkpointed(nn.Module):
         chain: the profiled chain. schedule: the plan. cost: its simulated cost (``peak_bytes``:
         the most the step holds above what it starts with; seconds; recompute factor).
     """
+
+    _merge_stored_runs = True  # run each stored run as one stage (False: a diagnostic)
 
     def __init__(
         self,
@@ -199,21 +201,59 @@ class Checkpointed(nn.Module):
             stores_everything(schedule) and self.chain.autograd_peak_bytes is not None
         )
         index_of = {id(p): i for i, p in enumerate(self._params)}
-        self._stage_params = [stage_params(m, index_of) for m in self._stages]
-        # What every step runs, decoded once: the operations of each phase, and the stages run
-        # more than once (only their random-number state is kept for a replay).
-        ops = [
-            (Op(code), k)
-            for code, k in zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True)
+        fine = [stage_params(m, index_of) for m in self._stages]
+        # What every step runs, decoded once: the stages as they run (a run the plan stores as
+        # plain autograd would, one stage: see stored_runs), the operations of each phase, and
+        # the stages run more than once (only their random-number state is kept for a replay).
+        merging = self._merge_stored_runs and not self._stores_everything
+        runs = list(stored_runs(schedule)) if merging else []
+        self._exec_stages, self._exec_first, ops = self._merge(runs, schedule, sample)
+        self._stage_params = [
+            fine[k] if module is self._stages[k] else stage_params(module, index_of)
+            for k, module in zip(self._exec_first, self._exec_stages, strict=True)
         ]
-        self._forward_ops = ops[: schedule.forward_phase_end]
-        self._backward_ops = ops[schedule.forward_phase_end :]
-        runs = Counter(k for kind, k in ops if kind.is_forward)
-        self._rerun = {k for k, count in runs.items() if count > 1}
+        self._exec_length = len(self._exec_stages)
+        phase = next((i for i, (kind, _) in enumerate(ops) if kind is Op.BACKWARD), len(ops))
+        self._forward_ops = ops[:phase]
+        self._backward_ops = ops[phase:]
+        forwards = Counter(k for kind, k in ops if kind.is_forward)
+        self._rerun = {k for k, count in forwards.items() if count > 1}
         # A recomputation runs on copies of the buffers of these modules (see _recomputing):
         # those the chain counts (Stage.copied_buffer_bytes, from buffer_copy_bytes).
-        self._submodules = {k: list(self._stages[k].modules()) for k in self._rerun}
+        self._submodules = {k: list(self._exec_stages[k].modules()) for k in self._rerun}
         self._needs: dict[int, list[bool]] = {}  # per stage, filled as the stages first run
+
+    def _merge(
+        self, runs: list[tuple[int, int]], schedule: Schedule, sample: Any
+    ) -> tuple[list[nn.Module], list[int], list[tuple[Op, int]]]:
+        """The stages as they run, the chain's stage each begins with, and the operations on
+        them: each stored run merged into one stage when, sized as it runs (one graph), the
+        plan's peak does not grow in either training loop (a parameter used twice in a run,
+        for one, has its first gradient held by autograd until the second comes when the loop
+        keeps gradients); the other runs stage by stage."""
+        if not runs:
+            return _merged(self._stages, [], schedule)
+        modules, first, _ = _merged(self._stages, runs, schedule)
+        sized = merged_chain(self.chain, modules, first, sample)
+        if sized is None:
+            return _merged(self._stages, [], schedule)
+        as_one = dict(zip(first, sized.stages, strict=True))  # a run's stage, by its first
+
+        def fits(chosen: list[tuple[int, int]]) -> bool:
+            _, starts, ops = _merged(self._stages, chosen, schedule)
+            merged = {a for a, _ in chosen}
+            stages = tuple(as_one[k] if k in merged else self.chain.stages[k] for k in starts)
+            chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
+            plan = Schedule.from_ops(len(stages), ops)
+            return all(
+                simulate(chain, plan, grads_exist=exist).peak_bytes <= cost.peak_bytes
+                for exist, cost in self._costs.items()
+            )
+
+        chosen = [run for run in runs if fits([run])]
+        while chosen and not fits(chosen):  # each fits alone, not together: drop the last
+            chosen.pop()
+        return _merged(self._stages, chosen, schedule)
 
     @property
     def grads_exist(self) -> bool:
@@ -350,6 +390,37 @@ def _stage_modules(model: nn.Sequential, chain: Chain) -> list[nn.Module]:
     return modules
 
 
+def _merged(
+    stages: list[nn.Module], runs: list[tuple[int, int]], schedule: Schedule
+) -> tuple[list[nn.Module], list[int], list[tuple[Op, int]]]:
+    """The stages as the executor runs them, each run ``(first, last)`` one ``nn.Sequential``;
+    the chain's stage each begins with; and the schedule's operations on them (a run's ``Fa``
+    and ``B`` once; activation indices are those of the stages they enter)."""
+    ends = dict(runs)
+    modules: list[nn.Module] = []
+    first: list[int] = []
+    at: dict[int, int] = {}  # chain stage (or activation) -> executed stage it begins
+    k = 0
+    while k < len(stages):
+        last = ends.get(k, k)
+        at[k] = len(modules)
+        modules.append(stages[k] if last == k else nn.Sequential(*stages[k : last + 1]))
+        first.append(k)
+        k = last + 1
+    at[len(stages)] = len(modules)
+    inside = {i: (a, b) for a, b in runs for i in range(a, b + 1)}
+    ops: list[tuple[Op, int]] = []
+    for code, k in zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True):
+        kind = Op(code)
+        span = inside.get(k)
+        if span is not None and kind.is_forward and k != span[0]:
+            continue  # the run's Fa is its first stage's
+        if span is not None and kind is Op.BACKWARD and k != span[1]:
+            continue  # the run's B is its last stage's
+        ops.append((kind, at[span[0]] if span is not None else at[k]))
+    return modules, first, ops
+
+
 @dataclass
 class _Run:
     """The state of one training step: exactly what the plan holds between operations."""
@@ -431,7 +502,7 @@ class _Run:
             del self.plain[k]
 
     def _run_stage(self, kind: Op, k: int, x: Any) -> Any:
-        module = self.net._stages[k]
+        module = self.net._exec_stages[k]
         if not kind.builds_graph:
             return run_forward(module, x, stage=k)
         out, self.graphs[k] = run_forward_with_grad(
@@ -453,7 +524,7 @@ class _Run:
             return [t.requires_grad for t in leaves(self.sample)]
         needs = self.net._needs.get(k)
         if needs is None:
-            wanted = self.net.chain.requires_grad(k)
+            wanted = self.net.chain.requires_grad(self.net._exec_first[k])
             needs = self.net._needs[k] = [wanted and differentiable(t) for t in leaves(x)]
         return needs
 
@@ -586,7 +657,7 @@ class _ScheduleFunction(torch.autograd.Function):
         )
         run.autocast = _autocast_state()
         run.execute(net._forward_ops)
-        out = run.plain.pop(net.schedule.length)  # the caller's from now on
+        out = run.plain.pop(net._exec_length)  # the caller's from now on
         run.out_flat, run.out_spec = tree_flatten(out)
         del out
         ctx.run = run
@@ -639,7 +710,7 @@ class _ScheduleFunction(torch.autograd.Function):
             and _accumulates(nexts[count + j][0])
         }
         run.net._grads_exist = len(run.in_place) == len(run.wanted_params)
-        run.grads[run.net.schedule.length] = list(grad_outputs)
+        run.grads[run.net._exec_length] = list(grad_outputs)
         del grad_outputs
         run.execute(ctx.backward_ops)
         input_grads = run.grads.pop(0, None) or [None] * count

@@ -17,6 +17,7 @@ restored afterwards.
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
 import time
 import weakref
@@ -125,6 +126,39 @@ def _analytic(
         stages=tuple(_segment_names(stages, chain)),
         name=type(model).__name__,
     )
+
+
+def merged_chain(
+    chain: Chain, modules: list[nn.Module], first: list[int], sample_input: Any
+) -> Chain | None:
+    """``chain`` with some runs of its stages merged: ``modules`` are the stages as they will run
+    (a merged run one ``nn.Sequential`` of its stages), ``first[c]`` the stage of ``chain`` that
+    ``modules[c]`` begins with. A merged stage runs as one autograd graph, which may hold more or
+    less at its backward's peak than its stages one by one (as plain autograd's step differs
+    from the stage-by-stage plan's: :attr:`~edgetrain.chain.Chain.autograd_peak_bytes`), so its
+    sizes are measured as :func:`analytic_chain` measures them, on meta tensors; its times are
+    the sum of its stages'. The other stages are ``chain``'s. None if the merged stages cannot be
+    sized so (they do not stay one stage each)."""
+    bounds = [*first, chain.length]
+    sized = _analytic(nn.Sequential(*modules), sample_input, flops_per_second=1.0, flops=False)
+    if sized.length != len(modules):
+        return None
+    stages = []
+    for c, (start, stop) in enumerate(itertools.pairwise(bounds)):
+        if stop - start == 1:
+            stages.append(chain.stages[start])
+            continue
+        span = chain.stages[start:stop]
+        stages.append(
+            replace(
+                sized.stages[c],
+                name="+".join(s.name for s in span),
+                span=sum(s.span for s in span),
+                forward_seconds=sum(s.forward_seconds for s in span),
+                backward_seconds=sum(s.backward_seconds for s in span),
+            )
+        )
+    return replace(chain, stages=tuple(stages), autograd_peak_bytes=None)
 
 
 def with_module_step(chain: Chain, module: nn.Module, sample_input: Any) -> Chain:

@@ -327,6 +327,51 @@ def stores_everything(schedule: Schedule) -> bool:
     return bool(np.array_equal(schedule.kinds, kinds) and np.array_equal(schedule.indices, indices))
 
 
+def stored_runs(schedule: Schedule) -> tuple[tuple[int, int], ...]:
+    """Runs ``(first, last)`` of two or more consecutive stages the plan stores as plain
+    autograd would: each stage run once, by ``Fa``, the forwards adjacent in order and the
+    backwards adjacent in reverse (``Fa first`` .. ``Fa last``, later ``B last`` .. ``B first``),
+    and no other operation on those stages or on the activations between them.
+
+    The executor may run each such run as one stage: one autograd graph and one engine call
+    instead of one per stage (about 60-95 µs of Python and autograd each on this machine,
+    ``benchmarks/executor_overhead.py --per-stage``). One graph need not hold at its backward's
+    peak what the stages hold one by one, so the executor sizes the merged stages first and
+    merges only if the plan's peak does not grow (:meth:`~edgetrain.execute.Checkpointed`).
+    """
+    touched: dict[int, list[tuple[Op, int]]] = {}
+    named: set[int] = set()  # activations a D, Po or Pi refers to
+    for position, (kind, k) in enumerate(schedule):
+        if kind in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN):
+            named.add(k)
+        else:
+            touched.setdefault(k, []).append((kind, position))
+
+    def stored(k: int) -> bool:
+        ops = touched.get(k, [])
+        return len(ops) == 2 and ops[0][0] is Op.FORWARD_ALL and ops[1][0] is Op.BACKWARD
+
+    runs: list[tuple[int, int]] = []
+    k = 0
+    while k < schedule.length:
+        if not stored(k):
+            k += 1
+            continue
+        last = k
+        while (
+            last + 1 < schedule.length
+            and stored(last + 1)
+            and last + 1 not in named
+            and touched[last + 1][0][1] == touched[last][0][1] + 1
+            and touched[last + 1][1][1] == touched[last][1][1] - 1
+        ):
+            last += 1
+        if last > k:
+            runs.append((k, last))
+        k = last + 1
+    return tuple(runs)
+
+
 def memory_trace(
     chain: Chain, schedule: Schedule, *, grads_exist: bool = False
 ) -> list[tuple[int, int, int]]:

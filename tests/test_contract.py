@@ -690,3 +690,42 @@ def test_a_plan_that_releases_inputs_refuses_to_run_with_saved_tensor_hooks_disa
     ):
         net(x)
     net(x).sum().backward()  # outside that context it runs
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [(GeluResidualMLP, (64, 16)), (silu_convnet, (6, 3, 8, 8))],
+    ids=["gelu-residual-mlp", "silu-convnet"],
+)
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_stored_runs_run_as_one_stage_each_and_hold_what_the_plan_predicts(
+    make, shape, set_to_none
+):
+    """A run of stages the plan stores as plain autograd would runs as one graph (fewer engine
+    calls) only when, sized as it runs, it holds no more than predicted; then it trains as plain
+    autograd does and its measured peak stays within 64 B of the plan's prediction."""
+    model = make()
+    x = torch.randn(shape)
+    chain = Checkpointed(copy.deepcopy(model), x).chain
+    everything = simulate(chain, store_all(chain), grads_exist=not set_to_none).peak_bytes
+    least = minimum_memory(chain, grads_exist=not set_to_none)
+    merged = 0
+    for fraction in (0.95, 0.75, 0.55, 0.35):
+        budget = least + fraction * (everything - least)
+        schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=not set_to_none)
+        reference = copy.deepcopy(model)
+        torch.manual_seed(1)
+        measured_peak(reference, x, set_to_none)
+        run = Checkpointed(copy.deepcopy(model), x, chain=chain, schedule=schedule)
+        merged += run._exec_length < chain.length
+        torch.manual_seed(1)
+        measured = measured_peak(run, x, set_to_none)
+        predicted = run.cost.peak_bytes
+        assert predicted <= budget + 1
+        assert predicted - 64 <= measured <= predicted + 64, (fraction, schedule.text())
+        for (name, p), q in zip(reference.named_parameters(), run.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            assert p.grad is None or torch.equal(p.grad, q.grad), name
+        for (name, a), b in zip(reference.named_buffers(), run.buffers(), strict=True):
+            assert torch.equal(a, b), name
+    assert merged >= 2

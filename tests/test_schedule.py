@@ -1,5 +1,6 @@
 """The simulator: validity checks, memory accounting on hand-counted cases, and the file format."""
 
+import itertools
 import json
 import random
 
@@ -7,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 
 from edgetrain.chain import Chain, Stage, uniform_chain
-from edgetrain.errors import CorruptFile, InvalidSchedule
+from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidSchedule
 from edgetrain.planners import STRATEGIES, plan
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.sequential import sequential
-from edgetrain.schedule import Op, Schedule, memory_trace, simulate
+from edgetrain.schedule import Op, Schedule, memory_trace, simulate, stored_runs
 from tests.conftest import chains, random_chain
 
 F, C, A, B, D = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.BACKWARD, Op.DISCARD)
@@ -184,3 +185,58 @@ def test_a_graph_cannot_duplicate_an_activation_already_held():
     # Fa 1 would make a second copy of a[2] while the plain one from Fc 1 is still held.
     with pytest.raises(InvalidSchedule, match="already in memory"):
         simulate(uniform_chain(3), ops(3, (C, 0), (C, 1), (A, 1)))
+
+
+def _ops_by_stage(schedule):
+    touched, named = {}, set()
+    for position, (kind, k) in enumerate(schedule):
+        if kind in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN):
+            named.add(k)
+        else:
+            touched.setdefault(k, []).append((kind, position))
+    return touched, named
+
+
+def test_stored_runs_are_the_stages_stored_as_plain_autograd_would():
+    assert stored_runs(store_all(uniform_chain(5))) == ((0, 4),)
+    F, B, C = Op.FORWARD_ALL, Op.BACKWARD, Op.FORWARD_CHECKPOINT
+    # Stage 0 is checkpointed and recomputed: only 1..3 are stored.
+    ops = [(C, 0), (F, 1), (F, 2), (F, 3), (B, 3), (B, 2), (B, 1), (F, 0), (B, 0)]
+    assert stored_runs(Schedule.from_ops(4, ops)) == ((1, 3),)
+    # An operation between two forwards, or on the activation between two stages, splits a run.
+    ops = [(F, 0), (F, 1), (Op.PAGE_OUT, 2), (F, 2), (F, 3), (Op.PAGE_IN, 2)]
+    ops += [(B, 3), (B, 2), (B, 1), (B, 0)]
+    assert stored_runs(Schedule.from_ops(4, ops)) == ((0, 1), (2, 3))
+    # So does an operation between two backwards.
+    ops = [(F, 0), (F, 1), (F, 2), (B, 2), (Op.DISCARD, 3), (B, 1), (B, 0)]
+    assert stored_runs(Schedule.from_ops(3, ops)) == ((0, 1),)
+
+
+@given(chains(max_length=12))
+@settings(max_examples=60, deadline=None)
+def test_stored_runs_of_planned_schedules_are_maximal_runs_of_stored_stages(chain):
+    plain = simulate(chain, store_all(chain)).peak_bytes
+    for fraction in (1.0, 0.8, 0.6, 0.4):
+        try:
+            schedule = plan(chain, "optimal", memory=fraction * plain)
+        except InfeasibleBudget:
+            continue
+        touched, named = _ops_by_stage(schedule)
+
+        def stored(k, touched=touched):
+            return [kind for kind, _ in touched.get(k, [])] == [Op.FORWARD_ALL, Op.BACKWARD]
+
+        def joined(k, touched=touched, named=named):  # stage k+1 continues a run ending at k
+            return (
+                stored(k)
+                and stored(k + 1)
+                and k + 1 not in named
+                and touched[k + 1][0][1] == touched[k][0][1] + 1
+                and touched[k + 1][1][1] == touched[k][1][1] - 1
+            )
+
+        runs = stored_runs(schedule)
+        assert all(a < b for a, b in runs)
+        assert all(b1 < a2 for (_, b1), (a2, _) in itertools.pairwise(runs))
+        within = {k for a, b in runs for k in range(a, b)}  # stages joined to the next one
+        assert within == {k for k in range(chain.length - 1) if joined(k)}
