@@ -9,7 +9,9 @@ training step (forward, mean-square loss, backward; gradients then set to None) 
 * ``store-all via executor``: the same plan run stage by stage through the executor (a
   diagnostic: what the executor costs when nothing is recomputed);
 * ``budget f``: the optimal plan for f × plain's peak (``StorageCounter``, parameter gradients
-  included) less what the loss holds; ``least``: the smallest budget that has a plan.
+  included) less what the loss holds; ``least``: the smallest budget that has a plan. Each plan
+  twice: as ``Checkpointed`` runs it (its stored runs merged into one stage each where that
+  holds no more) and ``stage by stage`` (no run merged); ``stages_run`` counts the stages run.
 
 ``rho_pred`` is the plan's recompute factor from the profiled stage times (the time the planner
 predicts, over plain's); ``cpu/plain`` and ``wall/plain`` are measured: medians of interleaved
@@ -94,9 +96,13 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
         least = int(exc.smallest or 1)
     nets: dict[str, Checkpointed] = {}
 
-    def add(config: str, schedule: Any, through_executor: bool = False) -> None:
+    def add(config: str, schedule: Any, through_executor: bool = False, merge: bool = True) -> None:
         model = copy.deepcopy(base)
-        net = Checkpointed(model, x, chain=chain, schedule=schedule)
+        Checkpointed._merge_stored_runs = merge
+        try:
+            net = Checkpointed(model, x, chain=chain, schedule=schedule)
+        finally:
+            Checkpointed._merge_stored_runs = True
         if through_executor:
             net._stores_everything = False  # run the store-all plan stage by stage
         nets[config] = net
@@ -110,7 +116,9 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
             schedule = plan(chain, "optimal", memory=budget)
         except InfeasibleBudget:
             continue
-        add(f"budget {(budget + loss_bytes) / plain_peak:.2f}", schedule)
+        label = f"budget {(budget + loss_bytes) / plain_peak:.2f}"
+        add(label, schedule)
+        add(f"{label}, stage by stage", schedule, merge=False)
 
     medians = interleaved_cpu_wall(steps, rounds=rounds)
     cpu_s = {c: cpu for c, (cpu, _) in medians.items()}
@@ -123,6 +131,7 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
             {
                 "model": f"{name} b{batch} {size} ({chain.length} stages)",
                 "config": config,
+                "stages_run": net._exec_length if net is not None else None,
                 "peak_MiB": ((net.cost.peak_bytes if net is not None else plain_peak) / MiB),
                 "rho_pred": rho,
                 "cpu/plain": cpu_s[config] / cpu_s["plain"],
@@ -233,7 +242,7 @@ def main() -> None:
     for item in args.models.split(","):
         name, batch, size = item.strip().split(":")
         rows += bench_model(canonical_name(name), int(batch), int(size), args.rounds)
-    columns = ["model", "config", "peak_MiB", "rho_pred", "cpu/plain", "wall/plain"]
+    columns = ["model", "config", "stages_run", "peak_MiB", "rho_pred", "cpu/plain", "wall/plain"]
     columns.append("cpu/plain - rho_pred")
     emit(
         "Checkpointed step over plain eager step: measured against predicted",

@@ -136,11 +136,13 @@ def merged_chain(
     ``modules[c]`` begins with. A merged stage runs as one autograd graph, which may hold more or
     less at its backward's peak than its stages one by one (as plain autograd's step differs
     from the stage-by-stage plan's: :attr:`~edgetrain.chain.Chain.autograd_peak_bytes`), so its
-    sizes are measured as :func:`analytic_chain` measures them, on meta tensors; its times are
-    the sum of its stages'. The other stages are ``chain``'s. None if the merged stages cannot be
-    sized so (they do not stay one stage each)."""
+    sizes are measured on the sample (as :func:`profile` measures them, without timing); its
+    times are the sum of its stages'. The other stages are ``chain``'s. None if the merged
+    stages cannot be sized so (they do not stay one stage each)."""
     bounds = [*first, chain.length]
-    sized = _analytic(nn.Sequential(*modules), sample_input, flops_per_second=1.0, flops=False)
+    # Sized on the sample's own device, as the executor will run it: on meta tensors some
+    # kernels save other tensors (ViT's attention: one more of q's size) than on the CPU.
+    sized = _profile(nn.Sequential(*modules), sample_input, timer=None, flops=False)
     if sized.length != len(modules):
         return None
     stages = []
