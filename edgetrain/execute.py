@@ -73,6 +73,7 @@ from edgetrain.profile import _check_model, merged_chain, profile, with_module_s
 from edgetrain.schedule import Cost, Op, Schedule, simulate, stored_runs, stores_everything
 from edgetrain.stages import (
     StageGraph,
+    StageParams,
     differentiable,
     leaves,
     run_backward,
@@ -206,7 +207,7 @@ class Checkpointed(nn.Module):
         # plain autograd would, one stage: see stored_runs), the operations of each phase, and
         # the stages run more than once (only their random-number state is kept for a replay).
         merging = self._merge_stored_runs and not self._stores_everything
-        runs = list(stored_runs(schedule)) if merging else []
+        runs = [run for run in stored_runs(schedule) if _own_params(fine, run)] if merging else []
         self._exec_stages, self._exec_first, ops = self._merge(runs, schedule, sample)
         self._stage_params = [
             fine[k] if module is self._stages[k] else stage_params(module, index_of)
@@ -388,6 +389,20 @@ def _stage_modules(model: nn.Sequential, chain: Chain) -> list[nn.Module]:
         modules.append(part[0] if stage.span == 1 else nn.Sequential(*part))
         start += stage.span
     return modules
+
+
+def _own_params(params: list[StageParams], run: tuple[int, int]) -> bool:
+    """Whether no stage outside ``run`` uses a trainable parameter of its stages. Autograd sums
+    a parameter's gradients from the uses inside one graph before handing them on; with a use
+    outside the run too, the sum would be taken in another order than plain autograd's (which
+    sums them all, then adds to ``.grad``), and the gradient would differ in its last bits."""
+    inside = {index for stage in params[run[0] : run[1] + 1] for index, _ in stage.params}
+    return not any(
+        index in inside
+        for k, stage in enumerate(params)
+        if not run[0] <= k <= run[1]
+        for index, _ in stage.params
+    )
 
 
 def _merged(
