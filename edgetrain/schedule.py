@@ -337,7 +337,7 @@ def stored_runs(schedule: Schedule) -> tuple[tuple[int, int], ...]:
     instead of one per stage (about 60-95 µs of Python and autograd each on this machine,
     ``benchmarks/executor_overhead.py --per-stage``). One graph need not hold at its backward's
     peak what the stages hold one by one, so the executor sizes the merged stages first and
-    merges only if the plan's peak does not grow (:meth:`~edgetrain.execute.Checkpointed`).
+    merges only if the plan's peak does not grow (:class:`~edgetrain.execute.Checkpointed`).
     """
     touched: dict[int, list[tuple[Op, int]]] = {}
     named: set[int] = set()  # activations a D, Po or Pi refers to
