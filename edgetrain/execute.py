@@ -50,6 +50,7 @@ model's logits) comes on top; leave room for it with ``reserve_bytes``.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -70,7 +71,15 @@ from edgetrain.paging import PageStore
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
 from edgetrain.profile import _check_model, merged_chain, profile, with_module_step
-from edgetrain.schedule import Cost, Op, Schedule, simulate, stored_runs, stores_everything
+from edgetrain.schedule import (
+    Cost,
+    Op,
+    Schedule,
+    merged_schedule,
+    simulate,
+    stored_runs,
+    stores_everything,
+)
 from edgetrain.stages import (
     StageGraph,
     StageParams,
@@ -208,15 +217,16 @@ class Checkpointed(nn.Module):
         # the stages run more than once (only their random-number state is kept for a replay).
         merging = self._merge_stored_runs and not self._stores_everything
         runs = [run for run in stored_runs(schedule) if _own_params(fine, run)] if merging else []
-        self._exec_stages, self._exec_first, ops = self._merge(runs, schedule, sample)
+        self._exec_first, executed = self._merge(runs, schedule, sample)
+        self._exec_stages = _modules(self._stages, self._exec_first)
+        self._exec_length = executed.length
         self._stage_params = [
             fine[k] if module is self._stages[k] else stage_params(module, index_of)
             for k, module in zip(self._exec_first, self._exec_stages, strict=True)
         ]
-        self._exec_length = len(self._exec_stages)
-        phase = next((i for i, (kind, _) in enumerate(ops) if kind is Op.BACKWARD), len(ops))
-        self._forward_ops = ops[:phase]
-        self._backward_ops = ops[phase:]
+        ops = list(executed)
+        self._forward_ops = ops[: executed.forward_phase_end]
+        self._backward_ops = ops[executed.forward_phase_end :]
         forwards = Counter(k for kind, k in ops if kind.is_forward)
         self._rerun = {k for k, count in forwards.items() if count > 1}
         # A recomputation runs on copies of the buffers of these modules (see _recomputing):
@@ -226,26 +236,25 @@ class Checkpointed(nn.Module):
 
     def _merge(
         self, runs: list[tuple[int, int]], schedule: Schedule, sample: Any
-    ) -> tuple[list[nn.Module], list[int], list[tuple[Op, int]]]:
-        """The stages as they run, the chain's stage each begins with, and the operations on
-        them: each stored run merged into one stage when, sized as it runs (one graph), the
+    ) -> tuple[list[int], Schedule]:
+        """The chain's stage each executed stage begins with, and the plan on the executed
+        stages: each stored run merged into one stage when, sized as it runs (one graph), the
         plan's peak does not grow in either training loop (a parameter used twice in a run,
         for one, has its first gradient held by autograd until the second comes when the loop
         keeps gradients); the other runs stage by stage."""
         if not runs:
-            return _merged(self._stages, [], schedule)
-        modules, first, _ = _merged(self._stages, runs, schedule)
-        sized = merged_chain(self.chain, modules, first, sample)
+            return merged_schedule(schedule, [])
+        first, _ = merged_schedule(schedule, runs)
+        sized = merged_chain(self.chain, _modules(self._stages, first), first, sample)
         if sized is None:
-            return _merged(self._stages, [], schedule)
+            return merged_schedule(schedule, [])
         as_one = dict(zip(first, sized.stages, strict=True))  # a run's stage, by its first
 
         def fits(chosen: list[tuple[int, int]]) -> bool:
-            _, starts, ops = _merged(self._stages, chosen, schedule)
+            starts, plan = merged_schedule(schedule, chosen)
             merged = {a for a, _ in chosen}
             stages = tuple(as_one[k] if k in merged else self.chain.stages[k] for k in starts)
             chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
-            plan = Schedule.from_ops(len(stages), ops)
             return all(
                 simulate(chain, plan, grads_exist=exist).peak_bytes <= cost.peak_bytes
                 for exist, cost in self._costs.items()
@@ -254,7 +263,7 @@ class Checkpointed(nn.Module):
         chosen = [run for run in runs if fits([run])]
         while chosen and not fits(chosen):  # each fits alone, not together: drop the last
             chosen.pop()
-        return _merged(self._stages, chosen, schedule)
+        return merged_schedule(schedule, chosen)
 
     @property
     def grads_exist(self) -> bool:
@@ -405,35 +414,14 @@ def _own_params(params: list[StageParams], run: tuple[int, int]) -> bool:
     )
 
 
-def _merged(
-    stages: list[nn.Module], runs: list[tuple[int, int]], schedule: Schedule
-) -> tuple[list[nn.Module], list[int], list[tuple[Op, int]]]:
-    """The stages as the executor runs them, each run ``(first, last)`` one ``nn.Sequential``;
-    the chain's stage each begins with; and the schedule's operations on them (a run's ``Fa``
-    and ``B`` once; activation indices are those of the stages they enter)."""
-    ends = dict(runs)
-    modules: list[nn.Module] = []
-    first: list[int] = []
-    at: dict[int, int] = {}  # chain stage (or activation) -> executed stage it begins
-    k = 0
-    while k < len(stages):
-        last = ends.get(k, k)
-        at[k] = len(modules)
-        modules.append(stages[k] if last == k else nn.Sequential(*stages[k : last + 1]))
-        first.append(k)
-        k = last + 1
-    at[len(stages)] = len(modules)
-    inside = {i: (a, b) for a, b in runs for i in range(a, b + 1)}
-    ops: list[tuple[Op, int]] = []
-    for code, k in zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True):
-        kind = Op(code)
-        span = inside.get(k)
-        if span is not None and kind.is_forward and k != span[0]:
-            continue  # the run's Fa is its first stage's
-        if span is not None and kind is Op.BACKWARD and k != span[1]:
-            continue  # the run's B is its last stage's
-        ops.append((kind, at[span[0]] if span is not None else at[k]))
-    return modules, first, ops
+def _modules(stages: list[nn.Module], first: list[int]) -> list[nn.Module]:
+    """The stages as the executor runs them: from each of ``first`` to the next, one stage,
+    an ``nn.Sequential`` of several (see :func:`~edgetrain.schedule.merged_schedule`)."""
+    bounds = [*first, len(stages)]
+    return [
+        stages[a] if b - a == 1 else nn.Sequential(*stages[a:b])
+        for a, b in itertools.pairwise(bounds)
+    ]
 
 
 @dataclass

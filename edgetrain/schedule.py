@@ -372,6 +372,35 @@ def stored_runs(schedule: Schedule) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
+def merged_schedule(
+    schedule: Schedule, runs: Sequence[tuple[int, int]]
+) -> tuple[list[int], Schedule]:
+    """``schedule`` with each run ``(first, last)`` of :func:`stored_runs` as one stage: the
+    stage of ``schedule`` each stage begins with, and the operations on the new stages (a run's
+    ``Fa`` is its first stage's, its ``B`` its last stage's; an activation's index is that of
+    the stage it enters)."""
+    ends = dict(runs)
+    first: list[int] = []
+    at: dict[int, int] = {}  # stage (or activation) of ``schedule`` -> the stage it begins
+    k = 0
+    while k < schedule.length:
+        at[k] = len(first)
+        first.append(k)
+        k = ends.get(k, k) + 1
+    at[schedule.length] = len(first)
+    inside = {i: (a, b) for a, b in runs for i in range(a, b + 1)}
+    ops: list[tuple[Op, int]] = []
+    for kind, k in schedule:
+        span = inside.get(k)
+        if span is not None and kind.is_forward and k != span[0]:
+            continue  # the run's Fa is its first stage's
+        if span is not None and kind is Op.BACKWARD and k != span[1]:
+            continue  # the run's B is its last stage's
+        ops.append((kind, at[span[0]] if span is not None else at[k]))
+    merged = Schedule.from_ops(len(first), ops, schedule.strategy, schedule.params)
+    return first, merged
+
+
 def memory_trace(
     chain: Chain, schedule: Schedule, *, grads_exist: bool = False
 ) -> list[tuple[int, int, int]]:

@@ -572,12 +572,17 @@ def silu_convnet() -> nn.Sequential:
     )
 
 
-@pytest.mark.parametrize(
+# Users' models with cheap stages between expensive ones, in both training loops.
+USER_MODELS = pytest.mark.parametrize(
     ("make", "shape"),
     [(GeluResidualMLP, (64, 16)), (silu_convnet, (6, 3, 8, 8))],
     ids=["gelu-residual-mlp", "silu-convnet"],
 )
-@pytest.mark.parametrize("set_to_none", [True, False])
+BOTH_LOOPS = pytest.mark.parametrize("set_to_none", [True, False])
+
+
+@USER_MODELS
+@BOTH_LOOPS
 def test_plans_that_release_inputs_train_exactly_and_hold_what_they_predict(
     make, shape, set_to_none
 ):
@@ -692,12 +697,8 @@ def test_a_plan_that_releases_inputs_refuses_to_run_with_saved_tensor_hooks_disa
     net(x).sum().backward()  # outside that context it runs
 
 
-@pytest.mark.parametrize(
-    ("make", "shape"),
-    [(GeluResidualMLP, (64, 16)), (silu_convnet, (6, 3, 8, 8))],
-    ids=["gelu-residual-mlp", "silu-convnet"],
-)
-@pytest.mark.parametrize("set_to_none", [True, False])
+@USER_MODELS
+@BOTH_LOOPS
 def test_stored_runs_run_as_one_stage_each_and_hold_what_the_plan_predicts(
     make, shape, set_to_none
 ):

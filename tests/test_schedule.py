@@ -12,7 +12,7 @@ from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidSchedule
 from edgetrain.planners import STRATEGIES, plan
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.sequential import sequential
-from edgetrain.schedule import Op, Schedule, memory_trace, simulate, stored_runs
+from edgetrain.schedule import Op, Schedule, memory_trace, merged_schedule, simulate, stored_runs
 from tests.conftest import chains, random_chain
 
 F, C, A, B, D = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.BACKWARD, Op.DISCARD)
@@ -240,3 +240,15 @@ def test_stored_runs_of_planned_schedules_are_maximal_runs_of_stored_stages(chai
         assert all(b1 < a2 for (_, b1), (a2, _) in itertools.pairwise(runs))
         within = {k for a, b in runs for k in range(a, b)}  # stages joined to the next one
         assert within == {k for k in range(chain.length - 1) if joined(k)}
+
+
+def test_merged_schedule_renumbers_a_plan_onto_its_merged_runs():
+    F, B, C = Op.FORWARD_ALL, Op.BACKWARD, Op.FORWARD_CHECKPOINT
+    ops = [(C, 0), (F, 1), (F, 2), (F, 3), (B, 3), (B, 2), (B, 1), (F, 0), (B, 0)]
+    first, merged = merged_schedule(Schedule.from_ops(4, ops), [(1, 3)])
+    assert first == [0, 1]
+    assert list(merged) == [(C, 0), (F, 1), (B, 1), (F, 0), (B, 0)]
+    assert merged.length == 2 and merged.forward_phase_end == 2
+    unchanged = Schedule.from_ops(4, ops)
+    first, same = merged_schedule(unchanged, [])
+    assert first == [0, 1, 2, 3] and list(same) == list(unchanged)
