@@ -50,11 +50,10 @@ model's logits) comes on top; leave room for it with ``reserve_bytes``.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,20 +63,30 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from edgetrain import progress
-from edgetrain.chain import Chain
+from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.memory import fixed_training_bytes
 from edgetrain.paging import PageStore
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
 from edgetrain.profile import _check_model, merged_chain, profile, with_module_step
+from edgetrain.recompute import (
+    AutocastState,
+    GraphRunModule,
+    RngState,
+    autocast_state,
+    autocasting,
+    recomputing,
+    rng_state,
+)
 from edgetrain.schedule import (
     Cost,
+    GraphRun,
     Op,
     Schedule,
+    graph_runs,
     merged_schedule,
     simulate,
-    stored_runs,
     stores_everything,
 )
 from edgetrain.stages import (
@@ -90,13 +99,16 @@ from edgetrain.stages import (
     run_forward_with_grad,
     shapes,
     signature,
-    stage_buffers,
     stage_params,
 )
 from edgetrain.units import format_bytes, parse_bytes
 
-_RngState = tuple[torch.Tensor, list[torch.Tensor]]  # CPU generator state, CUDA states
 _NEW_SHAPE = ("replan", "error")
+MERGE_GROWTH = 0.01
+"""Without a memory budget (``max_recompute``, or a given plan), how much a merge of stages
+into one graph may raise the plan's peak (a fraction of it). One graph may hold a little more:
+ViT-Tiny's plan at 1.02 recomputes its LayerNorms and GELUs; as one graph each LayerNorm also
+keeps its mean and deviation, 0.16 % more, for a step about 7 % faster."""
 
 
 class Checkpointed(nn.Module):
@@ -216,9 +228,11 @@ class Checkpointed(nn.Module):
         # plain autograd would, one stage: see stored_runs), the operations of each phase, and
         # the stages run more than once (only their random-number state is kept for a replay).
         merging = self._merge_stored_runs and not self._stores_everything
-        runs = [run for run in stored_runs(schedule) if _own_params(fine, run)] if merging else []
-        self._exec_first, executed = self._merge(runs, schedule, sample)
-        self._exec_stages = _modules(self._stages, self._exec_first)
+        runs = list(graph_runs(schedule)) if merging else []
+        chosen, self._exec_first, executed = self._merge(
+            runs, schedule, sample, lambda run: _own_params(fine, run)
+        )
+        self._exec_stages = _modules(self._stages, chosen)
         self._exec_length = executed.length
         self._stage_params = [
             fine[k] if module is self._stages[k] else stage_params(module, index_of)
@@ -229,41 +243,89 @@ class Checkpointed(nn.Module):
         self._backward_ops = ops[executed.forward_phase_end :]
         forwards = Counter(k for kind, k in ops if kind.is_forward)
         self._rerun = {k for k, count in forwards.items() if count > 1}
-        # A recomputation runs on copies of the buffers of these modules (see _recomputing):
-        # those the chain counts (Stage.copied_buffer_bytes, from buffer_copy_bytes).
+        # A recomputation runs on copies of the buffers of these modules (see recomputing): those
+        # the chain counts (Stage.copied_buffer_bytes, from buffer_copy_bytes).
         self._submodules = {k: list(self._exec_stages[k].modules()) for k in self._rerun}
         self._needs: dict[int, list[bool]] = {}  # per stage, filled as the stages first run
 
     def _merge(
-        self, runs: list[tuple[int, int]], schedule: Schedule, sample: Any
-    ) -> tuple[list[int], Schedule]:
-        """The chain's stage each executed stage begins with, and the plan on the executed
-        stages: each stored run merged into one stage when, sized as it runs (one graph), the
-        plan's peak does not grow in either training loop (a parameter used twice in a run,
-        for one, has its first gradient held by autograd until the second comes when the loop
-        keeps gradients); the other runs stage by stage."""
+        self,
+        runs: list[GraphRun],
+        schedule: Schedule,
+        sample: Any,
+        owns: Callable[[GraphRun], bool],
+    ) -> tuple[list[GraphRun], list[int], Schedule]:
+        """The runs to merge, the chain's stage each executed stage begins with, and the plan on
+        the executed stages. Each run of :func:`graph_runs` is sized as it runs (one graph: it
+        may hold more or less than its stages one by one; a parameter used twice in a run, for
+        one, has its first gradient held by autograd until the second comes when the loop keeps
+        gradients) and merged when the plan, so run, still fits in either training loop: within
+        ``memory_budget`` when one is given, else within :data:`MERGE_GROWTH` of the plan's own
+        peak and within the budget a given plan was made for. The plan's :attr:`cost` is then
+        that of the stages as they run. Only runs that ``owns`` (no stage outside uses their
+        parameters: see :func:`_own_params`) are merged."""
+        runs = [run for run in runs if owns(run) or run.recomputed]
         if not runs:
-            return merged_schedule(schedule, [])
-        first, _ = merged_schedule(schedule, runs)
-        sized = merged_chain(self.chain, _modules(self._stages, first), first, sample)
-        if sized is None:
-            return merged_schedule(schedule, [])
-        as_one = dict(zip(first, sized.stages, strict=True))  # a run's stage, by its first
+            return [], *merged_schedule(schedule, [])
+        as_one: dict[GraphRun, Stage] = {}  # each run's stage, sized as it runs
 
-        def fits(chosen: list[tuple[int, int]]) -> bool:
+        def size(candidates: list[GraphRun]) -> None:
+            candidates = [run for run in candidates if run not in as_one]
+            if not candidates:
+                return
+            first, _ = merged_schedule(schedule, candidates)
+            modules = _modules(self._stages, candidates)
+            sized = merged_chain(self.chain, modules, first, sample)
+            if sized is not None:
+                by_first = dict(zip(first, sized.stages, strict=True))
+                as_one.update({run: by_first[run.first] for run in candidates})
+
+        allowed = {e: int(c.peak_bytes * (1 + MERGE_GROWTH)) for e, c in self._costs.items()}
+        planned_for = schedule.params.get("budget_bytes")  # the planner's, for a given plan
+        for exist, cost in self._costs.items():
+            if self._device is not None:
+                # What a step starts with in this loop (see fixed_bytes), and the reserve.
+                grads = 0 if exist else self.chain.gradient_bytes
+                fixed = fixed_training_bytes(self.chain) - grads + self.reserve_bytes
+                allowed[exist] = max(cost.peak_bytes, self._device - fixed)
+            elif isinstance(planned_for, int):
+                allowed[exist] = min(allowed[exist], max(cost.peak_bytes, planned_for))
+
+        def costs(chosen: list[GraphRun]) -> dict[bool, Cost]:
             starts, plan = merged_schedule(schedule, chosen)
-            merged = {a for a, _ in chosen}
-            stages = tuple(as_one[k] if k in merged else self.chain.stages[k] for k in starts)
+            merged = {run.first: as_one[run] for run in chosen}
+            stages = tuple(merged.get(k, self.chain.stages[k]) for k in starts)
             chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
-            return all(
-                simulate(chain, plan, grads_exist=exist).peak_bytes <= cost.peak_bytes
-                for exist, cost in self._costs.items()
-            )
+            return {exist: simulate(chain, plan, grads_exist=exist) for exist in (False, True)}
 
-        chosen = [run for run in runs if fits([run])]
+        def fits(chosen: list[GraphRun]) -> bool:
+            return all(c.peak_bytes <= allowed[e] for e, c in costs(chosen).items())
+
+        whole = [run for run in runs if owns(run)]
+        size(whole)
+        chosen = [run for run in whole if run in as_one and fits([run])]
+        # A run that does not fit whole: without the recomputed pairs that do not fit alone
+        # (one graph may hold more of a pair: a Dropout's mask), else as stored parts.
+        rest = [run for run in runs if run.recomputed and run not in chosen]
+        pairs = [pair for run in rest for pair in run.pairs()]
+        size(pairs)
+        for run in rest:
+            bad = {p.first for p in run.pairs() if p not in as_one or not fits([p])}
+            pieces = [piece for piece in run.without(bad) if owns(piece)]
+            size(pieces)
+            for piece in pieces:
+                if piece in as_one and fits([piece]):
+                    chosen.append(piece)
+                    continue
+                parts = [part for part in piece.without(piece.recomputed) if owns(part)]
+                size(parts)
+                chosen += [part for part in parts if part in as_one and fits([part])]
+        chosen.sort(key=lambda run: run.first)
         while chosen and not fits(chosen):  # each fits alone, not together: drop the last
             chosen.pop()
-        return merged_schedule(schedule, chosen)
+        if chosen:
+            self._costs = costs(chosen)
+        return chosen, *merged_schedule(schedule, chosen)
 
     @property
     def grads_exist(self) -> bool:
@@ -400,28 +462,37 @@ def _stage_modules(model: nn.Sequential, chain: Chain) -> list[nn.Module]:
     return modules
 
 
-def _own_params(params: list[StageParams], run: tuple[int, int]) -> bool:
+def _own_params(params: list[StageParams], run: GraphRun) -> bool:
     """Whether no stage outside ``run`` uses a trainable parameter of its stages. Autograd sums
     a parameter's gradients from the uses inside one graph before handing them on; with a use
     outside the run too, the sum would be taken in another order than plain autograd's (which
     sums them all, then adds to ``.grad``), and the gradient would differ in its last bits."""
-    inside = {index for stage in params[run[0] : run[1] + 1] for index, _ in stage.params}
+    inside = {index for stage in params[run.first : run.last + 1] for index, _ in stage.params}
     return not any(
         index in inside
         for k, stage in enumerate(params)
-        if not run[0] <= k <= run[1]
+        if not run.first <= k <= run.last
         for index, _ in stage.params
     )
 
 
-def _modules(stages: list[nn.Module], first: list[int]) -> list[nn.Module]:
-    """The stages as the executor runs them: from each of ``first`` to the next, one stage,
-    an ``nn.Sequential`` of several (see :func:`~edgetrain.schedule.merged_schedule`)."""
-    bounds = [*first, len(stages)]
-    return [
-        stages[a] if b - a == 1 else nn.Sequential(*stages[a:b])
-        for a, b in itertools.pairwise(bounds)
-    ]
+def _modules(stages: list[nn.Module], runs: list[GraphRun]) -> list[nn.Module]:
+    """The stages as the executor runs them: each of ``runs`` one stage (a
+    :class:`~edgetrain.recompute.GraphRunModule`), the others as they are (see
+    :func:`~edgetrain.schedule.merged_schedule`)."""
+    merged = {run.first: run for run in runs}
+    modules: list[nn.Module] = []
+    k = 0
+    while k < len(stages):
+        run = merged.get(k)
+        if run is None:
+            modules.append(stages[k])
+            k += 1
+            continue
+        recomputed = frozenset(j - run.first for j in run.recomputed)
+        modules.append(GraphRunModule(stages[run.first : run.last + 1], recomputed))
+        k = run.last + 1
+    return modules
 
 
 @dataclass
@@ -435,11 +506,11 @@ class _Run:
     graphs: dict[int, StageGraph] = field(default_factory=dict)
     grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     param_grads: dict[int, torch.Tensor] = field(default_factory=dict)
-    rng: dict[int, _RngState] = field(default_factory=dict)
+    rng: dict[int, RngState] = field(default_factory=dict)
     wanted_params: set[int] = field(default_factory=set)
     in_place: dict[int, torch.Tensor] = field(default_factory=dict)  # index -> its .grad
     want_input: bool = True
-    autocast: list[tuple[str, torch.dtype, bool]] = field(default_factory=list)
+    autocast: AutocastState = field(default_factory=list)
     out_spec: Any = None
     out_flat: list[Any] = field(default_factory=list)
     done: bool = False
@@ -563,69 +634,16 @@ class _Run:
         replay it, keep buffers."""
         if k not in self.rng:
             if k in self.net._rerun:
-                self.rng[k] = _rng_state()
+                self.rng[k] = rng_state()
             return nullcontext()
-        return _recomputing(self.rng[k], self.net._submodules[k])
+        return recomputing(self.rng[k], self.net._submodules[k])
 
     def _autocast(self) -> AbstractContextManager[None]:
-        return self._autocasting() if self.autocast else nullcontext()
-
-    @contextmanager
-    def _autocasting(self) -> Iterator[None]:
-        with ExitStack() as stack:
-            for device, dtype, enabled in self.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-            yield
+        return autocasting(self.autocast) if self.autocast else nullcontext()
 
 
 def _detach(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-def _autocast_state() -> list[tuple[str, torch.dtype, bool]]:
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    return [
-        (d, torch.get_autocast_dtype(d), torch.is_autocast_enabled(d))
-        for d in devices
-        if torch.is_autocast_enabled(d)
-    ]
-
-
-@contextmanager
-def _recomputing(state: _RngState, modules: list[nn.Module]) -> Iterator[None]:
-    """Replay a stage's first RNG state, on copies of the buffers of its ``modules`` (all of
-    them, those of a module an earlier stage ran too included; a tensor held in two places is
-    copied once, and the copy is held in both).
-
-    The recomputation updates the copies (BatchNorm running statistics ...), which are then
-    dropped: the module's own buffers are untouched, and a graph may keep the copies it saved.
-    """
-    outer = _rng_state()
-    _set_rng_state(state)
-    swapped = stage_buffers(modules)
-    copies: dict[int, torch.Tensor] = {}
-    for buffers, name, buffer in swapped:
-        if id(buffer) not in copies:
-            copies[id(buffer)] = buffer.detach().clone()
-        buffers[name] = copies[id(buffer)]
-    del copies
-    try:
-        yield
-    finally:
-        for buffers, name, original in swapped:
-            buffers[name] = original
-        _set_rng_state(outer)
-
-
-def _rng_state() -> _RngState:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: _RngState) -> None:
-    torch.set_rng_state(state[0])
-    if state[1]:
-        torch.cuda.set_rng_state_all(state[1])
 
 
 def _accumulates(view_node: Any) -> bool:
@@ -658,7 +676,7 @@ class _ScheduleFunction(torch.autograd.Function):
         run.plain[0] = tree_unflatten(
             [next(given).detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
         )
-        run.autocast = _autocast_state()
+        run.autocast = autocast_state()
         run.execute(net._forward_ops)
         out = run.plain.pop(net._exec_length)  # the caller's from now on
         run.out_flat, run.out_spec = tree_flatten(out)

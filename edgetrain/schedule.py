@@ -327,17 +327,64 @@ def stores_everything(schedule: Schedule) -> bool:
     return bool(np.array_equal(schedule.kinds, kinds) and np.array_equal(schedule.indices, indices))
 
 
-def stored_runs(schedule: Schedule) -> tuple[tuple[int, int], ...]:
-    """Runs ``(first, last)`` of two or more consecutive stages the plan stores as plain
-    autograd would: each stage run once, by ``Fa``, the forwards adjacent in order and the
-    backwards adjacent in reverse (``Fa first`` .. ``Fa last``, later ``B last`` .. ``B first``),
-    and no other operation on those stages or on the activations between them.
+@dataclass(frozen=True)
+class GraphRun:
+    """Stages ``first`` .. ``last`` that the executor may run as one autograd graph.
 
-    The executor may run each such run as one stage: one autograd graph and one engine call
-    instead of one per stage (about 60-95 µs of Python and autograd each on this machine,
-    ``benchmarks/executor_overhead.py --per-stage``). One graph need not hold at its backward's
-    peak what the stages hold one by one, so the executor sizes the merged stages first and
-    merges only if the plan's peak does not grow (:class:`~edgetrain.execute.Checkpointed`).
+    Attributes:
+        first, last: the run's first and last stage (inclusive).
+        recomputed: stages whose output the graph does not hold: the plan runs ``Fc k`` then
+            ``Fr k+1`` and, in the backward, ``Fa k`` again just before ``B k+1``, to have the
+            output again when ``k+1``'s backward reads it. As one graph, ``k`` is run with grad
+            once, and its output is computed again from its (held) input when the backward
+            reads it (the :class:`~edgetrain.stages.GraphRunModule` recipe).
+    """
+
+    first: int
+    last: int
+    recomputed: frozenset[int] = frozenset()
+
+    def pairs(self) -> tuple[GraphRun, ...]:
+        """Each recomputed pair ``(k, k+1)`` as a run of its own."""
+        return tuple(GraphRun(k, k + 1, frozenset({k})) for k in sorted(self.recomputed))
+
+    def without(self, dropped: frozenset[int] | set[int]) -> tuple[GraphRun, ...]:
+        """The runs of two or more of its stages left when the recomputed pairs ``(k, k+1)``
+        for ``k`` in ``dropped`` are taken out (they run stage by stage)."""
+        out = set(dropped) | {k + 1 for k in dropped}
+        parts: list[GraphRun] = []
+        start = None
+        for k in range(self.first, self.last + 2):
+            if k <= self.last and k not in out:
+                start = k if start is None else start
+                continue
+            if start is not None and k - 1 > start:
+                kept = frozenset(j for j in self.recomputed if start <= j < k - 1)
+                parts.append(GraphRun(start, k - 1, kept))
+            start = None
+        return tuple(parts)
+
+
+def graph_runs(schedule: Schedule) -> tuple[GraphRun, ...]:
+    """The maximal runs of two or more consecutive stages the executor may run as one graph.
+
+    A run is a sequence of *units*, each on the stage(s) right after the previous unit's:
+
+    * a stored stage: ``Fa k`` in the forward, ``B k`` in the backward, nothing else;
+    * a recomputed pair: ``Fc k, Fr k+1`` in the forward, ``Fa k, B k+1, B k`` in the
+      backward, nothing else (the output of ``k`` is released from ``k+1``'s graph and
+      rebuilt for its backward: what ``torch.compile``'s partitioner does for cheap operations).
+
+    Each unit's forward operations follow the previous unit's, and its backward operations come
+    just before the previous unit's (adjacent, in reverse). No ``D``, ``Po`` or ``Pi`` names an
+    activation inside the run (nor its input, when its first stage is recomputed: the run holds
+    that input until the backward).
+
+    One graph and one engine call replace one per stage (about 60-95 µs of Python and autograd
+    each on this machine, ``benchmarks/executor_overhead.py --per-stage``), and a recomputed
+    stage's output is rebuilt without building its graph a second time. One graph need not hold
+    at its backward's peak what the stages hold one by one, so the executor sizes the merged
+    stages before it merges them (:class:`~edgetrain.execute.Checkpointed`).
     """
     touched: dict[int, list[tuple[Op, int]]] = {}
     named: set[int] = set()  # activations a D, Po or Pi refers to
@@ -347,39 +394,54 @@ def stored_runs(schedule: Schedule) -> tuple[tuple[int, int], ...]:
         else:
             touched.setdefault(k, []).append((kind, position))
 
-    def stored(k: int) -> bool:
-        ops = touched.get(k, [])
-        return len(ops) == 2 and ops[0][0] is Op.FORWARD_ALL and ops[1][0] is Op.BACKWARD
+    def kinds(k: int) -> tuple[Op, ...]:
+        return tuple(kind for kind, _ in touched.get(k, []))
 
-    runs: list[tuple[int, int]] = []
+    def unit(k: int) -> tuple[int, int, int, int, int] | None:
+        """The unit beginning at stage k as (its last stage, the positions of its first and
+        last forward and of its first and last backward operation), or None."""
+        if kinds(k) == (Op.FORWARD_ALL, Op.BACKWARD):
+            (_, f), (_, b) = touched[k]
+            return k, f, f, b, b
+        pair = (Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.BACKWARD)
+        if kinds(k) == pair and kinds(k + 1) == (Op.FORWARD_RELEASE, Op.BACKWARD):
+            (_, f0), (_, again), (_, b0) = touched[k]
+            (_, f1), (_, b1) = touched[k + 1]
+            if f1 == f0 + 1 and b1 == again + 1 and b0 == b1 + 1 and k + 1 not in named:
+                return k + 1, f0, f1, again, b0
+        return None
+
+    runs: list[GraphRun] = []
     k = 0
     while k < schedule.length:
-        if not stored(k):
+        begun = unit(k)
+        if begun is None or (begun[0] > k and k in named):
             k += 1
             continue
-        last = k
-        while (
-            last + 1 < schedule.length
-            and stored(last + 1)
-            and last + 1 not in named
-            and touched[last + 1][0][1] == touched[last][0][1] + 1
-            and touched[last + 1][1][1] == touched[last][1][1] - 1
-        ):
-            last += 1
+        last, _, forward_end, backward_start, _ = begun
+        recomputed = {k} if last > k else set()
+        while last + 1 < schedule.length and last + 1 not in named:
+            following = unit(last + 1)
+            if following is None:
+                break
+            end, f_first, f_last, b_first, b_last = following
+            if f_first != forward_end + 1 or b_last != backward_start - 1:
+                break
+            if end > last + 1:
+                recomputed.add(last + 1)
+            last, forward_end, backward_start = end, f_last, b_first
         if last > k:
-            runs.append((k, last))
+            runs.append(GraphRun(k, last, frozenset(recomputed)))
         k = last + 1
     return tuple(runs)
 
 
-def merged_schedule(
-    schedule: Schedule, runs: Sequence[tuple[int, int]]
-) -> tuple[list[int], Schedule]:
-    """``schedule`` with each run ``(first, last)`` of :func:`stored_runs` as one stage: the
-    stage of ``schedule`` each stage begins with, and the operations on the new stages (a run's
-    ``Fa`` is its first stage's, its ``B`` its last stage's; an activation's index is that of
-    the stage it enters)."""
-    ends = dict(runs)
+def merged_schedule(schedule: Schedule, runs: Sequence[GraphRun]) -> tuple[list[int], Schedule]:
+    """``schedule`` with each run of :func:`graph_runs` as one stage: the stage of ``schedule``
+    each stage begins with, and the operations on the new stages (a run's ``Fa`` where its
+    first forward was, its ``B`` where its first backward operation was; an activation's index
+    is that of the stage it enters)."""
+    ends = {run.first: run.last for run in runs}
     first: list[int] = []
     at: dict[int, int] = {}  # stage (or activation) of ``schedule`` -> the stage it begins
     k = 0
@@ -388,15 +450,20 @@ def merged_schedule(
         first.append(k)
         k = ends.get(k, k) + 1
     at[schedule.length] = len(first)
-    inside = {i: (a, b) for a, b in runs for i in range(a, b + 1)}
+    inside = {i: run for run in runs for i in range(run.first, run.last + 1)}
+    began: set[int] = set()  # runs whose forward, and whose backward, is placed
+    ended: set[int] = set()
     ops: list[tuple[Op, int]] = []
     for kind, k in schedule:
-        span = inside.get(k)
-        if span is not None and kind.is_forward and k != span[0]:
-            continue  # the run's Fa is its first stage's
-        if span is not None and kind is Op.BACKWARD and k != span[1]:
-            continue  # the run's B is its last stage's
-        ops.append((kind, at[span[0]] if span is not None else at[k]))
+        run = inside.get(k)
+        if run is None:
+            ops.append((kind, at[k]))
+        elif kind.is_forward and run.first not in began:
+            began.add(run.first)
+            ops.append((Op.FORWARD_ALL, at[run.first]))
+        elif kind is Op.BACKWARD and run.first not in ended:
+            ended.add(run.first)
+            ops.append((Op.BACKWARD, at[run.first]))
     merged = Schedule.from_ops(len(first), ops, schedule.strategy, schedule.params)
     return first, merged
 

@@ -16,7 +16,8 @@ from edgetrain.measure import StorageCounter
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
 from edgetrain.profile import analytic_chain, profile
-from edgetrain.schedule import Op, simulate
+from edgetrain.recompute import GraphRunModule
+from edgetrain.schedule import Op, Schedule, simulate
 
 F64 = torch.float64
 # Every strategy, and budgets from storing everything down to the tightest.
@@ -730,3 +731,90 @@ def test_stored_runs_run_as_one_stage_each_and_hold_what_the_plan_predicts(
         for (name, a), b in zip(reference.named_buffers(), run.buffers(), strict=True):
             assert torch.equal(a, b), name
     assert merged >= 1
+
+
+class NormDropMLP(nn.Module):
+    """A user's MLP whose cheap middle layers (BatchNorm, Dropout, SiLU) are what a plan
+    recomputes, as compile's partitioner would: their output is rebuilt in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.up = nn.ModuleList(nn.Linear(24, 96) for _ in range(2))
+        self.mid = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm1d(96), nn.Dropout(0.3), nn.SiLU()) for _ in range(2)
+        )
+        self.down = nn.ModuleList(nn.Linear(96, 24) for _ in range(2))
+        self.head = nn.Linear(24, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, mid, down in zip(self.up, self.mid, self.down, strict=True):
+            x = x + down(mid(up(x)))
+        return self.head(x)
+
+
+def _released_plan(length, pairs):
+    """Every stage stored, but for each k in ``pairs``: ``Fc k, Fr k+1``, and ``Fa k`` again
+    just before ``B k+1`` (stage k's output is released from k+1's graph and rebuilt)."""
+    ops = []
+    for k in range(length):
+        kind = Op.FORWARD_ALL
+        if k in pairs:
+            kind = Op.FORWARD_CHECKPOINT
+        elif k - 1 in pairs:
+            kind = Op.FORWARD_RELEASE
+        ops.append((kind, k))
+    for k in reversed(range(length)):
+        if k - 1 in pairs:
+            ops.append((Op.FORWARD_ALL, k - 1))
+        ops.append((Op.BACKWARD, k))
+    return Schedule.from_ops(length, ops)
+
+
+@BOTH_LOOPS
+@pytest.mark.parametrize("budget", [None, "64MB"])
+def test_rebuilt_outputs_run_in_one_graph_train_exactly_and_hold_what_they_predict(
+    budget, set_to_none
+):
+    """A plan that recomputes cheap stages (BatchNorm, Dropout, SiLU) for the backward of the
+    stage after them runs as one graph that rebuilds their output when the backward reads it:
+    gradients, running statistics and ``num_batches_tracked`` as plain autograd's (dropout masks
+    replayed, statistics updated once), and the measured peak within 64 B of the prediction.
+
+    As one graph, a recomputed Dropout holds its float mask from the forward on (the plan
+    rebuilds it in the backward): 12 KiB more here, which a plan without a budget does not
+    allow (only the rest merges); with room in the budget, all of it runs as one graph."""
+    model, x = NormDropMLP(), torch.randn(32, 24)
+    probe = Checkpointed(copy.deepcopy(model), x)
+    chain = probe.chain
+    kinds = [{type(m) for m in stage.modules()} for stage in probe._stages]
+    norms = [k for k, got in enumerate(kinds) if nn.BatchNorm1d in got]
+    drops = [k for k, got in enumerate(kinds) if nn.Dropout in got]
+    silus = [k for k, got in enumerate(kinds) if nn.SiLU in got]
+    assert len(norms) == len(drops) == len(silus) == 2
+    # Rebuilt: the first block's BatchNorm and SiLU, the second block's Dropout.
+    schedule = _released_plan(chain.length, {norms[0], silus[0], drops[1]})
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    measured_peak(reference, x, set_to_none)
+    run = Checkpointed(
+        copy.deepcopy(model), x, chain=chain, schedule=schedule, memory_budget=budget
+    )
+    rebuilt = {
+        type(stage)
+        for m in run._exec_stages
+        if isinstance(m, GraphRunModule)
+        for position in m.recomputed
+        for stage in m[position].modules()
+    }
+    assert {nn.BatchNorm1d, nn.SiLU} <= rebuilt
+    assert (nn.Dropout in rebuilt) == (budget is not None)
+    torch.manual_seed(1)
+    measured = measured_peak(run, x, set_to_none)
+    predicted = run.cost.peak_bytes
+    assert predicted - 64 <= measured <= predicted + 64
+    for (name, p), q in zip(reference.named_parameters(), run.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name
+    for (name, a), b in zip(reference.named_buffers(), run.buffers(), strict=True):
+        assert torch.equal(a, b), name

@@ -12,7 +12,15 @@ from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidSchedule
 from edgetrain.planners import STRATEGIES, plan
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.sequential import sequential
-from edgetrain.schedule import Op, Schedule, memory_trace, merged_schedule, simulate, stored_runs
+from edgetrain.schedule import (
+    GraphRun,
+    Op,
+    Schedule,
+    graph_runs,
+    memory_trace,
+    merged_schedule,
+    simulate,
+)
 from tests.conftest import chains, random_chain
 
 F, C, A, B, D = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.BACKWARD, Op.DISCARD)
@@ -187,68 +195,121 @@ def test_a_graph_cannot_duplicate_an_activation_already_held():
         simulate(uniform_chain(3), ops(3, (C, 0), (C, 1), (A, 1)))
 
 
-def _ops_by_stage(schedule):
-    touched, named = {}, set()
-    for position, (kind, k) in enumerate(schedule):
-        if kind in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN):
-            named.add(k)
-        else:
-            touched.setdefault(k, []).append((kind, position))
-    return touched, named
+def _spans(runs):
+    return tuple((run.first, run.last) for run in runs)
 
 
-def test_stored_runs_are_the_stages_stored_as_plain_autograd_would():
-    assert stored_runs(store_all(uniform_chain(5))) == ((0, 4),)
+def test_graph_runs_are_the_stages_stored_as_plain_autograd_would():
+    assert graph_runs(store_all(uniform_chain(5))) == (GraphRun(0, 4),)
     F, B, C = Op.FORWARD_ALL, Op.BACKWARD, Op.FORWARD_CHECKPOINT
-    # Stage 0 is checkpointed and recomputed: only 1..3 are stored.
+    # Stage 0 is checkpointed and recomputed (its output not released): only 1..3 are stored.
     ops = [(C, 0), (F, 1), (F, 2), (F, 3), (B, 3), (B, 2), (B, 1), (F, 0), (B, 0)]
-    assert stored_runs(Schedule.from_ops(4, ops)) == ((1, 3),)
+    assert graph_runs(Schedule.from_ops(4, ops)) == (GraphRun(1, 3),)
     # An operation between two forwards, or on the activation between two stages, splits a run.
     ops = [(F, 0), (F, 1), (Op.PAGE_OUT, 2), (F, 2), (F, 3), (Op.PAGE_IN, 2)]
     ops += [(B, 3), (B, 2), (B, 1), (B, 0)]
-    assert stored_runs(Schedule.from_ops(4, ops)) == ((0, 1), (2, 3))
+    assert _spans(graph_runs(Schedule.from_ops(4, ops))) == ((0, 1), (2, 3))
     # So does an operation between two backwards.
     ops = [(F, 0), (F, 1), (F, 2), (B, 2), (Op.DISCARD, 3), (B, 1), (B, 0)]
-    assert stored_runs(Schedule.from_ops(3, ops)) == ((0, 1),)
+    assert _spans(graph_runs(Schedule.from_ops(3, ops))) == ((0, 1),)
+
+
+def test_graph_runs_take_in_stages_whose_output_is_released_and_rebuilt():
+    F, B, C, R = Op.FORWARD_ALL, Op.BACKWARD, Op.FORWARD_CHECKPOINT, Op.FORWARD_RELEASE
+    # Fc 0, Fr 1 and, in the backward, Fa 0 again just before B 1: stage 0's output is
+    # rebuilt for 1's backward, as compile recomputes a cheap operation.
+    ops = [(C, 0), (R, 1), (F, 2), (B, 2), (F, 0), (B, 1), (B, 0)]
+    assert graph_runs(Schedule.from_ops(3, ops)) == (GraphRun(0, 2, frozenset({0})),)
+    ops = [(F, 0), (C, 1), (R, 2), (C, 3), (R, 4)]
+    ops += [(F, 3), (B, 4), (B, 3), (F, 1), (B, 2), (B, 1), (B, 0)]
+    assert graph_runs(Schedule.from_ops(5, ops)) == (GraphRun(0, 4, frozenset({1, 3})),)
+    # The rebuild not just before the released stage's backward: no pair; and it splits 2..3.
+    ops = [(C, 0), (R, 1), (F, 2), (F, 3), (B, 3), (F, 0), (B, 2), (B, 1), (B, 0)]
+    assert graph_runs(Schedule.from_ops(4, ops)) == ()
+    # A checkpoint paged out (named) is not held by a graph: the pair is not merged.
+    ops = [(C, 0), (R, 1), (Op.PAGE_OUT, 0), (F, 2), (B, 2), (Op.PAGE_IN, 0), (F, 0)]
+    ops += [(B, 1), (B, 0)]
+    assert graph_runs(Schedule.from_ops(3, ops)) == ()
+
+
+def _valid_run(schedule, first, last, recomputed):
+    """Checked from the definition, apart from graph_runs' own code: the run's operations are
+    exactly its units' (Fa; or Fc k, Fr k+1), adjacent in the forward, and their backwards
+    (B; or Fa k, B k+1, B k) adjacent in reverse, with no activation inside it named."""
+    if first >= last or any(not first <= k < last for k in recomputed):
+        return False
+    if any(k + 1 in recomputed for k in recomputed):
+        return False
+    forward = [
+        Op.FORWARD_CHECKPOINT
+        if k in recomputed
+        else Op.FORWARD_RELEASE
+        if k - 1 in recomputed
+        else Op.FORWARD_ALL
+        for k in range(first, last + 1)
+    ]
+    backward = []
+    for k in range(last, first - 1, -1):
+        if k - 1 in recomputed:
+            backward.append((Op.FORWARD_ALL, k - 1))
+        backward.append((Op.BACKWARD, k))
+    inner = set(range(first + 1, last + 1)) | ({first} if first in recomputed else set())
+    mine = [
+        (position, kind, k)
+        for position, (kind, k) in enumerate(schedule)
+        if (kind in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN) and k in inner)
+        or (kind not in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN) and first <= k <= last)
+    ]
+    expected = list(zip(forward, range(first, last + 1), strict=True)) + backward
+    if [(kind, k) for _, kind, k in mine] != expected:
+        return False
+    positions = [p for p, _, _ in mine]
+    split = len(forward)
+    return all(b == a + 1 for a, b in itertools.pairwise(positions[:split])) and all(
+        b == a + 1 for a, b in itertools.pairwise(positions[split:])
+    )
 
 
 @given(chains(max_length=12))
 @settings(max_examples=60, deadline=None)
-def test_stored_runs_of_planned_schedules_are_maximal_runs_of_stored_stages(chain):
+def test_graph_runs_of_planned_schedules_are_maximal_and_sound(chain):
     plain = simulate(chain, store_all(chain)).peak_bytes
-    for fraction in (1.0, 0.8, 0.6, 0.4):
+    for fraction in (1.0, 0.8, 0.6, 0.4, 0.25):
         try:
             schedule = plan(chain, "optimal", memory=fraction * plain)
         except InfeasibleBudget:
             continue
-        touched, named = _ops_by_stage(schedule)
-
-        def stored(k, touched=touched):
-            return [kind for kind, _ in touched.get(k, [])] == [Op.FORWARD_ALL, Op.BACKWARD]
-
-        def joined(k, touched=touched, named=named):  # stage k+1 continues a run ending at k
-            return (
-                stored(k)
-                and stored(k + 1)
-                and k + 1 not in named
-                and touched[k + 1][0][1] == touched[k][0][1] + 1
-                and touched[k + 1][1][1] == touched[k][1][1] - 1
-            )
-
-        runs = stored_runs(schedule)
-        assert all(a < b for a, b in runs)
-        assert all(b1 < a2 for (_, b1), (a2, _) in itertools.pairwise(runs))
-        within = {k for a, b in runs for k in range(a, b)}  # stages joined to the next one
-        assert within == {k for k in range(chain.length - 1) if joined(k)}
+        runs = graph_runs(schedule)
+        assert all(a.last < b.first for a, b in itertools.pairwise(runs))
+        for run in runs:
+            assert _valid_run(schedule, run.first, run.last, run.recomputed)
+            # Maximal: neither the unit before nor the one after joins it.
+            for extra in (set(), {run.first - 2}):
+                before = min(extra | {run.first - 1})
+                assert not _valid_run(schedule, before, run.last, run.recomputed | extra)
+            for extra in (set(), {run.last + 1}):
+                after = max({run.last + 1} | {k + 1 for k in extra})
+                assert not _valid_run(schedule, run.first, after, run.recomputed | extra)
+        covered = {k for run in runs for k in range(run.first, run.last + 1)}
+        for k in range(chain.length - 1):  # no run of two stages left out
+            if k not in covered and k + 1 not in covered:
+                assert not _valid_run(schedule, k, k + 1, set())
+                assert not _valid_run(schedule, k, k + 1, {k})
 
 
 def test_merged_schedule_renumbers_a_plan_onto_its_merged_runs():
     F, B, C = Op.FORWARD_ALL, Op.BACKWARD, Op.FORWARD_CHECKPOINT
     ops = [(C, 0), (F, 1), (F, 2), (F, 3), (B, 3), (B, 2), (B, 1), (F, 0), (B, 0)]
-    first, merged = merged_schedule(Schedule.from_ops(4, ops), [(1, 3)])
+    first, merged = merged_schedule(Schedule.from_ops(4, ops), [GraphRun(1, 3)])
     assert first == [0, 1]
     assert list(merged) == [(C, 0), (F, 1), (B, 1), (F, 0), (B, 0)]
     assert merged.length == 2 and merged.forward_phase_end == 2
+    # A run with a rebuilt output: its Fc, Fr and the Fa again go; one Fa and one B stay.
+    R = Op.FORWARD_RELEASE
+    ops = [(C, 0), (R, 1), (F, 2), (B, 2), (F, 0), (B, 1), (B, 0)]
+    first, merged = merged_schedule(Schedule.from_ops(3, ops), [GraphRun(0, 1, frozenset({0}))])
+    assert first == [0, 2]
+    assert list(merged) == [(F, 0), (F, 1), (B, 1), (B, 0)]
     unchanged = Schedule.from_ops(4, ops)
     first, same = merged_schedule(unchanged, [])
     assert first == [0, 1, 2, 3] and list(same) == list(unchanged)

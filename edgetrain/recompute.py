@@ -1,0 +1,201 @@
+"""Computing a stage again: the random-number state it saw, copies of its buffers, its autocast
+state; and :class:`GraphRunModule`, a run of stages as one graph that computes some of its
+stages' outputs again when the backward reads them.
+
+A recomputation must give the tensors the first run gave (the same kernels on the same values),
+and change nothing else: it replays the random-number state the stage saw first (dropout masks),
+runs on copies of the stage's buffers (BatchNorm's running statistics are updated once per step,
+as without checkpointing; in training mode the batch's own statistics normalise, so the output
+is the same) and under the autocast state of the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from edgetrain.errors import InvalidInput
+from edgetrain.measure import storage_key
+from edgetrain.stages import leaves, stage_buffers
+
+RngState = tuple[torch.Tensor, list[torch.Tensor]]  # CPU generator state, CUDA states
+AutocastState = list[tuple[str, torch.dtype, bool]]
+
+
+def rng_state() -> RngState:
+    """The random-number state now (CPU, and CUDA's when it is in use)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(state: RngState) -> None:
+    torch.set_rng_state(state[0])
+    if state[1]:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def autocast_state() -> AutocastState:
+    """The autocast contexts active now: ``(device, dtype, enabled)``."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [
+        (d, torch.get_autocast_dtype(d), torch.is_autocast_enabled(d))
+        for d in devices
+        if torch.is_autocast_enabled(d)
+    ]
+
+
+@contextmanager
+def autocasting(state: AutocastState) -> Iterator[None]:
+    """Enter the autocast contexts of ``state`` (from :func:`autocast_state`)."""
+    with ExitStack() as stack:
+        for device, dtype, enabled in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
+
+
+@contextmanager
+def recomputing(state: RngState, modules: list[nn.Module]) -> Iterator[None]:
+    """Replay a stage's first RNG state, on copies of the buffers of its ``modules`` (all of
+    them, those of a module an earlier stage ran too included; a tensor held in two places is
+    copied once, and the copy is held in both).
+
+    The recomputation updates the copies (BatchNorm running statistics ...), which are then
+    dropped: the module's own buffers are untouched, and a graph may keep the copies it saved.
+    """
+    outer = rng_state()
+    set_rng_state(state)
+    swapped = stage_buffers(modules)
+    copies: dict[int, torch.Tensor] = {}
+    for buffers, name, buffer in swapped:
+        if id(buffer) not in copies:
+            copies[id(buffer)] = buffer.detach().clone()
+        buffers[name] = copies[id(buffer)]
+    del copies
+    try:
+        yield
+    finally:
+        for buffers, name, original in swapped:
+            buffers[name] = original
+        set_rng_state(outer)
+
+
+class GraphRunModule(nn.Sequential):
+    """Consecutive stages run as one autograd graph (a :class:`~edgetrain.schedule.GraphRun`).
+
+    With grad, the output of each stage at a position in ``recomputed`` is not held by the
+    graph of the stage after it: what that stage's operations save of it is replaced by a
+    *recipe* (the stage, its input, its random-number and autocast state), and the backward
+    computes the output again, once, when it first reads it, and frees it when the last
+    operation that saved it has read it (what the plan's ``Fc k, Fr k+1`` and ``Fa k`` again
+    before ``B k+1`` do, without building stage ``k``'s graph twice). The recipe's input is held
+    as a saved tensor of the graph (through the caller's saved-tensor hooks, if any). Without
+    grad, the stages just run.
+    """
+
+    def __init__(self, stages: list[nn.Module], recomputed: frozenset[int]) -> None:
+        super().__init__(*stages)
+        self.recomputed = recomputed
+
+    def extra_repr(self) -> str:
+        return f"recomputed={sorted(self.recomputed)}"
+
+    def forward(self, x: Any) -> Any:
+        if not torch.is_grad_enabled() or not self.recomputed:
+            for stage in self:
+                x = stage(x)
+            return x
+        if not torch._C._autograd._saved_tensors_hooks_is_enabled():
+            raise InvalidInput(
+                "this plan computes some activations again in the backward, which needs "
+                "saved-tensor hooks, but they are disabled here "
+                "(torch.autograd.graph.disable_saved_tensors_hooks); run the step outside it"
+            )
+        hooks = _Recipes(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            for position, stage in enumerate(self):
+                if position not in self.recomputed:
+                    x = stage(x)
+                    hooks.made = {}  # only the next stage's graph releases a recipe's output
+                    continue
+                recipe = _Recipe(stage, x, hooks.outer)
+                x = stage(x)
+                hooks.made = {
+                    storage_key(t): (recipe, i, t._version)
+                    for i, t in enumerate(leaves(x))
+                    if t.layout is torch.strided
+                }
+        return x
+
+
+class _Recipe:
+    """How to compute a stage's output again, and the output while the backward needs it."""
+
+    def __init__(self, module: nn.Module, x: Any, outer: tuple[Any, Any] | None) -> None:
+        self.module = module
+        self.rng = rng_state()
+        self.autocast = autocast_state()
+        flat, self.spec = tree_flatten(x)
+        self.outer = outer
+        pack = (lambda t: t) if outer is None else outer[0]
+        self.held: list[Any] | None = [
+            (True, pack(t)) if isinstance(t, torch.Tensor) else (False, t) for t in flat
+        ]
+        self.value: list[torch.Tensor] | None = None
+        self.uses = 0
+
+    def take(self) -> list[torch.Tensor]:
+        """The output, computed on first use; dropped here once every saved use has read it."""
+        value = self.value
+        if value is None:
+            assert self.held is not None, "edgetrain: a recomputed output was read twice"
+            unpack = (lambda t: t) if self.outer is None else self.outer[1]
+            x = tree_unflatten([unpack(t) if tensor else t for tensor, t in self.held], self.spec)
+            self.held = None
+            modules = list(self.module.modules())
+            with torch.no_grad(), recomputing(self.rng, modules), autocasting(self.autocast):
+                value = leaves(self.module(x))
+            del x
+            self.value = value
+        self.uses -= 1
+        if self.uses <= 0:
+            self.value = None
+        return value
+
+
+class _Rebuilt:
+    """A saved tensor released from the graph: a strided view of a recipe's output tensor."""
+
+    __slots__ = ("index", "offset", "recipe", "size", "stride")
+
+    def __init__(self, recipe: _Recipe, index: int, t: torch.Tensor) -> None:
+        self.recipe, self.index = recipe, index
+        self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
+
+
+class _Recipes:
+    """The saved-tensor hooks of a :class:`GraphRunModule`: a tensor of a recipe's output that
+    the next stage saves becomes a :class:`_Rebuilt`; everything else goes to the caller's
+    hooks (``outer``), or is kept as autograd would."""
+
+    def __init__(self, outer: tuple[Any, Any] | None) -> None:
+        self.outer = outer
+        self.made: dict[int, tuple[_Recipe, int, int]] = {}
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if self.made and t.layout is torch.strided:
+            hit = self.made.get(storage_key(t))
+            if hit is not None and t._version == hit[2]:
+                hit[0].uses += 1
+                return _Rebuilt(hit[0], hit[1], t)
+        return t if self.outer is None else self.outer[0](t)
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if type(saved) is not _Rebuilt:
+            return saved if self.outer is None else self.outer[1](saved)  # type: ignore[no-any-return]
+        value = saved.recipe.take()
+        return value[saved.index].as_strided(saved.size, saved.stride, saved.offset)
