@@ -10,8 +10,9 @@ training step (forward, mean-square loss, backward; gradients then set to None) 
   diagnostic: what the executor costs when nothing is recomputed);
 * ``budget f``: the optimal plan for f × plain's peak (``StorageCounter``, parameter gradients
   included) less what the loss holds; ``least``: the smallest budget that has a plan. Each plan
-  twice: as ``Checkpointed`` runs it (its stored runs merged into one stage each where that
-  holds no more) and ``stage by stage`` (no run merged); ``stages_run`` counts the stages run.
+  twice: as ``Checkpointed`` runs it (its graph runs, stored or with rebuilt outputs, merged
+  into one stage each where that fits) and ``stage by stage`` (no run merged); ``stages_run``
+  counts the stages run.
 
 ``rho_pred`` is the plan's recompute factor from the profiled stage times (the time the planner
 predicts, over plain's); ``cpu/plain`` and ``wall/plain`` are measured: medians of interleaved
@@ -98,11 +99,11 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
 
     def add(config: str, schedule: Any, through_executor: bool = False, merge: bool = True) -> None:
         model = copy.deepcopy(base)
-        Checkpointed._merge_stored_runs = merge
+        Checkpointed._merge_graph_runs = merge
         try:
             net = Checkpointed(model, x, chain=chain, schedule=schedule)
         finally:
-            Checkpointed._merge_stored_runs = True
+            Checkpointed._merge_graph_runs = True
         if through_executor:
             net._stores_everything = False  # run the store-all plan stage by stage
         nets[config] = net

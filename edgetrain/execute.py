@@ -138,7 +138,7 @@ class Checkpointed(nn.Module):
         the most the step holds above what it starts with; seconds; recompute factor).
     """
 
-    _merge_stored_runs = True  # run each stored run as one stage (False: a diagnostic)
+    _merge_graph_runs = True  # run each graph run as one stage (False: a diagnostic)
 
     def __init__(
         self,
@@ -224,10 +224,10 @@ class Checkpointed(nn.Module):
         )
         index_of = {id(p): i for i, p in enumerate(self._params)}
         fine = [stage_params(m, index_of) for m in self._stages]
-        # What every step runs, decoded once: the stages as they run (a run the plan stores as
-        # plain autograd would, one stage: see stored_runs), the operations of each phase, and
+        # What every step runs, decoded once: the stages as they run (a run of the plan's that
+        # can run as one graph, one stage: see graph_runs), the operations of each phase, and
         # the stages run more than once (only their random-number state is kept for a replay).
-        merging = self._merge_stored_runs and not self._stores_everything
+        merging = self._merge_graph_runs and not self._stores_everything
         runs = list(graph_runs(schedule)) if merging else []
         chosen, self._exec_first, executed = self._merge(
             runs, schedule, sample, lambda run: _own_params(fine, run)

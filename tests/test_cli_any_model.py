@@ -138,8 +138,12 @@ def test_plan_of_a_captured_resnet_shows_its_cuts_and_runs_as_saved(tmp_path):
     # a saved plan is refused unless it was made for this model's stages: train runs it
     report = run_json("train", *setting, "--steps", "2", "--plan", str(path))
     assert report["stages"] == len(names) and report["recompute_factor"] > 1
-    # the plan's bytes (from shapes) are the measured chain's: the same predicted peak
-    assert report["predicted_peak_bytes"] == plan["peak_bytes"]
+    # the plan's bytes (from shapes) are the measured chain's; train predicts the plan as it
+    # runs (runs of stages merged into one graph, sized as they run): within the plan's budget
+    # and 1 % of the plan's own peak
+    predicted = report["predicted_peak_bytes"]
+    assert predicted <= int(budget)
+    assert predicted == pytest.approx(plan["peak_bytes"], rel=0.01)
     assert report["measured_peak_bytes"] == pytest.approx(report["predicted_peak_bytes"], rel=0.05)
 
 
