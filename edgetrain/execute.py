@@ -69,7 +69,13 @@ from edgetrain.memory import fixed_training_bytes
 from edgetrain.paging import PageStore
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
-from edgetrain.profile import _check_model, merged_chain, profile, with_module_step
+from edgetrain.profile import (
+    _check_model,
+    graph_step_peaks,
+    merged_chain,
+    profile,
+    with_module_step,
+)
 from edgetrain.recompute import (
     AutocastState,
     GraphRunModule,
@@ -227,6 +233,7 @@ class Checkpointed(nn.Module):
         # What every step runs, decoded once: the stages as they run (a run of the plan's that
         # can run as one graph, one stage: see graph_runs), the operations of each phase, and
         # the stages run more than once (only their random-number state is kept for a replay).
+        self._one_graph = False  # the plan runs as one graph run by plain autograd (_merge)
         merging = self._merge_graph_runs and not self._stores_everything
         runs = list(graph_runs(schedule)) if merging else []
         chosen, self._exec_first, executed = self._merge(
@@ -325,6 +332,17 @@ class Checkpointed(nn.Module):
             chosen.pop()
         if chosen:
             self._costs = costs(chosen)
+        spans = [(run.first, run.last) for run in chosen]
+        if spans == [(0, self.chain.length - 1)] and chosen[0].recomputed:
+            # One graph for the whole model: plain autograd runs it (as a store-all plan runs
+            # the module), its step measured as it runs; if that fits too.
+            peaks = graph_step_peaks(_modules(self._stages, chosen)[0], sample)
+            if peaks is not None:
+                one = replace(self.chain, stages=(as_one[chosen[0]],), autograd_peak_bytes=peaks)
+                plan = merged_schedule(schedule, chosen)[1]
+                direct = {e: simulate(one, plan, grads_exist=e) for e in (False, True)}
+                if all(c.peak_bytes <= allowed[e] for e, c in direct.items()):
+                    self._costs, self._one_graph = direct, True
         return chosen, *merged_schedule(schedule, chosen)
 
     @property
@@ -385,6 +403,19 @@ class Checkpointed(nn.Module):
             # Every stage once with its graph, nothing recomputed: plain autograd on the module,
             # whose step's peak was measured (Chain.autograd_peak_bytes); no executor overhead.
             return self.module(x)
+        if self._one_graph:
+            # The whole plan one graph that rebuilds the outputs it recomputes (GraphRunModule):
+            # plain autograd on it, its step's peak measured as it runs; the inputs and
+            # parameters watched as the executor watches them (a rebuild reads them again).
+            watched = [(t, t._version) for t in (*inputs, *params)]
+            flat, spec = tree_flatten(self._exec_stages[0](x))
+            grads = [
+                i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            outs = _Watch.apply(watched, *(flat[i] for i in grads))
+            for i, out in zip(grads, outs, strict=True):
+                flat[i] = out
+            return tree_unflatten(flat, spec)
         run = _Run(self, x, trainable)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
@@ -658,6 +689,34 @@ def _accumulates(view_node: Any) -> bool:
         return False
 
 
+class _Watch(torch.autograd.Function):
+    """The identity on a step's output tensors; its backward, the first of the step's, refuses
+    to go on when an input or parameter was changed in place since the forward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, watched: list[tuple[torch.Tensor, int]], *outs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.watched = watched
+        return tuple(t.detach() for t in outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        _check_unchanged(ctx.watched)
+        ctx.watched = []
+        return (None, *grads)
+
+
+def _check_unchanged(watched: list[tuple[torch.Tensor, int]]) -> None:
+    for tensor, version in watched:
+        if tensor._version != version:
+            raise RuntimeError(
+                "Checkpointed: an input or parameter of this step was modified in place "
+                "between its forward and its backward (e.g. optimizer.step() before "
+                "backward); run the backward first, or clone the tensor before changing it"
+            )
+
+
 class _ScheduleFunction(torch.autograd.Function):
     """Forward: the plan's forward phase. Backward: the rest of the plan.
 
@@ -703,13 +762,7 @@ class _ScheduleFunction(torch.autograd.Function):
                 "Checkpointed does not support double backward (create_graph=True, e.g. a "
                 "gradient penalty); compute it on the model without Checkpointed"
             )
-        for tensor, version in ctx.watched:
-            if tensor._version != version:
-                raise RuntimeError(
-                    "Checkpointed: an input or parameter of this step was modified in place "
-                    "between its forward and its backward (e.g. optimizer.step() before "
-                    "backward); run the backward first, or clone the tensor before changing it"
-                )
+        _check_unchanged(ctx.watched)
         count = ctx.count
         nexts = ctx.next_functions  # a new tuple at every access
         needed = [

@@ -370,7 +370,18 @@ def _profile(
     )
 
 
-def _autograd_peaks(model: nn.Module, sample_input: Any) -> tuple[int, int] | None:
+def graph_step_peaks(module: nn.Module, sample_input: Any) -> tuple[int, int] | None:
+    """:func:`_autograd_peaks` of ``module`` on the sample itself, not on meta tensors (some
+    kernels save other tensors on meta: ViT's attention one more of q's size): for a module
+    already run on the sample, whose step is known to fit (a plan's stages merged into one
+    graph, sized by :func:`merged_chain`). Buffers, gradients and the RNG state are restored."""
+    with _preserved(module):
+        return _autograd_peaks(module, sample_input, meta=False)
+
+
+def _autograd_peaks(
+    model: nn.Module, sample_input: Any, *, meta: bool = True
+) -> tuple[int, int] | None:
     """Peak bytes of one training step of ``model`` as it is under plain autograd, above what
     the step starts with: ``(gradients set to None before it, gradients kept)`` (see
     :attr:`~edgetrain.chain.Chain.autograd_peak_bytes`).
@@ -382,10 +393,10 @@ def _autograd_peaks(model: nn.Module, sample_input: Any) -> tuple[int, int] | No
     store-all plan then runs stage by stage, as counted.
     """
     try:
-        meta_model = model if _on_meta(model) else _meta_copy(model)
+        meta_model = model if not meta or _on_meta(model) else _meta_copy(model)
     except (TypeError, RuntimeError, copy.Error):
         return None  # a module deepcopy cannot copy (one holding a lock): run as counted
-    x = _to_meta(sample_input)
+    x = _to_meta(sample_input) if meta else sample_input
     params = list(meta_model.parameters())
     saved = [p.grad for p in params]
     peaks: list[int] = []

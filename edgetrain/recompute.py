@@ -145,6 +145,10 @@ class _Recipe:
         self.held: list[Any] | None = [
             (True, pack(t)) if isinstance(t, torch.Tensor) else (False, t) for t in flat
         ]
+        # What the rebuild reads besides the held input: it must be as it was (autograd checks
+        # the tensors it saves the same way).
+        self.versions = [(t, t._version) for t in module.parameters()]
+        self.versions += [(t, t._version) for _, t in self.held if isinstance(t, torch.Tensor)]
         self.value: list[torch.Tensor] | None = None
         self.uses = 0
 
@@ -153,6 +157,12 @@ class _Recipe:
         value = self.value
         if value is None:
             assert self.held is not None, "edgetrain: a recomputed output was read twice"
+            if any(t._version != version for t, version in self.versions):
+                raise RuntimeError(
+                    "Checkpointed: an input or parameter of this step was modified in place "
+                    "between its forward and its backward (e.g. optimizer.step() before "
+                    "backward); run the backward first, or clone the tensor before changing it"
+                )
             unpack = (lambda t: t) if self.outer is None else self.outer[1]
             x = tree_unflatten([unpack(t) if tensor else t for tensor, t in self.held], self.spec)
             self.held = None

@@ -812,9 +812,53 @@ def test_rebuilt_outputs_run_in_one_graph_train_exactly_and_hold_what_they_predi
     torch.manual_seed(1)
     measured = measured_peak(run, x, set_to_none)
     predicted = run.cost.peak_bytes
-    assert predicted - 64 <= measured <= predicted + 64
+    # All of it one graph: plain autograd runs it, which frees the output's gradient when it is
+    # read, where the prediction holds it to the end (as the executor does).
+    output = chain.stages[-1].output_bytes if run._one_graph else 0
+    assert predicted - output - 64 <= measured <= predicted + 64
+    assert run._one_graph == (budget is not None)
     for (name, p), q in zip(reference.named_parameters(), run.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
         assert p.grad is None or torch.equal(p.grad, q.grad), name
     for (name, a), b in zip(reference.named_buffers(), run.buffers(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_one_graph_plans_keep_the_callers_saved_tensor_hooks_and_refuse_disabled_ones():
+    """The recipe's input goes through the caller's saved-tensor hooks like any saved tensor
+    (each packed tensor unpacked once, the gradients unchanged); with the hooks disabled the
+    step stops with one line saying why."""
+    model, x = NormDropMLP(), torch.randn(32, 24)
+    probe = Checkpointed(copy.deepcopy(model), x)
+    kinds = [{type(m) for m in stage.modules()} for stage in probe._stages]
+    silus = {k for k, got in enumerate(kinds) if nn.SiLU in got}
+    schedule = _released_plan(probe.chain.length, silus)
+    run = Checkpointed(
+        copy.deepcopy(model), x, chain=probe.chain, schedule=schedule, memory_budget="64MB"
+    )
+    assert run._one_graph
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    reference(x).square().sum().backward()
+    packed, unpacked = [], []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.clone()
+
+    def unpack(t):
+        unpacked.append(t.shape)
+        return t
+
+    torch.manual_seed(1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = run(x)
+    out.square().sum().backward()
+    assert packed and collections.Counter(packed) == collections.Counter(unpacked)
+    for (name, p), q in zip(reference.named_parameters(), run.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    with (
+        torch.autograd.graph.disable_saved_tensors_hooks("not here"),
+        pytest.raises(InvalidInput, match=r"saved-tensor hooks.*disabled"),
+    ):
+        run(x)
