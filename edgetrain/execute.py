@@ -308,25 +308,34 @@ class Checkpointed(nn.Module):
         def fits(chosen: list[GraphRun]) -> bool:
             return all(c.peak_bytes <= allowed[e] for e, c in costs(chosen).items())
 
+        def fit(run: GraphRun) -> bool:
+            return run in as_one and fits([run])
+
         whole = [run for run in runs if owns(run)]
         size(whole)
-        chosen = [run for run in whole if run in as_one and fits([run])]
+        chosen = [run for run in whole if fit(run)]
         # A run that does not fit whole: without the recomputed pairs that do not fit alone
         # (one graph may hold more of a pair: a Dropout's mask), else as stored parts.
         rest = [run for run in runs if run.recomputed and run not in chosen]
         pairs = [pair for run in rest for pair in run.pairs()]
         size(pairs)
-        for run in rest:
-            bad = {p.first for p in run.pairs() if p not in as_one or not fits([p])}
-            pieces = [piece for piece in run.without(bad) if owns(piece)]
-            size(pieces)
-            for piece in pieces:
-                if piece in as_one and fits([piece]):
-                    chosen.append(piece)
-                    continue
-                parts = [part for part in piece.without(piece.recomputed) if owns(part)]
-                size(parts)
-                chosen += [part for part in parts if part in as_one and fits([part])]
+        pieces = [
+            piece
+            for run in rest
+            for piece in run.without({p.first for p in run.pairs() if not fit(p)})
+            if owns(piece)
+        ]
+        size(pieces)  # each size() profiles the whole model once: one per kind of candidate
+        chosen += [piece for piece in pieces if fit(piece)]
+        parts = [
+            part
+            for piece in pieces
+            if not fit(piece)
+            for part in piece.without(piece.recomputed)
+            if owns(part)
+        ]
+        size(parts)
+        chosen += [part for part in parts if fit(part)]
         chosen.sort(key=lambda run: run.first)
         while chosen and not fits(chosen):  # each fits alone, not together: drop the last
             chosen.pop()
