@@ -142,8 +142,9 @@ class _Recipe:
         flat, self.spec = tree_flatten(x)
         self.outer = outer
         pack = (lambda t: t) if outer is None else outer[0]
+        # Detached: the values are what a rebuild needs, not the graph that made them.
         self.held: list[Any] | None = [
-            (True, pack(t)) if isinstance(t, torch.Tensor) else (False, t) for t in flat
+            (True, pack(t.detach())) if isinstance(t, torch.Tensor) else (False, t) for t in flat
         ]
         # What the rebuild reads besides the held input: it must be as it was (autograd checks
         # the tensors it saves the same way).
