@@ -24,7 +24,10 @@ inputs and random-number state:
 * inputs may be a tensor or a tuple, list or dict of tensors (only floating-point tensors carry
   gradients); stages may pass such structures between them;
 * under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
-  when the plan stores everything (plain autograd's step, which holds no more than predicted).
+  when the plan stores everything (plain autograd's step, which holds no more than predicted);
+  a plan whose every stage belongs to one graph run (:func:`~edgetrain.schedule.graph_runs`:
+  stages stored, or recomputed for the backward of the stage after them) is plain autograd on
+  that run (:class:`~edgetrain.recompute.GraphRunModule`), its step measured as it runs.
 
 What is refused with one clear error (before any gradient, buffer or RNG state changes):
 
@@ -299,11 +302,16 @@ class Checkpointed(nn.Module):
                 allowed[exist] = min(allowed[exist], max(cost.peak_bytes, planned_for))
 
         def costs(chosen: list[GraphRun]) -> dict[bool, Cost]:
+            """The plan's cost with ``chosen`` merged: its peak as it runs; its time, steps and
+            recompute factor the plan's (a rebuild is the plan's recomputation)."""
             starts, plan = merged_schedule(schedule, chosen)
             merged = {run.first: as_one[run] for run in chosen}
             stages = tuple(merged.get(k, self.chain.stages[k]) for k in starts)
             chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
-            return {exist: simulate(chain, plan, grads_exist=exist) for exist in (False, True)}
+            return {
+                exist: replace(fine, peak_bytes=simulate(chain, plan, grads_exist=exist).peak_bytes)
+                for exist, fine in self._costs.items()
+            }
 
         def fits(chosen: list[GraphRun]) -> bool:
             return all(c.peak_bytes <= allowed[e] for e, c in costs(chosen).items())
@@ -349,7 +357,10 @@ class Checkpointed(nn.Module):
             if peaks is not None:
                 one = replace(self.chain, stages=(as_one[chosen[0]],), autograd_peak_bytes=peaks)
                 plan = merged_schedule(schedule, chosen)[1]
-                direct = {e: simulate(one, plan, grads_exist=e) for e in (False, True)}
+                direct = {
+                    e: replace(c, peak_bytes=simulate(one, plan, grads_exist=e).peak_bytes)
+                    for e, c in self._costs.items()
+                }
                 if all(c.peak_bytes <= allowed[e] for e, c in direct.items()):
                     self._costs, self._one_graph = direct, True
         return chosen, *merged_schedule(schedule, chosen)

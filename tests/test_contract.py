@@ -816,6 +816,9 @@ def test_rebuilt_outputs_run_in_one_graph_train_exactly_and_hold_what_they_predi
     # read, where the prediction holds it to the end (as the executor does).
     output = chain.stages[-1].output_bytes if run._one_graph else 0
     assert predicted - output - 64 <= measured <= predicted + 64
+    # The same computations as the plan stage by stage: the rebuilds are its recomputations.
+    fine = simulate(chain, schedule).recompute_factor
+    assert run.cost.recompute_factor == pytest.approx(fine, rel=1e-9)
     assert run._one_graph == (budget is not None)
     for (name, p), q in zip(reference.named_parameters(), run.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), name
