@@ -711,20 +711,37 @@ def _accumulates(view_node: Any) -> bool:
 
 class _Watch(torch.autograd.Function):
     """The identity on a step's output tensors; its backward, the first of the step's, refuses
-    to go on when an input or parameter was changed in place since the forward."""
+    to go on (before any gradient is made) when an input or parameter was changed in place since
+    the forward, on a second backward and on double backward, as :class:`_ScheduleFunction`
+    does: the graph's rebuilds read the inputs and parameters again, once, without grad."""
 
     @staticmethod
     def forward(
         ctx: Any, watched: list[tuple[torch.Tensor, int]], *outs: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.watched = watched
+        ctx.done = False
         return tuple(t.detach() for t in outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        _check_backward(ctx.done)
         _check_unchanged(ctx.watched)
-        ctx.watched = []
+        ctx.watched, ctx.done = [], True
         return (None, *grads)
+
+
+def _check_backward(done: bool) -> None:
+    if done:
+        raise RuntimeError(
+            "Checkpointed: backward through the same step twice; its saved state is freed "
+            "after the first backward (retain_graph is not supported)"
+        )
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "Checkpointed does not support double backward (create_graph=True, e.g. a "
+            "gradient penalty); compute it on the model without Checkpointed"
+        )
 
 
 def _check_unchanged(watched: list[tuple[torch.Tensor, int]]) -> None:
@@ -772,16 +789,7 @@ class _ScheduleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         run: _Run = ctx.run
-        if run.done:
-            raise RuntimeError(
-                "Checkpointed: backward through the same step twice; its saved state is freed "
-                "after the first backward (retain_graph is not supported)"
-            )
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "Checkpointed does not support double backward (create_graph=True, e.g. a "
-                "gradient penalty); compute it on the model without Checkpointed"
-            )
+        _check_backward(run.done)
         _check_unchanged(ctx.watched)
         count = ctx.count
         nexts = ctx.next_functions  # a new tuple at every access

@@ -375,8 +375,14 @@ def graph_step_peaks(module: nn.Module, sample_input: Any) -> tuple[int, int] | 
     kernels save other tensors on meta: ViT's attention one more of q's size): for a module
     already run on the sample, whose step is known to fit (a plan's stages merged into one
     graph, sized by :func:`merged_chain`). Buffers, gradients and the RNG state are restored."""
+    flat, spec = tree_flatten(sample_input)
+    # The sample's own tensors get no gradient: leaves of their own, the same storage.
+    own = [
+        t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+        for t in flat
+    ]
     with _preserved(module):
-        return _autograd_peaks(module, sample_input, meta=False)
+        return _autograd_peaks(module, tree_unflatten(own, spec), meta=False)
 
 
 def _autograd_peaks(

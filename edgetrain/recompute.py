@@ -157,7 +157,17 @@ class _Recipe:
         """The output, computed on first use; dropped here once every saved use has read it."""
         value = self.value
         if value is None:
-            assert self.held is not None, "edgetrain: a recomputed output was read twice"
+            if self.held is None:
+                raise RuntimeError(
+                    "Checkpointed: backward through the same step twice; its rebuilt "
+                    "activations are freed after the first backward (retain_graph is not "
+                    "supported)"
+                )
+            if torch.is_grad_enabled():
+                raise RuntimeError(
+                    "Checkpointed does not support double backward (create_graph=True, e.g. a "
+                    "gradient penalty); compute it on the model without Checkpointed"
+                )
             if any(t._version != version for t, version in self.versions):
                 raise RuntimeError(
                     "Checkpointed: an input or parameter of this step was modified in place "

@@ -865,3 +865,23 @@ def test_one_graph_plans_keep_the_callers_saved_tensor_hooks_and_refuse_disabled
         pytest.raises(InvalidInput, match=r"saved-tensor hooks.*disabled"),
     ):
         run(x)
+
+
+def test_a_one_graph_plan_refuses_a_second_and_a_double_backward_before_any_gradient():
+    model, x = NormDropMLP(), torch.randn(32, 24, requires_grad=True)
+    probe = Checkpointed(copy.deepcopy(model), x)
+    kinds = [{type(m) for m in stage.modules()} for stage in probe._stages]
+    silus = {k for k, got in enumerate(kinds) if nn.SiLU in got}
+    schedule = _released_plan(probe.chain.length, silus)
+    run = Checkpointed(model, x, chain=probe.chain, schedule=schedule, memory_budget="64MB")
+    assert run._one_graph
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(run(x).sum(), x, create_graph=True)
+    loss = run(x).sum()
+    with pytest.raises(RuntimeError, match="double backward"):
+        loss.backward(create_graph=True)
+    assert x.grad is None and all(p.grad is None for p in model.parameters())
+    loss = run(x).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="same step twice"):
+        loss.backward()
