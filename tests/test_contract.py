@@ -867,6 +867,7 @@ def test_one_graph_plans_keep_the_callers_saved_tensor_hooks_and_refuse_disabled
         run(x)
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_a_one_graph_plan_refuses_a_second_and_a_double_backward_before_any_gradient():
     model, x = NormDropMLP(), torch.randn(32, 24, requires_grad=True)
     probe = Checkpointed(copy.deepcopy(model), x)

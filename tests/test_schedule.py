@@ -313,3 +313,13 @@ def test_merged_schedule_renumbers_a_plan_onto_its_merged_runs():
     unchanged = Schedule.from_ops(4, ops)
     first, same = merged_schedule(unchanged, [])
     assert first == [0, 1, 2, 3] and list(same) == list(unchanged)
+
+
+def test_a_graph_run_without_some_of_its_pairs_leaves_the_runs_between_them():
+    run = GraphRun(0, 10, frozenset({3, 7}))
+    assert run.pairs() == (GraphRun(3, 4, frozenset({3})), GraphRun(7, 8, frozenset({7})))
+    assert run.without({3}) == (GraphRun(0, 2), GraphRun(5, 10, frozenset({7})))
+    assert run.without(run.recomputed) == (GraphRun(0, 2), GraphRun(5, 6), GraphRun(9, 10))
+    assert run.without(set()) == (run,)
+    # A single stage left between two pairs is no run.
+    assert GraphRun(0, 4, frozenset({0, 3})).without({0, 3}) == ()
