@@ -337,7 +337,7 @@ class GraphRun:
             ``Fr k+1`` and, in the backward, ``Fa k`` again just before ``B k+1``, to have the
             output again when ``k+1``'s backward reads it. As one graph, ``k`` is run with grad
             once, and its output is computed again from its (held) input when the backward
-            reads it (the :class:`~edgetrain.stages.GraphRunModule` recipe).
+            reads it (the :class:`~edgetrain.recompute.GraphRunModule` recipe).
     """
 
     first: int
@@ -456,8 +456,8 @@ def merged_schedule(schedule: Schedule, runs: Sequence[GraphRun]) -> tuple[list[
     ops: list[tuple[Op, int]] = []
     for kind, k in schedule:
         run = inside.get(k)
-        if run is None:
-            ops.append((kind, at[k]))
+        if run is None or kind in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN):
+            ops.append((kind, at[k]))  # a run's input, at most (graph_runs names none inside)
         elif kind.is_forward and run.first not in began:
             began.add(run.first)
             ops.append((Op.FORWARD_ALL, at[run.first]))

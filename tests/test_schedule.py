@@ -310,6 +310,11 @@ def test_merged_schedule_renumbers_a_plan_onto_its_merged_runs():
     first, merged = merged_schedule(Schedule.from_ops(3, ops), [GraphRun(0, 1, frozenset({0}))])
     assert first == [0, 2]
     assert list(merged) == [(F, 0), (F, 1), (B, 1), (B, 0)]
+    # An operation on a run's input stays, on the merged stage's input.
+    ops = [(C, 0), (F, 1), (F, 2), (B, 2), (B, 1), (Op.DISCARD, 1), (F, 0), (B, 0)]
+    first, merged = merged_schedule(Schedule.from_ops(3, ops), [GraphRun(1, 2)])
+    assert first == [0, 1]
+    assert list(merged) == [(C, 0), (F, 1), (B, 1), (Op.DISCARD, 1), (F, 0), (B, 0)]
     unchanged = Schedule.from_ops(4, ops)
     first, same = merged_schedule(unchanged, [])
     assert first == [0, 1, 2, 3] and list(same) == list(unchanged)
