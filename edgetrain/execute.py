@@ -85,6 +85,8 @@ from edgetrain.recompute import (
     RngState,
     autocast_state,
     autocasting,
+    check_backward,
+    check_unchanged,
     recomputing,
     rng_state,
 )
@@ -725,33 +727,10 @@ class _Watch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        _check_backward(ctx.done)
-        _check_unchanged(ctx.watched)
+        check_backward(ctx.done)
+        check_unchanged(ctx.watched)
         ctx.watched, ctx.done = [], True
         return (None, *grads)
-
-
-def _check_backward(done: bool) -> None:
-    if done:
-        raise RuntimeError(
-            "Checkpointed: backward through the same step twice; its saved state is freed "
-            "after the first backward (retain_graph is not supported)"
-        )
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "Checkpointed does not support double backward (create_graph=True, e.g. a "
-            "gradient penalty); compute it on the model without Checkpointed"
-        )
-
-
-def _check_unchanged(watched: list[tuple[torch.Tensor, int]]) -> None:
-    for tensor, version in watched:
-        if tensor._version != version:
-            raise RuntimeError(
-                "Checkpointed: an input or parameter of this step was modified in place "
-                "between its forward and its backward (e.g. optimizer.step() before "
-                "backward); run the backward first, or clone the tensor before changing it"
-            )
 
 
 class _ScheduleFunction(torch.autograd.Function):
@@ -789,8 +768,8 @@ class _ScheduleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
         run: _Run = ctx.run
-        _check_backward(run.done)
-        _check_unchanged(ctx.watched)
+        check_backward(run.done)
+        check_unchanged(ctx.watched)
         count = ctx.count
         nexts = ctx.next_functions  # a new tuple at every access
         needed = [

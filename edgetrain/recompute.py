@@ -84,6 +84,32 @@ def recomputing(state: RngState, modules: list[nn.Module]) -> Iterator[None]:
         set_rng_state(outer)
 
 
+def check_backward(done: bool) -> None:
+    """Refuse a second backward through a step (``done``) and double backward, with the
+    contract's messages (``Checkpointed`` keeps nothing for either)."""
+    if done:
+        raise RuntimeError(
+            "Checkpointed: backward through the same step twice; its saved state is freed "
+            "after the first backward (retain_graph is not supported)"
+        )
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "Checkpointed does not support double backward (create_graph=True, e.g. a "
+            "gradient penalty); compute it on the model without Checkpointed"
+        )
+
+
+def check_unchanged(watched: list[tuple[torch.Tensor, int]]) -> None:
+    """Refuse to go on when a tensor of ``(tensor, version)`` changed in place since then."""
+    for tensor, version in watched:
+        if tensor._version != version:
+            raise RuntimeError(
+                "Checkpointed: an input or parameter of this step was modified in place "
+                "between its forward and its backward (e.g. optimizer.step() before "
+                "backward); run the backward first, or clone the tensor before changing it"
+            )
+
+
 class GraphRunModule(nn.Sequential):
     """Consecutive stages run as one autograd graph (a :class:`~edgetrain.schedule.GraphRun`).
 
@@ -157,23 +183,8 @@ class _Recipe:
         """The output, computed on first use; dropped here once every saved use has read it."""
         value = self.value
         if value is None:
-            if self.held is None:
-                raise RuntimeError(
-                    "Checkpointed: backward through the same step twice; its rebuilt "
-                    "activations are freed after the first backward (retain_graph is not "
-                    "supported)"
-                )
-            if torch.is_grad_enabled():
-                raise RuntimeError(
-                    "Checkpointed does not support double backward (create_graph=True, e.g. a "
-                    "gradient penalty); compute it on the model without Checkpointed"
-                )
-            if any(t._version != version for t, version in self.versions):
-                raise RuntimeError(
-                    "Checkpointed: an input or parameter of this step was modified in place "
-                    "between its forward and its backward (e.g. optimizer.step() before "
-                    "backward); run the backward first, or clone the tensor before changing it"
-                )
+            check_backward(self.held is None)
+            check_unchanged(self.versions)
             unpack = (lambda t: t) if self.outer is None else self.outer[1]
             x = tree_unflatten([unpack(t) if tensor else t for tensor, t in self.held], self.spec)
             self.held = None
