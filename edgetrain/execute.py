@@ -351,6 +351,7 @@ class Checkpointed(nn.Module):
             chosen.pop()
         if chosen:
             self._costs = costs(chosen)
+        first, plan = merged_schedule(schedule, chosen)
         spans = [(run.first, run.last) for run in chosen]
         if spans == [(0, self.chain.length - 1)] and chosen[0].recomputed:
             # One graph for the whole model: plain autograd runs it (as a store-all plan runs
@@ -358,14 +359,13 @@ class Checkpointed(nn.Module):
             peaks = graph_step_peaks(_modules(self._stages, chosen)[0], sample)
             if peaks is not None:
                 one = replace(self.chain, stages=(as_one[chosen[0]],), autograd_peak_bytes=peaks)
-                plan = merged_schedule(schedule, chosen)[1]
                 direct = {
                     e: replace(c, peak_bytes=simulate(one, plan, grads_exist=e).peak_bytes)
                     for e, c in self._costs.items()
                 }
                 if all(c.peak_bytes <= allowed[e] for e, c in direct.items()):
                     self._costs, self._one_graph = direct, True
-        return chosen, *merged_schedule(schedule, chosen)
+        return chosen, first, plan
 
     @property
     def grads_exist(self) -> bool:

@@ -126,6 +126,8 @@ class GraphRunModule(nn.Sequential):
     def __init__(self, stages: list[nn.Module], recomputed: frozenset[int]) -> None:
         super().__init__(*stages)
         self.recomputed = recomputed
+        # Whose buffers a rebuild copies (see recomputing), found once, not at every rebuild.
+        self._submodules = {k: list(stages[k].modules()) for k in recomputed}
 
     def extra_repr(self) -> str:
         return f"recomputed={sorted(self.recomputed)}"
@@ -148,7 +150,7 @@ class GraphRunModule(nn.Sequential):
                     x = stage(x)
                     hooks.made = {}  # only the next stage's graph releases a recipe's output
                     continue
-                recipe = _Recipe(stage, x, hooks.outer)
+                recipe = _Recipe(stage, self._submodules[position], x, hooks.outer)
                 x = stage(x)
                 hooks.made = {
                     storage_key(t): (recipe, i, t._version)
@@ -161,8 +163,10 @@ class GraphRunModule(nn.Sequential):
 class _Recipe:
     """How to compute a stage's output again, and the output while the backward needs it."""
 
-    def __init__(self, module: nn.Module, x: Any, outer: tuple[Any, Any] | None) -> None:
-        self.module = module
+    def __init__(
+        self, module: nn.Module, submodules: list[nn.Module], x: Any, outer: tuple[Any, Any] | None
+    ) -> None:
+        self.module, self.submodules = module, submodules
         self.rng = rng_state()
         self.autocast = autocast_state()
         flat, self.spec = tree_flatten(x)
@@ -188,8 +192,8 @@ class _Recipe:
             unpack = (lambda t: t) if self.outer is None else self.outer[1]
             x = tree_unflatten([unpack(t) if tensor else t for tensor, t in self.held], self.spec)
             self.held = None
-            modules = list(self.module.modules())
-            with torch.no_grad(), recomputing(self.rng, modules), autocasting(self.autocast):
+            rebuild = recomputing(self.rng, self.submodules)
+            with torch.no_grad(), rebuild, autocasting(self.autocast):
                 value = leaves(self.module(x))
             del x
             self.value = value
