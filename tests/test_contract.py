@@ -771,6 +771,21 @@ def _released_plan(length, pairs):
     return Schedule.from_ops(length, ops)
 
 
+def _stages_with(net, kind):
+    """The stages of ``net`` that run a module of type ``kind``."""
+    return [k for k, stage in enumerate(net._stages) if kind in {type(m) for m in stage.modules()}]
+
+
+def _silus_rebuilt(model, x):
+    """``model`` under a plan that rebuilds every SiLU's output for the stage after it, with
+    room in the budget: one graph end to end, run by plain autograd."""
+    probe = Checkpointed(copy.deepcopy(model), x)
+    schedule = _released_plan(probe.chain.length, set(_stages_with(probe, nn.SiLU)))
+    run = Checkpointed(model, x, chain=probe.chain, schedule=schedule, memory_budget="64MB")
+    assert run._one_graph
+    return run
+
+
 @BOTH_LOOPS
 @pytest.mark.parametrize("budget", [None, "64MB"])
 def test_rebuilt_outputs_run_in_one_graph_train_exactly_and_hold_what_they_predict(
@@ -787,10 +802,8 @@ def test_rebuilt_outputs_run_in_one_graph_train_exactly_and_hold_what_they_predi
     model, x = NormDropMLP(), torch.randn(32, 24)
     probe = Checkpointed(copy.deepcopy(model), x)
     chain = probe.chain
-    kinds = [{type(m) for m in stage.modules()} for stage in probe._stages]
-    norms = [k for k, got in enumerate(kinds) if nn.BatchNorm1d in got]
-    drops = [k for k, got in enumerate(kinds) if nn.Dropout in got]
-    silus = [k for k, got in enumerate(kinds) if nn.SiLU in got]
+    norms, drops = _stages_with(probe, nn.BatchNorm1d), _stages_with(probe, nn.Dropout)
+    silus = _stages_with(probe, nn.SiLU)
     assert len(norms) == len(drops) == len(silus) == 2
     # Rebuilt: the first block's BatchNorm and SiLU, the second block's Dropout.
     schedule = _released_plan(chain.length, {norms[0], silus[0], drops[1]})
@@ -832,14 +845,7 @@ def test_one_graph_plans_keep_the_callers_saved_tensor_hooks_and_refuse_disabled
     (each packed tensor unpacked once, the gradients unchanged); with the hooks disabled the
     step stops with one line saying why."""
     model, x = NormDropMLP(), torch.randn(32, 24)
-    probe = Checkpointed(copy.deepcopy(model), x)
-    kinds = [{type(m) for m in stage.modules()} for stage in probe._stages]
-    silus = {k for k, got in enumerate(kinds) if nn.SiLU in got}
-    schedule = _released_plan(probe.chain.length, silus)
-    run = Checkpointed(
-        copy.deepcopy(model), x, chain=probe.chain, schedule=schedule, memory_budget="64MB"
-    )
-    assert run._one_graph
+    run = _silus_rebuilt(copy.deepcopy(model), x)
     reference = copy.deepcopy(model)
     torch.manual_seed(1)
     reference(x).square().sum().backward()
@@ -870,12 +876,7 @@ def test_one_graph_plans_keep_the_callers_saved_tensor_hooks_and_refuse_disabled
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_a_one_graph_plan_refuses_a_second_and_a_double_backward_before_any_gradient():
     model, x = NormDropMLP(), torch.randn(32, 24, requires_grad=True)
-    probe = Checkpointed(copy.deepcopy(model), x)
-    kinds = [{type(m) for m in stage.modules()} for stage in probe._stages]
-    silus = {k for k, got in enumerate(kinds) if nn.SiLU in got}
-    schedule = _released_plan(probe.chain.length, silus)
-    run = Checkpointed(model, x, chain=probe.chain, schedule=schedule, memory_budget="64MB")
-    assert run._one_graph
+    run = _silus_rebuilt(model, x)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(run(x).sum(), x, create_graph=True)
     loss = run(x).sum()
