@@ -84,6 +84,9 @@ from edgetrain.schedule import Cost, Schedule, simulate
 MiB = 2**20
 COMPILE_BUDGETS = (1.0, 0.5, 0.3, 0.1)
 EDGETRAIN_BUDGETS = (1.0, 0.7, 0.5, 0.3)  # fractions of plain autograd's measured peak
+# The executor's own cost per stage it runs, Python and autograd: 60-95 µs measured by
+# ``executor_overhead.py --per-stage``; a plan run as one graph pays it once.
+STAGE_SECONDS = 75e-6
 # name: (batch, size) — size is the image side, or the sequence length for tinylm.
 DEFAULT_MODELS = {
     "resnet50-module": (4, 128),
@@ -195,10 +198,17 @@ class Edgetrain:
 
         return made_for(plan(self.planning, "optimal", memory=heap_bytes), self.chain)
 
-    def checkpointed(self, schedule: Schedule) -> Any:
-        """A ``Checkpointed`` copy of the model running ``schedule``."""
+    def checkpointed(self, schedule: Schedule, target: int | None = None) -> Any:
+        """A ``Checkpointed`` copy of the model running ``schedule``; ``target``: the step peak
+        (bytes) the plan was searched for (:func:`_fit`), up to which the executor may run
+        stages as one graph that holds a little more than the plan (else the planner's budget)."""
         from edgetrain.execute import Checkpointed
 
+        if target is not None:
+            params = {**schedule.params, "budget_bytes": target}
+            schedule = Schedule(
+                schedule.length, schedule.kinds, schedule.indices, schedule.strategy, params
+            )
         return Checkpointed(copy.deepcopy(self.base), self.x, chain=self.chain, schedule=schedule)
 
     def net(self, heap_bytes: int) -> Any:
@@ -364,7 +374,7 @@ def bench_model(
             add_net(config, net, heap)
             return True
 
-        known: dict[str, tuple[Schedule, int, int]] = {}  # every plan measured: see _fit
+        known: dict[str, tuple[Schedule, int, int, int]] = {}  # every plan measured: see _fit
 
         def add_net(config: str, net: Any, heap: int) -> None:
             planned[config] = heap
@@ -453,7 +463,7 @@ def _fit(
     edgetrain: Edgetrain,
     target: int,
     peak_of: Callable[[Any], int],
-    known: dict[str, tuple[Schedule, int, int]],
+    known: dict[str, tuple[Schedule, int, int, int]],
     probes: int = 10,
 ) -> tuple[Any, int]:
     """The fastest plan whose measured heap peak is within ``target`` bytes: (its
@@ -471,8 +481,11 @@ def _fit(
     either; then bisection between the highest budget whose plan fits and the lowest above it
     whose plan does not, or, while none fits, the middle of the widest interval between budgets
     tried; at most ``probes`` budgets, down to 0.25 MiB apart. ``known`` (plan
-    text -> (``Checkpointed``, heap budget, measured peak)): plans measured before, candidates
-    too; the plans measured here are added to it.
+    text -> (plan, heap budget, measured peak, stages the executor runs)): plans measured
+    before, candidates too; the plans measured here are added to it. Each plan runs with
+    ``target`` as the budget it was made for, so that the executor may run its stages as one
+    graph up to it (:meth:`Edgetrain.checkpointed`); the fastest plan is the one whose predicted
+    time plus :data:`STAGE_SECONDS` per stage the executor runs is least.
     """
     least = edgetrain.least_bytes()
     fits: dict[int, bool] = {}  # budget tried -> whether its plan fits
@@ -488,10 +501,12 @@ def _fit(
             # Only the plan is kept: a model copy per probe grew the heap, and glibc's
             # mallinfo2, which the sampler calls, walks it holding the allocator's lock,
             # slowing every later step (probes 4 s apart at first, 85 s by the seventh).
-            known[text] = (schedule, budget, peak_of(edgetrain.checkpointed(schedule)))
+            net = edgetrain.checkpointed(schedule, target)
+            known[text] = (schedule, budget, peak_of(net), net._exec_length)
+            del net
             gc.collect()
             release_free_memory()
-        schedule, _, peak = known[text]
+        schedule, _, peak, _ = known[text]
         fits[budget] = fitting(schedule, peak)
         predicted = edgetrain.predicted(schedule).peak_bytes
         _progress(
@@ -521,10 +536,13 @@ def _fit(
             probe((low + high) // 2)
     candidates = [v for v in known.values() if fitting(v[0], v[2])]
     if candidates:
-        schedule, heap, _ = min(candidates, key=lambda v: edgetrain.predicted(v[0]).seconds)
+        # The plan's compute, and the executor's own cost per stage it runs (one graph: one).
+        schedule, heap, _, _ = min(
+            candidates, key=lambda v: edgetrain.predicted(v[0]).seconds + STAGE_SECONDS * v[3]
+        )
     else:
-        schedule, heap, _ = min(known.values(), key=lambda v: v[2])
-    return edgetrain.checkpointed(schedule), heap
+        schedule, heap, _, _ = min(known.values(), key=lambda v: v[2])
+    return edgetrain.checkpointed(schedule, target), heap
 
 
 def _describe(net: Any, edgetrain: Edgetrain | None) -> str:

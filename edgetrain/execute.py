@@ -276,7 +276,7 @@ class Checkpointed(nn.Module):
         peak and within the budget a given plan was made for. The plan's :attr:`cost` is then
         that of the stages as they run. Only runs that ``owns`` (no stage outside uses their
         parameters: see :func:`_own_params`) are merged."""
-        runs = [run for run in runs if owns(run) or run.recomputed]
+        runs = [run for run in runs if owns(run) or run.rebuilds]
         if not runs:
             return [], *merged_schedule(schedule, [])
         as_one: dict[GraphRun, Stage] = {}  # each run's stage, sized as it runs
@@ -324,9 +324,9 @@ class Checkpointed(nn.Module):
         whole = [run for run in runs if owns(run)]
         size(whole)
         chosen = [run for run in whole if fit(run)]
-        # A run that does not fit whole: without the recomputed pairs that do not fit alone
+        # A run that does not fit whole: without the pairs and segments that do not fit alone
         # (one graph may hold more of a pair: a Dropout's mask), else as stored parts.
-        rest = [run for run in runs if run.recomputed and run not in chosen]
+        rest = [run for run in runs if run.rebuilds and run not in chosen]
         pairs = [pair for run in rest for pair in run.pairs()]
         size(pairs)
         pieces = [
@@ -341,7 +341,7 @@ class Checkpointed(nn.Module):
             part
             for piece in pieces
             if not fit(piece)
-            for part in piece.without(piece.recomputed)
+            for part in piece.without(piece.rebuilds)
             if owns(part)
         ]
         size(parts)
@@ -353,7 +353,7 @@ class Checkpointed(nn.Module):
             self._costs = costs(chosen)
         first, plan = merged_schedule(schedule, chosen)
         spans = [(run.first, run.last) for run in chosen]
-        if spans == [(0, self.chain.length - 1)] and chosen[0].recomputed:
+        if spans == [(0, self.chain.length - 1)] and chosen[0].rebuilds:
             # One graph for the whole model: plain autograd runs it (as a store-all plan runs
             # the module), its step measured as it runs; if that fits too.
             peaks = graph_step_peaks(_modules(self._stages, chosen)[0], sample)
@@ -543,7 +543,8 @@ def _modules(stages: list[nn.Module], runs: list[GraphRun]) -> list[nn.Module]:
             k += 1
             continue
         recomputed = frozenset(j - run.first for j in run.recomputed)
-        modules.append(GraphRunModule(stages[run.first : run.last + 1], recomputed))
+        segments = frozenset((i - run.first, j - run.first) for i, j in run.checkpointed)
+        modules.append(GraphRunModule(stages[run.first : run.last + 1], recomputed, segments))
         k = run.last + 1
     return modules
 

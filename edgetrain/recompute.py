@@ -12,12 +12,13 @@ is the same) and under the autocast state of the forward.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
 
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import storage_key
@@ -119,21 +120,37 @@ class GraphRunModule(nn.Sequential):
     computes the output again, once, when it first reads it, and frees it when the last
     operation that saved it has read it (what the plan's ``Fc k, Fr k+1`` and ``Fa k`` again
     before ``B k+1`` do, without building stage ``k``'s graph twice). The recipe's input is held
-    as a saved tensor of the graph (through the caller's saved-tensor hooks, if any). Without
-    grad, the stages just run.
+    as a saved tensor of the graph (through the caller's saved-tensor hooks, if any).
+
+    Each segment ``(i, j)`` of ``checkpointed`` positions runs under
+    :func:`torch.utils.checkpoint.checkpoint` (non-reentrant): its input is held (as a saved
+    tensor, through the hooks above), and what its operations save is computed again, all of
+    it, when the backward first reads any of it (the plan's ``Fc i, Fn i+1 .. Fn j``, then
+    ``Fa i .. Fa j`` before ``B j``), replaying the random-number state the segment saw, on
+    copies of its buffers (:func:`recomputing`: BatchNorm's statistics are updated once).
+    Without grad, the stages just run.
     """
 
-    def __init__(self, stages: list[nn.Module], recomputed: frozenset[int]) -> None:
+    def __init__(
+        self,
+        stages: list[nn.Module],
+        recomputed: frozenset[int],
+        checkpointed: frozenset[tuple[int, int]] = frozenset(),
+    ) -> None:
         super().__init__(*stages)
         self.recomputed = recomputed
+        self.checkpointed = dict(checkpointed)
         # Whose buffers a rebuild copies (see recomputing), found once, not at every rebuild.
         self._submodules = {k: list(stages[k].modules()) for k in recomputed}
+        for i, j in checkpointed:
+            self._submodules[i] = [m for stage in stages[i : j + 1] for m in stage.modules()]
 
     def extra_repr(self) -> str:
-        return f"recomputed={sorted(self.recomputed)}"
+        segments = sorted(self.checkpointed.items())
+        return f"recomputed={sorted(self.recomputed)}, checkpointed={segments}"
 
     def forward(self, x: Any) -> Any:
-        if not torch.is_grad_enabled() or not self.recomputed:
+        if not torch.is_grad_enabled() or not (self.recomputed or self.checkpointed):
             for stage in self:
                 x = stage(x)
             return x
@@ -144,20 +161,53 @@ class GraphRunModule(nn.Sequential):
                 "(torch.autograd.graph.disable_saved_tensors_hooks); run the step outside it"
             )
         hooks = _Recipes(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        stages = list(self)
         with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-            for position, stage in enumerate(self):
+            position = 0
+            while position < len(stages):
+                end = self.checkpointed.get(position)
+                if end is not None:
+                    segment = stages[position : end + 1]
+                    x = self._checkpointed(segment, self._submodules[position], x)
+                    hooks.made = {}
+                    position = end + 1
+                    continue
+                stage = stages[position]
                 if position not in self.recomputed:
                     x = stage(x)
                     hooks.made = {}  # only the next stage's graph releases a recipe's output
+                    position += 1
                     continue
                 recipe = _Recipe(stage, self._submodules[position], x, hooks.outer)
+                hooks.own = []
                 x = stage(x)
                 hooks.made = {
                     storage_key(t): (recipe, i, t._version)
                     for i, t in enumerate(leaves(x))
                     if t.layout is torch.strided
                 }
+                hooks.settle()
+                position += 1
         return x
+
+    @staticmethod
+    def _checkpointed(segment: list[nn.Module], submodules: list[nn.Module], x: Any) -> Any:
+        """``segment``'s stages on ``x`` under non-reentrant checkpointing (the input's tensors
+        passed as arguments, so that checkpoint saves them as tensors)."""
+        flat, spec = tree_flatten(x)
+
+        def run(*args: Any) -> Any:
+            y = tree_unflatten(list(args), spec)
+            for stage in segment:
+                y = stage(y)
+            return y
+
+        def contexts() -> tuple[Any, Any]:
+            return nullcontext(), recomputing(rng_state(), submodules)
+
+        return checkpoint(
+            run, *flat, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
+        )
 
 
 class _Recipe:
@@ -192,6 +242,7 @@ class _Recipe:
             unpack = (lambda t: t) if self.outer is None else self.outer[1]
             x = tree_unflatten([unpack(t) if tensor else t for tensor, t in self.held], self.spec)
             self.held = None
+            self.versions = []  # it holds the input too, which the rebuild frees
             rebuild = recomputing(self.rng, self.submodules)
             with torch.no_grad(), rebuild, autocasting(self.autocast):
                 value = leaves(self.module(x))
@@ -213,16 +264,35 @@ class _Rebuilt:
         self.size, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
 
 
+class _Box:
+    """A tensor saved by a recomputed stage's own operations while it runs: settled when the
+    stage has returned, as a :class:`_Rebuilt` if it is the stage's output, else as saved."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 class _Recipes:
     """The saved-tensor hooks of a :class:`GraphRunModule`: a tensor of a recipe's output that
-    the next stage saves becomes a :class:`_Rebuilt`; everything else goes to the caller's
-    hooks (``outer``), or is kept as autograd would."""
+    the next stage saves, or that the recomputed stage's own operations save (an attention's
+    or a ReLU's output, which their backward reads), becomes a :class:`_Rebuilt`; everything
+    else goes to the caller's hooks (``outer``), or is kept as autograd would."""
 
     def __init__(self, outer: tuple[Any, Any] | None) -> None:
         self.outer = outer
         self.made: dict[int, tuple[_Recipe, int, int]] = {}
+        self.own: list[tuple[_Box, int]] | None = None  # while a recomputed stage runs
 
     def pack(self, t: torch.Tensor) -> Any:
+        if self.own is not None:
+            box = _Box(t)
+            self.own.append((box, t._version))
+            return box
+        return self._pack(t)
+
+    def _pack(self, t: torch.Tensor) -> Any:
         if self.made and t.layout is torch.strided:
             hit = self.made.get(storage_key(t))
             if hit is not None and t._version == hit[2]:
@@ -230,7 +300,20 @@ class _Recipes:
                 return _Rebuilt(hit[0], hit[1], t)
         return t if self.outer is None else self.outer[0](t)
 
+    def settle(self) -> None:
+        """Settle what the recomputed stage that just ran saved (``made`` is its output):
+        what it saved of its output, unchanged since, is rebuilt like the next stage's."""
+        own, self.own = self.own or [], None
+        for box, version in own:
+            t = box.value
+            box.value = self._pack(t) if t._version == version else self.outer_pack(t)
+
+    def outer_pack(self, t: torch.Tensor) -> Any:
+        return t if self.outer is None else self.outer[0](t)
+
     def unpack(self, saved: Any) -> torch.Tensor:
+        if type(saved) is _Box:
+            saved = saved.value
         if type(saved) is not _Rebuilt:
             return saved if self.outer is None else self.outer[1](saved)  # type: ignore[no-any-return]
         value = saved.recipe.take()

@@ -202,9 +202,12 @@ def _spans(runs):
 def test_graph_runs_are_the_stages_stored_as_plain_autograd_would():
     assert graph_runs(store_all(uniform_chain(5))) == (GraphRun(0, 4),)
     F, B, C = Op.FORWARD_ALL, Op.BACKWARD, Op.FORWARD_CHECKPOINT
-    # Stage 0 is checkpointed and recomputed (its output not released): only 1..3 are stored.
+    # Stage 0 is checkpointed and recomputed just before its backward: a segment of one stage.
     ops = [(C, 0), (F, 1), (F, 2), (F, 3), (B, 3), (B, 2), (B, 1), (F, 0), (B, 0)]
-    assert graph_runs(Schedule.from_ops(4, ops)) == (GraphRun(1, 3),)
+    assert graph_runs(Schedule.from_ops(4, ops)) == (GraphRun(0, 3, checkpointed={(0, 0)}),)
+    # Recomputed earlier than that, it is no unit: only 1..3 are stored.
+    ops = [(C, 0), (F, 1), (F, 2), (F, 3), (B, 3), (F, 0), (B, 2), (B, 1), (B, 0)]
+    assert graph_runs(Schedule.from_ops(4, ops)) == (GraphRun(1, 2),)
     # An operation between two forwards, or on the activation between two stages, splits a run.
     ops = [(F, 0), (F, 1), (Op.PAGE_OUT, 2), (F, 2), (F, 3), (Op.PAGE_IN, 2)]
     ops += [(B, 3), (B, 2), (B, 1), (B, 0)]
@@ -232,33 +235,62 @@ def test_graph_runs_take_in_stages_whose_output_is_released_and_rebuilt():
     assert graph_runs(Schedule.from_ops(3, ops)) == ()
 
 
-def _valid_run(schedule, first, last, recomputed):
+def _valid_run(schedule, first, last, recomputed, segments=frozenset()):
     """Checked from the definition, apart from graph_runs' own code: the run's operations are
-    exactly its units' (Fa; or Fc k, Fr k+1), adjacent in the forward, and their backwards
-    (B; or Fa k, B k+1, B k) adjacent in reverse, with no activation inside it named."""
+    exactly its units' (Fa; Fc k, Fr k+1; or Fc i, Fn i+1 .. Fn j), adjacent in the forward,
+    and their backwards (B; Fa k, B k+1, B k; or Fa i .. Fa j, perhaps D j+1, B j .. B i)
+    adjacent in reverse, with no activation inside it named (but a segment's D j+1)."""
+    segs = dict(segments)
+    in_segment = {k for i, j in segs.items() for k in range(i, j + 1)}
     if first >= last or any(not first <= k < last for k in recomputed):
         return False
-    if any(k + 1 in recomputed for k in recomputed):
+    if any(not first <= i <= j <= last for i, j in segs.items()):
         return False
-    forward = [
-        Op.FORWARD_CHECKPOINT
-        if k in recomputed
-        else Op.FORWARD_RELEASE
-        if k - 1 in recomputed
-        else Op.FORWARD_ALL
-        for k in range(first, last + 1)
-    ]
-    backward = []
-    for k in range(last, first - 1, -1):
+    paired = set(recomputed) | {k + 1 for k in recomputed}
+    if len(paired) != 2 * len(recomputed) or paired & in_segment:
+        return False
+    if sum(j - i + 1 for i, j in segs.items()) != len(in_segment):
+        return False
+    ops = list(schedule)
+    forward = []
+    for k in range(first, last + 1):
+        if k in segs or k in recomputed:
+            forward.append(Op.FORWARD_CHECKPOINT)
+        elif k in in_segment:
+            forward.append(Op.FORWARD_NOSAVE)
+        elif k - 1 in recomputed:
+            forward.append(Op.FORWARD_RELEASE)
+        else:
+            forward.append(Op.FORWARD_ALL)
+    ends = {j: i for i, j in segs.items()}
+    backward, absorbed = [], set()
+    k = last
+    while k >= first:
+        if k in ends:
+            i = ends[k]
+            backward += [(Op.FORWARD_ALL, m) for m in range(i, k + 1)]
+            at = [p for p, op in enumerate(ops) if op == (Op.FORWARD_ALL, k)]
+            if at and at[0] + 1 < len(ops) and ops[at[0] + 1] == (Op.DISCARD, k + 1):
+                backward.append((Op.DISCARD, k + 1))
+                absorbed.add(at[0] + 1)
+            backward += [(Op.BACKWARD, m) for m in range(k, i - 1, -1)]
+            k = i - 1
+            continue
         if k - 1 in recomputed:
             backward.append((Op.FORWARD_ALL, k - 1))
         backward.append((Op.BACKWARD, k))
-    inner = set(range(first + 1, last + 1)) | ({first} if first in recomputed else set())
+        k -= 1
+    rebuilt_first = first in recomputed or first in segs
+    inner = set(range(first + 1, last + 1))
+    named_kinds = (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN)
+    held = [p for p, (kind, k) in enumerate(ops) if kind not in named_kinds and k == first]
     mine = [
         (position, kind, k)
-        for position, (kind, k) in enumerate(schedule)
-        if (kind in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN) and k in inner)
-        or (kind not in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN) and first <= k <= last)
+        for position, (kind, k) in enumerate(ops)
+        if position in absorbed
+        or (kind in named_kinds and k in inner)
+        or (kind in named_kinds and rebuilt_first and k == first and held[0] < position < held[-1])
+        or (kind not in named_kinds and first <= k <= last)
     ]
     expected = list(zip(forward, range(first, last + 1), strict=True)) + backward
     if [(kind, k) for _, kind, k in mine] != expected:
@@ -274,6 +306,7 @@ def _valid_run(schedule, first, last, recomputed):
 @settings(max_examples=60, deadline=None)
 def test_graph_runs_of_planned_schedules_are_maximal_and_sound(chain):
     plain = simulate(chain, store_all(chain)).peak_bytes
+    n = chain.length
     for fraction in (1.0, 0.8, 0.6, 0.4, 0.25):
         try:
             schedule = plan(chain, "optimal", memory=fraction * plain)
@@ -282,19 +315,26 @@ def test_graph_runs_of_planned_schedules_are_maximal_and_sound(chain):
         runs = graph_runs(schedule)
         assert all(a.last < b.first for a, b in itertools.pairwise(runs))
         for run in runs:
-            assert _valid_run(schedule, run.first, run.last, run.recomputed)
-            # Maximal: neither the unit before nor the one after joins it.
-            for extra in (set(), {run.first - 2}):
-                before = min(extra | {run.first - 1})
-                assert not _valid_run(schedule, before, run.last, run.recomputed | extra)
-            for extra in (set(), {run.last + 1}):
-                after = max({run.last + 1} | {k + 1 for k in extra})
-                assert not _valid_run(schedule, run.first, after, run.recomputed | extra)
+            assert _valid_run(schedule, run.first, run.last, run.recomputed, run.checkpointed)
+            # Maximal: no unit before it (a stage, a pair, a segment) nor after it joins it.
+            before = [(run.first - 1, set(), set()), (run.first - 2, {run.first - 2}, set())]
+            before += [(i, set(), {(i, run.first - 1)}) for i in range(run.first)]
+            for start, pair, segment in before:
+                assert not _valid_run(
+                    schedule, start, run.last, run.recomputed | pair, run.checkpointed | segment
+                )
+            after = [(run.last + 1, set(), set()), (run.last + 2, {run.last + 1}, set())]
+            after += [(j, set(), {(run.last + 1, j)}) for j in range(run.last + 1, n)]
+            for end, pair, segment in after:
+                assert not _valid_run(
+                    schedule, run.first, end, run.recomputed | pair, run.checkpointed | segment
+                )
         covered = {k for run in runs for k in range(run.first, run.last + 1)}
-        for k in range(chain.length - 1):  # no run of two stages left out
+        for k in range(n - 1):  # no run of two stages left out
             if k not in covered and k + 1 not in covered:
                 assert not _valid_run(schedule, k, k + 1, set())
                 assert not _valid_run(schedule, k, k + 1, {k})
+                assert not _valid_run(schedule, k, k + 1, set(), {(k, k + 1)})
 
 
 def test_merged_schedule_renumbers_a_plan_onto_its_merged_runs():
@@ -328,3 +368,50 @@ def test_a_graph_run_without_some_of_its_pairs_leaves_the_runs_between_them():
     assert run.without(set()) == (run,)
     # A single stage left between two pairs is no run.
     assert GraphRun(0, 4, frozenset({0, 3})).without({0, 3}) == ()
+
+
+def test_graph_runs_take_in_checkpointed_segments():
+    F, B, C, N, D = (
+        Op.FORWARD_ALL,
+        Op.BACKWARD,
+        Op.FORWARD_CHECKPOINT,
+        Op.FORWARD_NOSAVE,
+        Op.DISCARD,
+    )
+    # Stages 1..3 run without their graphs, from 1's input, and again with them (what
+    # torch.utils.checkpoint does); the output of 3 they compute again is dropped (D 4).
+    ops = [(F, 0), (C, 1), (N, 2), (N, 3), (F, 4), (B, 4)]
+    ops += [(F, 1), (F, 2), (F, 3), (D, 4), (B, 3), (B, 2), (B, 1), (B, 0)]
+    schedule = Schedule.from_ops(5, ops)
+    run = GraphRun(0, 4, checkpointed=frozenset({(1, 3)}))
+    assert graph_runs(schedule) == (run,)
+    assert _valid_run(schedule, 0, 4, set(), {(1, 3)})
+    # As one stage: the D goes with the segment's operations.
+    first, merged = merged_schedule(schedule, [run])
+    assert first == [0] and list(merged) == [(F, 0), (B, 0)]
+    # Without the D, the same segment.
+    ops.remove((D, 4))
+    assert graph_runs(Schedule.from_ops(5, ops)) == (run,)
+    # A nested recomputation inside (Fc 2 in the backward) is no segment: 1..3 split the run.
+    ops = [(F, 0), (C, 1), (N, 2), (N, 3), (F, 4), (B, 4)]
+    ops += [(F, 1), (C, 2), (F, 3), (B, 3), (F, 2), (B, 2), (B, 1), (B, 0)]
+    assert graph_runs(Schedule.from_ops(5, ops)) == ()
+    # A D on an activation inside the segment, other than its own, splits the run too.
+    ops = [(F, 0), (C, 1), (N, 2), (N, 3), (F, 4), (B, 4)]
+    ops += [(F, 1), (F, 2), (D, 2), (F, 3), (B, 3), (B, 2), (B, 1), (B, 0)]
+    assert graph_runs(Schedule.from_ops(5, ops)) == ()
+
+
+def test_a_graph_run_without_its_segments_leaves_the_runs_between_them():
+    run = GraphRun(0, 12, frozenset({1}), frozenset({(4, 7), (10, 10)}))
+    assert run.rebuilds == {1, 4, 10}
+    assert run.pairs() == (
+        GraphRun(1, 2, frozenset({1})),
+        GraphRun(4, 7, checkpointed=frozenset({(4, 7)})),
+    )
+    assert run.without({4}) == (
+        GraphRun(0, 3, frozenset({1})),
+        GraphRun(8, 12, checkpointed=frozenset({(10, 10)})),
+    )
+    # 0 and 3 are left alone, no run.
+    assert run.without(run.rebuilds) == (GraphRun(8, 9), GraphRun(11, 12))
