@@ -72,6 +72,7 @@ from _malloc_peak import malloc_peak, release_free_memory
 
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import EdgetrainError, InfeasibleBudget
+from edgetrain.execute import STAGE_SECONDS
 from edgetrain.measure import StorageCounter
 from edgetrain.models import build, canonical_name, sample_input
 from edgetrain.models.mobilenetv2 import InvertedResidual
@@ -84,9 +85,6 @@ from edgetrain.schedule import Cost, Schedule, simulate
 MiB = 2**20
 COMPILE_BUDGETS = (1.0, 0.5, 0.3, 0.1)
 EDGETRAIN_BUDGETS = (1.0, 0.7, 0.5, 0.3)  # fractions of plain autograd's measured peak
-# The executor's own cost per stage it runs, Python and autograd: 60-95 µs measured by
-# ``executor_overhead.py --per-stage``; a plan run as one graph pays it once.
-STAGE_SECONDS = 75e-6
 # name: (batch, size) — size is the image side, or the sequence length for tinylm.
 DEFAULT_MODELS = {
     "resnet50-module": (4, 128),
@@ -388,7 +386,7 @@ def bench_model(
                 return
             add(config, net, list(net.module.parameters()))
             measure(config)
-            known.setdefault(text, (net.schedule, heap, peaks[config]))
+            known.setdefault(text, (net.schedule, heap, peaks[config], net._exec_length))
 
         for fraction in args.fractions:
             add_edgetrain(f"edgetrain@{fraction:g}", int(fraction * peaks["plain"]))
@@ -485,7 +483,7 @@ def _fit(
     before, candidates too; the plans measured here are added to it. Each plan runs with
     ``target`` as the budget it was made for, so that the executor may run its stages as one
     graph up to it (:meth:`Edgetrain.checkpointed`); the fastest plan is the one whose predicted
-    time plus :data:`STAGE_SECONDS` per stage the executor runs is least.
+    time plus :data:`~edgetrain.execute.STAGE_SECONDS` per stage the executor runs is least.
     """
     least = edgetrain.least_bytes()
     fits: dict[int, bool] = {}  # budget tried -> whether its plan fits

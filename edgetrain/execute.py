@@ -115,6 +115,13 @@ from edgetrain.stages import (
 from edgetrain.units import format_bytes, parse_bytes
 
 _NEW_SHAPE = ("replan", "error")
+STAGE_SECONDS = 75e-6
+"""The executor's own cost per stage it runs (Python and autograd: taps, hands, parameter
+leaves, an engine call), in seconds: 60-95 µs measured on this machine by
+``benchmarks/executor_overhead.py --per-stage``. A plan run as one graph pays it once."""
+ONE_GRAPH_TRIES = 2
+"""How many tighter plans :class:`Checkpointed` tries when its plan would run as one graph but
+holds a little more so than its memory budget allows."""
 MERGE_GROWTH = 0.01
 """Without a memory budget (``max_recompute``, or a given plan), how much a merge of stages
 into one graph may raise the plan's peak (a fraction of it). One graph may hold a little more:
@@ -198,19 +205,51 @@ class Checkpointed(nn.Module):
         self.chain = chain
         self._signature = signature(sample)
         self._shapes = shapes(sample)
-        if schedule is None:
-            # Shown only when planning takes more than a couple of seconds (long chains).
-            with progress.task(f"planning {self.chain.length} stages of {self.chain.name}"):
-                schedule = plan_for_device(
-                    self.chain,
-                    self.strategy,
-                    device_bytes=self._device,
-                    fixed_bytes=fixed_training_bytes(self.chain) + self.reserve_bytes,
-                    recompute=self._max_recompute,
-                    grads_exist=self.grads_exist,
-                )
-        else:
+        if schedule is not None:
             _check_made_for(schedule, self.chain)
+            self._adopt(schedule, sample)
+            return
+        planned = self._planned(self._device)
+        self._adopt(planned, sample)
+        excess = self._one_graph_excess
+        if self._device is None or excess is None:
+            return
+        # The plan is one graph run end to end but, as one graph, holds ``excess`` bytes more
+        # than the budget allows (a LayerNorm's statistics: the DP fills the budget): the plan
+        # for a budget less by that much may run as one graph, without the executor's cost per
+        # stage. Kept when its time and that cost come to less; else the first plan is rebuilt.
+        first = self.cost.seconds + STAGE_SECONDS * self._exec_length
+        device = self._device
+        for _ in range(ONE_GRAPH_TRIES):
+            # Less by at least 0.5 % of the room for activations: the planner's budgets are
+            # discrete, and the tighter plan may fill its own as closely.
+            device -= max(2 * excess, int(0.005 * (device - self.fixed_bytes)))
+            try:
+                tighter = self._planned(device)
+            except InfeasibleBudget:
+                break
+            self._adopt(tighter, sample)
+            if self._one_graph or self._one_graph_excess is None:
+                break
+            excess = self._one_graph_excess
+        if not self._one_graph or self.cost.seconds + STAGE_SECONDS > first:
+            self._adopt(planned, sample)
+
+    def _planned(self, device: int | None) -> Schedule:
+        """The planner's plan for a memory budget of ``device`` bytes (None: none)."""
+        # Shown only when planning takes more than a couple of seconds (long chains).
+        with progress.task(f"planning {self.chain.length} stages of {self.chain.name}"):
+            return plan_for_device(
+                self.chain,
+                self.strategy,
+                device_bytes=device,
+                fixed_bytes=fixed_training_bytes(self.chain) + self.reserve_bytes,
+                recompute=self._max_recompute,
+                grads_exist=self.grads_exist,
+            )
+
+    def _adopt(self, schedule: Schedule, sample: Any) -> None:
+        """Make ``schedule`` the plan: its costs, the stages as they run (runs merged)."""
         self.schedule = schedule
         try:
             self._costs = {
@@ -239,6 +278,7 @@ class Checkpointed(nn.Module):
         # can run as one graph, one stage: see graph_runs), the operations of each phase, and
         # the stages run more than once (only their random-number state is kept for a replay).
         self._one_graph = False  # the plan runs as one graph run by plain autograd (_merge)
+        self._one_graph_excess: int | None = None  # bytes over, when it could but does not fit
         merging = self._merge_graph_runs and not self._stores_everything
         runs = list(graph_runs(schedule)) if merging else []
         chosen, self._exec_first, executed = self._merge(
@@ -353,6 +393,11 @@ class Checkpointed(nn.Module):
             self._costs = costs(chosen)
         first, plan = merged_schedule(schedule, chosen)
         spans = [(run.first, run.last) for run in chosen]
+        ends = [(run.first, run.last) for run in whole]
+        if ends == [(0, self.chain.length - 1)] and whole[0].rebuilds and whole[0] in as_one:
+            # How much more than allowed the whole model as one graph holds (see _plan).
+            over = costs([whole[0]])
+            self._one_graph_excess = max(c.peak_bytes - allowed[e] for e, c in over.items())
         if spans == [(0, self.chain.length - 1)] and chosen[0].rebuilds:
             # One graph for the whole model: plain autograd runs it (as a store-all plan runs
             # the module), its step measured as it runs; if that fits too.
@@ -363,8 +408,11 @@ class Checkpointed(nn.Module):
                     e: replace(c, peak_bytes=simulate(one, plan, grads_exist=e).peak_bytes)
                     for e, c in self._costs.items()
                 }
+                self._one_graph_excess = max(c.peak_bytes - allowed[e] for e, c in direct.items())
                 if all(c.peak_bytes <= allowed[e] for e, c in direct.items()):
                     self._costs, self._one_graph = direct, True
+        if self._one_graph_excess is not None and self._one_graph_excess <= 0:
+            self._one_graph_excess = None
         return chosen, first, plan
 
     @property
