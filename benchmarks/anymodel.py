@@ -545,11 +545,12 @@ def _fit(
 
 def _describe(net: Any, edgetrain: Edgetrain | None) -> str:
     """The plan in a few words: store-all, or the whole step's predicted recompute factor and
-    peak (loss included)."""
+    peak (loss included), and how it runs (one graph, or how many stages the executor runs)."""
     if net._stores_everything:
         return "store-all"
     cost = edgetrain.predicted(net.schedule) if edgetrain is not None else net.cost
-    return f"rho {cost.recompute_factor:.2f}, pred {cost.peak_bytes / MiB:.1f}"
+    runs = "one graph" if net._one_graph else f"{net._exec_length} stages"
+    return f"rho {cost.recompute_factor:.2f}, pred {cost.peak_bytes / MiB:.1f}, {runs}"
 
 
 def _verdicts(label: str, rows: list[dict[str, Any]], budgets: list[float]) -> list[dict[str, Any]]:

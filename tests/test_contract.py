@@ -11,7 +11,7 @@ from torch import nn
 
 import edgetrain
 from edgetrain.errors import InvalidInput, InvalidSchedule
-from edgetrain.execute import Checkpointed, as_stages
+from edgetrain.execute import STAGE_SECONDS, Checkpointed, as_stages, fixed_training_bytes
 from edgetrain.measure import StorageCounter
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
@@ -994,3 +994,46 @@ def test_checkpointed_segments_run_in_one_graph_and_train_exactly(budget, set_to
     assert run.cost.recompute_factor == pytest.approx(
         simulate(probe.chain, schedule).recompute_factor, rel=1e-9
     )
+
+
+class NormGeluMLP(nn.Module):
+    """A user's pre-norm MLP blocks (LayerNorm, GELU, residual), the shape of a transformer's."""
+
+    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(depth))
+        self.up = nn.ModuleList(nn.Linear(dim, 4 * dim) for _ in range(depth))
+        self.down = nn.ModuleList(nn.Linear(4 * dim, dim) for _ in range(depth))
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, up, down in zip(self.norms, self.up, self.down, strict=True):
+            x = x + down(nn.functional.gelu(up(norm(x))))
+        return self.head(x)
+
+
+@BOTH_LOOPS
+def test_a_plan_one_graph_would_hold_a_little_over_budget_is_replanned_to_run_as_one(
+    set_to_none, monkeypatch
+):
+    """At a memory budget equal to a plan's own peak, the plan is one graph run end to end but,
+    as one graph, holds the LayerNorms' statistics too: Checkpointed takes the plan for a
+    slightly tighter budget, which runs as one graph, within the budget, training exactly."""
+    model, x = NormGeluMLP(), torch.randn(512, 32)
+    chain = analytic_chain(model, x)
+    fixed = fixed_training_bytes(chain)
+    plain = simulate(chain, store_all(chain), grads_exist=True).peak_bytes
+    loose = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=fixed + 0.6 * plain)
+    budget = fixed + simulate(chain, loose.schedule, grads_exist=True).peak_bytes
+    run = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=budget)
+    assert run._one_graph and run._exec_length == 1
+    assert fixed + run._costs[True].peak_bytes <= budget
+    _train_like_plain(model, x, run, set_to_none)
+    # Without the tighter plan: the budget's own plan, merged only in parts; it costs more, its
+    # time and the executor's cost per stage.
+    monkeypatch.setattr(edgetrain.execute, "ONE_GRAPH_TRIES", 0)
+    first = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=budget)
+    assert first.schedule.text() != run.schedule.text() and first._exec_length > 1
+    slower = first.cost.seconds + STAGE_SECONDS * first._exec_length
+    assert run.cost.seconds + STAGE_SECONDS <= slower
