@@ -120,8 +120,8 @@ STAGE_SECONDS = 75e-6
 leaves, an engine call), in seconds: 60-95 µs measured on this machine by
 ``benchmarks/executor_overhead.py --per-stage``. A plan run as one graph pays it once."""
 ONE_GRAPH_TRIES = 2
-"""How many tighter plans :class:`Checkpointed` tries when its plan would run as one graph but
-holds a little more so than its memory budget allows."""
+"""How many tighter plans :class:`Checkpointed` tries when its plan would run as one graph but,
+so run, holds a little more than its memory budget allows."""
 MERGE_GROWTH = 0.01
 """Without a memory budget (``max_recompute``, or a given plan), how much a merge of stages
 into one graph may raise the plan's peak (a fraction of it). One graph may hold a little more:
