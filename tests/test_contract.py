@@ -996,6 +996,22 @@ def test_checkpointed_segments_run_in_one_graph_and_train_exactly(budget, set_to
     )
 
 
+@BOTH_LOOPS
+def test_a_segment_and_a_released_pair_share_one_graph(set_to_none):
+    """The first block's BatchNorm..SiLU as a checkpointed segment, the second block's SiLU
+    output released from the Linear after it and rebuilt: one graph with both mechanisms,
+    training as plain autograd, peak as predicted."""
+    model, x = NormDropMLP(), torch.randn(32, 24)
+    probe = Checkpointed(copy.deepcopy(model), x)
+    norms, silus = _stages_with(probe, nn.BatchNorm1d), _stages_with(probe, nn.SiLU)
+    schedule = _checkpointed_plan(probe.chain.length, {norms[0]: silus[0]}, pairs={silus[1]})
+    run = Checkpointed(copy.deepcopy(model), x, chain=probe.chain, schedule=schedule)
+    assert run._one_graph
+    (module,) = run._exec_stages
+    assert module.checkpointed == {norms[0]: silus[0]} and module.recomputed == {silus[1]}
+    _train_like_plain(model, x, run, set_to_none)
+
+
 class NormGeluMLP(nn.Module):
     """A user's pre-norm MLP blocks (LayerNorm, GELU, residual), the shape of a transformer's."""
 
