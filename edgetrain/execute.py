@@ -416,6 +416,17 @@ class Checkpointed(nn.Module):
         return chosen, first, plan
 
     @property
+    def runs_as(self) -> str:
+        """How a step runs: "the module itself" (a plan that stores everything), "one graph"
+        (every stage in one graph run, :class:`~edgetrain.recompute.GraphRunModule`), or "N
+        stages" (the executor's, some of them runs merged)."""
+        if self._stores_everything:
+            return "the module itself"
+        if self._one_graph:
+            return "one graph"
+        return f"{self._exec_length} stages"
+
+    @property
     def grads_exist(self) -> bool:
         """Whether the training loop keeps gradients between steps: whether the last step found
         them all (and no hook on them); before the first step, whether they exist now."""

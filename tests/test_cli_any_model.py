@@ -138,6 +138,8 @@ def test_plan_of_a_captured_resnet_shows_its_cuts_and_runs_as_saved(tmp_path):
     # a saved plan is refused unless it was made for this model's stages: train runs it
     report = run_json("train", *setting, "--steps", "2", "--plan", str(path))
     assert report["stages"] == len(names) and report["recompute_factor"] > 1
+    # a plan that recomputes is not the module itself: one graph, or the executor's stages
+    assert report["runs_as"] == "one graph" or report["runs_as"].endswith(" stages")
     # the plan's bytes (from shapes) are the measured chain's; train predicts the plan as it
     # runs (runs of stages merged into one graph, sized as they run): within the plan's budget
     # and 1 % of the plan's own peak

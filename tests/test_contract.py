@@ -1051,5 +1051,8 @@ def test_a_plan_one_graph_would_hold_a_little_over_budget_is_replanned_to_run_as
     monkeypatch.setattr(edgetrain.execute, "ONE_GRAPH_TRIES", 0)
     first = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=budget)
     assert first.schedule.text() != run.schedule.text() and first._exec_length > 1
+    assert run.runs_as == "one graph" and first.runs_as == f"{first._exec_length} stages"
+    stored = Checkpointed(copy.deepcopy(model), x, chain=chain, schedule=store_all(chain))
+    assert stored.runs_as == "the module itself"
     slower = first.cost.seconds + STAGE_SECONDS * first._exec_length
     assert run.cost.seconds + STAGE_SECONDS <= slower

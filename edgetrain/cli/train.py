@@ -122,6 +122,7 @@ def train_command(
             ["", "value"],
             [
                 ["stages", str(report["stages"])],
+                ["a step runs as", str(report["runs_as"])],
                 ["plain autograd would need", format_bytes(report["plain_peak_bytes"])],
                 ["predicted peak", format_bytes(report["predicted_peak_bytes"])],
                 ["measured peak", format_bytes(report["measured_peak_bytes"])],
@@ -203,6 +204,7 @@ def run_training(
         "input_shape": list(sample.shape),
         "strategy": strategy,
         "stages": net.chain.length,
+        "runs_as": net.runs_as,
         **asdict(result),
     }
     report["measured_over_predicted"] = result.measured_peak_bytes / result.predicted_peak_bytes
