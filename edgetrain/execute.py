@@ -205,6 +205,9 @@ class Checkpointed(nn.Module):
         self.chain = chain
         self._signature = signature(sample)
         self._shapes = shapes(sample)
+        # A run's merged stage depends on its stages and the sample only: sized once for every
+        # plan tried here (see the tighter plan below).
+        self._sized: dict[GraphRun, Stage] = {}
         if schedule is not None:
             _check_made_for(schedule, self.chain)
             self._adopt(schedule, sample)
@@ -319,7 +322,7 @@ class Checkpointed(nn.Module):
         runs = [run for run in runs if owns(run) or run.rebuilds]
         if not runs:
             return [], *merged_schedule(schedule, [])
-        as_one: dict[GraphRun, Stage] = {}  # each run's stage, sized as it runs
+        as_one = self._sized  # each run's stage, sized as it runs (kept across plans: _plan)
 
         def size(candidates: list[GraphRun]) -> None:
             candidates = [run for run in candidates if run not in as_one]
