@@ -128,6 +128,8 @@ class GraphRunModule(nn.Sequential):
     it, when the backward first reads any of it (the plan's ``Fc i, Fn i+1 .. Fn j``, then
     ``Fa i .. Fa j`` before ``B j``), replaying the random-number state the segment saw, on
     copies of its buffers (:func:`recomputing`: BatchNorm's statistics are updated once).
+    Inside a segment, checkpoint's own saved-tensor hooks take what its operations save: the
+    caller's hooks see the segment's input, not what its recomputation holds.
     Without grad, the stages just run.
     """
 
