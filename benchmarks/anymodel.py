@@ -549,8 +549,7 @@ def _describe(net: Any, edgetrain: Edgetrain | None) -> str:
     if net._stores_everything:
         return "store-all"
     cost = edgetrain.predicted(net.schedule) if edgetrain is not None else net.cost
-    runs = "one graph" if net._one_graph else f"{net._exec_length} stages"
-    return f"rho {cost.recompute_factor:.2f}, pred {cost.peak_bytes / MiB:.1f}, {runs}"
+    return f"rho {cost.recompute_factor:.2f}, pred {cost.peak_bytes / MiB:.1f}, {net.runs_as}"
 
 
 def _verdicts(label: str, rows: list[dict[str, Any]], budgets: list[float]) -> list[dict[str, Any]]:

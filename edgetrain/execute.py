@@ -26,8 +26,9 @@ inputs and random-number state:
 * under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
   when the plan stores everything (plain autograd's step, which holds no more than predicted);
   a plan whose every stage belongs to one graph run (:func:`~edgetrain.schedule.graph_runs`:
-  stages stored, or recomputed for the backward of the stage after them) is plain autograd on
-  that run (:class:`~edgetrain.recompute.GraphRunModule`), its step measured as it runs.
+  stages stored, recomputed for the backward of the stage after them, or checkpointed segments)
+  is plain autograd on that run (:class:`~edgetrain.recompute.GraphRunModule`), its step
+  measured as it runs.
 
 What is refused with one clear error (before any gradient, buffer or RNG state changes):
 
@@ -358,8 +359,12 @@ class Checkpointed(nn.Module):
                 for exist, fine in self._costs.items()
             }
 
+        def over(cost: dict[bool, Cost]) -> int:
+            """How far the worse of the two loops is above what it allows (bytes)."""
+            return max(c.peak_bytes - allowed[e] for e, c in cost.items())
+
         def fits(chosen: list[GraphRun]) -> bool:
-            return all(c.peak_bytes <= allowed[e] for e, c in costs(chosen).items())
+            return over(costs(chosen)) <= 0
 
         def fit(run: GraphRun) -> bool:
             return run in as_one and fits([run])
@@ -399,8 +404,7 @@ class Checkpointed(nn.Module):
         ends = [(run.first, run.last) for run in whole]
         if ends == [(0, self.chain.length - 1)] and whole[0].rebuilds and whole[0] in as_one:
             # How much more than allowed the whole model as one graph holds (see _plan).
-            over = costs([whole[0]])
-            self._one_graph_excess = max(c.peak_bytes - allowed[e] for e, c in over.items())
+            self._one_graph_excess = over(costs([whole[0]]))
         if spans == [(0, self.chain.length - 1)] and chosen[0].rebuilds:
             # One graph for the whole model: plain autograd runs it (as a store-all plan runs
             # the module), its step measured as it runs; if that fits too.
@@ -411,8 +415,8 @@ class Checkpointed(nn.Module):
                     e: replace(c, peak_bytes=simulate(one, plan, grads_exist=e).peak_bytes)
                     for e, c in self._costs.items()
                 }
-                self._one_graph_excess = max(c.peak_bytes - allowed[e] for e, c in direct.items())
-                if all(c.peak_bytes <= allowed[e] for e, c in direct.items()):
+                self._one_graph_excess = over(direct)
+                if self._one_graph_excess <= 0:
                     self._costs, self._one_graph = direct, True
         if self._one_graph_excess is not None and self._one_graph_excess <= 0:
             self._one_graph_excess = None

@@ -300,7 +300,7 @@ class _Recipes:
             if hit is not None and t._version == hit[2]:
                 hit[0].uses += 1
                 return _Rebuilt(hit[0], hit[1], t)
-        return t if self.outer is None else self.outer[0](t)
+        return self.outer_pack(t)
 
     def settle(self) -> None:
         """Settle what the recomputed stage that just ran saved (``made`` is its output):
@@ -311,6 +311,7 @@ class _Recipes:
             box.value = self._pack(t) if t._version == version else self.outer_pack(t)
 
     def outer_pack(self, t: torch.Tensor) -> Any:
+        """``t`` as the caller's hooks pack it (as it is without them)."""
         return t if self.outer is None else self.outer[0](t)
 
     def unpack(self, saved: Any) -> torch.Tensor:

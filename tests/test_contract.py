@@ -756,19 +756,7 @@ class NormDropMLP(nn.Module):
 def _released_plan(length, pairs):
     """Every stage stored, but for each k in ``pairs``: ``Fc k, Fr k+1``, and ``Fa k`` again
     just before ``B k+1`` (stage k's output is released from k+1's graph and rebuilt)."""
-    ops = []
-    for k in range(length):
-        kind = Op.FORWARD_ALL
-        if k in pairs:
-            kind = Op.FORWARD_CHECKPOINT
-        elif k - 1 in pairs:
-            kind = Op.FORWARD_RELEASE
-        ops.append((kind, k))
-    for k in reversed(range(length)):
-        if k - 1 in pairs:
-            ops.append((Op.FORWARD_ALL, k - 1))
-        ops.append((Op.BACKWARD, k))
-    return Schedule.from_ops(length, ops)
+    return _checkpointed_plan(length, {}, pairs)
 
 
 def _stages_with(net, kind):
@@ -907,7 +895,8 @@ class TanhMLP(nn.Module):
 def _checkpointed_plan(length, segments, pairs=()):
     """Every stage stored, but for each ``(i, j)`` of ``segments``: ``Fc i, Fn i+1 .. Fn j``
     and, in the backward, ``Fa i .. Fa j``, ``D j+1``, ``B j .. B i`` (torch.utils.checkpoint's
-    plan); and for each k of ``pairs``, ``Fc k, Fr k+1`` (see :func:`_released_plan`)."""
+    plan); and for each k of ``pairs``, ``Fc k, Fr k+1``, and ``Fa k`` again just before
+    ``B k+1`` (stage k's output released from k+1's graph and rebuilt)."""
     starts = dict(segments)
     inside = {k for i, j in starts.items() for k in range(i + 1, j + 1)}
     ops = []
