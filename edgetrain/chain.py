@@ -50,6 +50,11 @@ class Stage:
         weight_bytes: parameters the stage is the first to use.
         gradient_bytes: gradients its backward creates (trainable parameters whose gradient no
             later stage's backward created first).
+        shared_gradient_bytes: of ``gradient_bytes``, those of parameters an earlier stage
+            uses too (a tied weight). Autograd sums a parameter's gradients from all its uses
+            before it adds the sum to an existing ``.grad`` (adding each in turn would differ in
+            the last bits), so when the loop keeps gradients these are held too, from this
+            stage's backward until the step ends.
         forward_seconds: one forward (median of several runs when measured; 1.0 for unit chains).
         backward_seconds: one backward, likewise.
         layer_output_bytes: outputs of the stage's convolution, normalisation, activation and linear
@@ -111,6 +116,13 @@ class Stage:
     input_gradient_bytes: int | None = None
     gradient_from: tuple[int, ...] = ()
     copied_buffer_bytes: int | None = None
+    shared_gradient_bytes: int = 0
+
+    def made_gradient_bytes(self, grads_exist: bool) -> int:
+        """The gradient bytes the stage's backward leaves held until the step ends: those it
+        creates or, with ``grads_exist``, only those still to be summed with an earlier
+        stage's (the others are added to existing gradients in place)."""
+        return self.shared_gradient_bytes if grads_exist else self.gradient_bytes
 
     @property
     def recompute_buffer_bytes(self) -> int:
@@ -338,6 +350,7 @@ class Chain:
                 *([[list(c) for c in s.shared_leaves]] if s.shared_leaves else []),
                 *([s.input_gradient_bytes] if s.input_gradient_bytes is not None else []),
                 *([list(s.gradient_from)] if s.gradient_from else []),
+                *([s.shared_gradient_bytes] if s.shared_gradient_bytes else []),
             ]
             for s in self.stages
         ]

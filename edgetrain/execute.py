@@ -45,7 +45,9 @@ they exist) is the plan's ``Cost.peak_bytes`` for the sample input's shape, as c
 gradients to ``None``, PyTorch's default, or keeping them): each parameter gradient leaves its
 stage as soon as autograd computes it, and is added in place to an existing ``.grad`` (kept
 gradients) or held, summed over the stages that use the parameter, for autograd to take at the
-end of the backward (``None`` gradients). An input of another shape is planned for anew
+end of the backward (``None`` gradients, and kept gradients of a parameter several stages use:
+autograd sums a parameter's uses before it adds to ``.grad``, so gradients accumulated over
+micro-batches are bitwise plain autograd's). An input of another shape is planned for anew
 (``on_new_shape="replan"``, the default) or refused (``"error"``). The loss the caller computes
 between the forward and the backward is the caller's: what it holds
 (for ``cross_entropy`` about twice the output's bytes, more for a large output such as a language
@@ -294,6 +296,10 @@ class Checkpointed(nn.Module):
             fine[k] if module is self._stages[k] else stage_params(module, index_of)
             for k, module in zip(self._exec_first, self._exec_stages, strict=True)
         ]
+        # Parameters that more than one stage as run uses (a tied weight): their gradients are
+        # summed over the stages before autograd adds them to .grad (see _Run.receive).
+        users = Counter(i for stage in self._stage_params for i, _ in stage.params)
+        self._shared_params = {i for i, count in users.items() if count > 1}
         ops = list(executed)
         self._forward_ops = ops[: executed.forward_phase_end]
         self._backward_ops = ops[executed.forward_phase_end :]
@@ -737,8 +743,9 @@ class _Run:
 
     def receive(self, index: int, grad: torch.Tensor) -> None:
         """A parameter's gradient from one stage, as autograd computes it: added in place to
-        its ``.grad`` when the loop keeps gradients (as autograd would), else kept, summed over
-        the stages that use the parameter, for autograd to take at the end of the step."""
+        its ``.grad`` when the loop keeps gradients (as autograd would) and no other stage uses
+        the parameter, else kept, summed over the stages that use it, for autograd to take
+        (and add to ``.grad``) at the end of the step."""
         if index not in self.wanted_params:
             return
         if index in self.in_place:
@@ -848,8 +855,10 @@ class _ScheduleFunction(torch.autograd.Function):
             i for i, want in zip(run.trainable, needed[count:], strict=True) if want
         }
         # Gradients that exist, watched by no hook, which the caller's backward accumulates:
-        # add to them in place as plain autograd does, and hand autograd nothing for them.
-        run.in_place = {
+        # add to them in place as plain autograd does, and hand autograd nothing for them. But
+        # a parameter several stages use: autograd sums its gradients from every use, then
+        # adds the sum to .grad; so the executor sums them and hands autograd the sum.
+        kept = {
             i: params[i].grad
             for j, i in enumerate(run.trainable)
             if i in run.wanted_params
@@ -857,7 +866,9 @@ class _ScheduleFunction(torch.autograd.Function):
             and _kept([params[i]])
             and _accumulates(nexts[count + j][0])
         }
-        run.net._grads_exist = len(run.in_place) == len(run.wanted_params)
+        run.net._grads_exist = len(kept) == len(run.wanted_params)
+        shared = run.net._shared_params
+        run.in_place = {i: grad for i, grad in kept.items() if i not in shared}
         run.grads[run.net._exec_length] = list(grad_outputs)
         del grad_outputs
         run.execute(ctx.backward_ops)

@@ -374,15 +374,27 @@ def graph_step_peaks(module: nn.Module, sample_input: Any) -> tuple[int, int] | 
     """:func:`_autograd_peaks` of ``module`` on the sample itself, not on meta tensors (some
     kernels save other tensors on meta: ViT's attention one more of q's size): for a module
     already run on the sample, whose step is known to fit (a plan's stages merged into one
-    graph, sized by :func:`merged_chain`). Buffers, gradients and the RNG state are restored."""
+    graph, sized by :func:`merged_chain`). Buffers, gradients and the RNG state are restored;
+    the step runs on aliases of the parameters (their storage, not their hooks), so the user's
+    gradient hooks do not run for it. None if the module cannot be copied so."""
     flat, spec = tree_flatten(sample_input)
     # The sample's own tensors get no gradient: leaves of their own, the same storage.
     own = [
         t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
         for t in flat
     ]
+    # A twin of the module on its own buffers and on aliases of its parameters (one per tied
+    # parameter). Not torch.func.functional_call: it drops the hooks of tied parameters.
+    memo: dict[int, Any] = {
+        id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in module.parameters()
+    }
+    memo.update({id(b): b for b in module.buffers()})
+    try:
+        twin = copy.deepcopy(module, memo)
+    except (TypeError, RuntimeError, copy.Error):
+        return None  # a module deepcopy cannot copy (one holding a lock): run as counted
     with _preserved(module):
-        return _autograd_peaks(module, tree_unflatten(own, spec), meta=False)
+        return _autograd_peaks(twin, tree_unflatten(own, spec), meta=False)
 
 
 def _autograd_peaks(
@@ -473,13 +485,24 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
         buffers.append(_new_bytes(module.buffers(), buffers_seen))
     grads_seen: set[int] = set()
     created = [0] * len(measured)
+    shared = [0] * len(measured)
     summed = [0] * len(measured)
+    first_graded: dict[int, int] = {}  # parameter -> the first stage that gave it a gradient
+    for k, (_, _, _, result) in enumerate(measured):
+        for key in result.param_grad_ids:
+            first_graded.setdefault(key, k)
     for k in reversed(range(len(measured))):
         _, module, _, result = measured[k]
         fresh = [p for p in module.parameters() if id(p) in result.param_grad_ids]
         # A gradient a later stage created (a tied weight) is summed with this stage's out of
-        # place when gradients are created during the step: one more of it during the backward.
+        # place, in either loop (see Stage.shared_gradient_bytes): one more of it during the
+        # backward.
         summed[k] = sum(p.numel() * p.element_size() for p in fresh if id(p) in grads_seen)
+        shared[k] = sum(
+            p.numel() * p.element_size()
+            for p in fresh
+            if id(p) not in grads_seen and first_graded[id(p)] < k
+        )
         created[k] = _new_bytes(iter(fresh), grads_seen)
     return [
         Stage(
@@ -491,9 +514,10 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             forward_peak_bytes=r.forward_peak_bytes,
             forward_grad_peak_bytes=r.forward_grad_peak_bytes,
             backward_peak_bytes=r.backward_peak_bytes + summed[k],
-            backward_peak_kept_bytes=r.backward_peak_kept_bytes,
+            backward_peak_kept_bytes=r.backward_peak_kept_bytes + summed[k],
             weight_bytes=weights[k],
             gradient_bytes=created[k],
+            shared_gradient_bytes=shared[k],
             forward_seconds=r.forward_seconds,
             backward_seconds=r.backward_seconds,
             layer_output_bytes=r.layer_output_bytes,

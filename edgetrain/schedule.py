@@ -690,7 +690,7 @@ def _replay(
                 released[k] = False
             else:
                 held -= drop(saved_in[k]) + drop(saved_out[k])
-            held += grad[k] + (0 if grads_exist else stage.gradient_bytes)
+            held += grad[k] + stage.made_gradient_bytes(grads_exist)
             next_backward -= 1
             seconds += stage.backward_seconds
         else:

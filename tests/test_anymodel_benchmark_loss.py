@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.execute import as_stages
+from edgetrain.execute import Checkpointed, as_stages
 from edgetrain.measure import StorageCounter
 from edgetrain.models.tiny_lm import TinyLM
 from edgetrain.planners.optimal import store_all
@@ -66,7 +66,13 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "make", "make_input"), CASES, ids=[c[0] for c in CASES])
-def test_step_peak_with_the_loss_is_predicted_exactly(anymodel, name, make, make_input):
+def test_step_peak_with_the_loss_is_predicted_exactly(
+    anymodel, name, make, make_input, monkeypatch
+):
+    # Stage by stage, as planned: a plan run as one graph keeps a LayerNorm's statistics too (a
+    # few KiB), which the planning chain does not count; the benchmark measures every row's
+    # peak for that (_fit), and the executor sizes one graph as it runs (test_contract.py).
+    monkeypatch.setattr(Checkpointed, "_merge_graph_runs", False)
     torch.manual_seed(0)
     model, x = make(), make_input()
     edgetrain = anymodel.Edgetrain(model, x, chain=_profiled(model, x))
@@ -84,9 +90,9 @@ def test_step_peak_with_the_loss_is_predicted_exactly(anymodel, name, make, make
         with counter:
             step()
         # Never below the measurement; above it by at most a few scalars, and for a plan that
-        # plain autograd runs (storing everything: the model as it is; or one graph run end to
-        # end) by the output's gradient: plain autograd frees it as soon as it is used.
-        slack = out_grad if net._stores_everything or net._one_graph else 0
+        # plain autograd runs (storing everything: the model as it is) by the output's
+        # gradient: plain autograd frees it as soon as it is used.
+        slack = out_grad if net._stores_everything else 0
         assert 0 <= predicted - counter.peak_bytes <= 64 + slack, (name, budget)
 
 

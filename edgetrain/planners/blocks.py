@@ -325,7 +325,7 @@ def _measure(
         held.append(trace[forward_end - 1][2] - output)
         bwd_peak.append(max(trace[split][0], *(during for _, during, _ in trace[split:end])))
         left = sub.gradient_of_activation_bytes(0) + sum(
-            0 if grads_exist else s.gradient_bytes for s in sub.stages
+            s.made_gradient_bytes(grads_exist) for s in sub.stages
         )
         if out_grad is None:
             left += output + sub.gradient_of_activation_bytes(sub.length)
@@ -403,7 +403,7 @@ class BlockPlan:
         n = len(blocks)
         bounds = [b.start for b in blocks] + [chain.length]
         width = max(len(o) for o in self.options)
-        created = [0 if self.grads_exist else s.gradient_bytes for s in chain.stages]
+        created = [s.made_gradient_bytes(self.grads_exist) for s in chain.stages]
         after = np.concatenate([np.cumsum(created[::-1])[::-1], [0]])
         no_grad = [
             _no_grad_peaks(

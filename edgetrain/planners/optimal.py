@@ -158,7 +158,7 @@ def chain_costs(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: boo
 
     stages = chain.stages
     n = chain.length
-    created = up([0 if grads_exist else s.gradient_bytes for s in stages])
+    created = up([s.made_gradient_bytes(grads_exist) for s in stages])
     held = np.concatenate([np.cumsum(created[::-1])[::-1], [0]]).astype(np.int64)
     act = up([0] + [s.output_bytes for s in stages])
     grad = up([chain.gradient_of_activation_bytes(k) for k in range(n + 1)])
@@ -773,6 +773,7 @@ def common_unit(chain: Chain) -> int:
             stage.forward_grad_peak_bytes,
             stage.backward_peak_bytes,
             stage.gradient_bytes,
+            stage.shared_gradient_bytes,
             chain.gradient_of_activation_bytes(k),
         ):
             unit = math.gcd(unit, size)
