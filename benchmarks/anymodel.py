@@ -199,7 +199,10 @@ class Edgetrain:
     def checkpointed(self, schedule: Schedule, target: int | None = None) -> Any:
         """A ``Checkpointed`` copy of the model running ``schedule``; ``target``: the step peak
         (bytes) the plan was searched for (:func:`_fit`), up to which the executor may run
-        stages as one graph that holds a little more than the plan (else the planner's budget)."""
+        stages as one graph that holds a little more than the plan (else the planner's budget).
+        The executor sizes the model's step without the loss, so this lets one graph's extra
+        fall where the loss is held too: :func:`_fit` keeps only plans whose measured step,
+        loss included, is within the target."""
         from edgetrain.execute import Checkpointed
 
         if target is not None:
@@ -487,6 +490,7 @@ def _fit(
     """
     least = edgetrain.least_bytes()
     fits: dict[int, bool] = {}  # budget tried -> whether its plan fits
+    runs: dict[str, str] = {}  # plan text -> how the executor ran it (for the log)
 
     def fitting(schedule: Schedule, peak: int) -> bool:
         return peak <= target and edgetrain.predicted(schedule).peak_bytes <= target
@@ -501,6 +505,7 @@ def _fit(
             # slowing every later step (probes 4 s apart at first, 85 s by the seventh).
             net = edgetrain.checkpointed(schedule, target)
             known[text] = (schedule, budget, peak_of(net), net._exec_length)
+            runs[text] = net.runs_as
             del net
             gc.collect()
             release_free_memory()
@@ -509,7 +514,7 @@ def _fit(
         predicted = edgetrain.predicted(schedule).peak_bytes
         _progress(
             f"  within {target / MiB:.1f} MiB? planned for {budget / MiB:.2f}: predicted "
-            f"{predicted / MiB:.2f}, measured {peak / MiB:.2f}"
+            f"{predicted / MiB:.2f}, measured {peak / MiB:.2f} ({runs.get(text, 'known')})"
         )
         return max(peak, predicted) - target
 

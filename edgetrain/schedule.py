@@ -88,6 +88,11 @@ class Op(IntEnum):
         return self in _FORWARD_KINDS
 
     @property
+    def names_activation(self) -> bool:
+        """``D``, ``Po`` or ``Pi``: its index names an activation, not a stage."""
+        return self in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN)
+
+    @property
     def code(self) -> str:
         """Short name used in text and JSON: Fn, Fc, Fa, Fr, B, D, Po, Pi."""
         return _CODES[self]
@@ -412,7 +417,7 @@ def graph_runs(schedule: Schedule) -> tuple[GraphRun, ...]:
     named: dict[int, set[int]] = {}  # activation -> positions of the D, Po, Pi naming it
     ops = list(schedule)
     for position, (kind, k) in enumerate(ops):
-        if kind in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN):
+        if kind.names_activation:
             named.setdefault(k, set()).add(position)
         else:
             touched.setdefault(k, []).append((kind, position))
@@ -527,7 +532,7 @@ def merged_schedule(schedule: Schedule, runs: Sequence[GraphRun]) -> tuple[list[
         if kind is Op.DISCARD and k - 1 in segment_ends and previous == (Op.FORWARD_ALL, k - 1):
             continue  # a segment's D j+1: its output computed again, which one graph does not
         run = inside.get(k)
-        if run is None or kind in (Op.DISCARD, Op.PAGE_OUT, Op.PAGE_IN):
+        if run is None or kind.names_activation:
             ops.append((kind, at[k]))  # a run's input, at most (graph_runs names none inside)
         elif kind.is_forward and run.first not in began:
             began.add(run.first)

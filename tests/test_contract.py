@@ -112,7 +112,13 @@ def _tied_lm():
     return TinyLM(vocab=64, context=16, dim=32, depth=2, heads=2), torch.randint(0, 64, (4, 16))
 
 
-@pytest.mark.parametrize("make", [_reused_linear, _tied_lm], ids=["reused-linear", "tied-lm"])
+def _mix_thrice():
+    return GeluResidualMLP(), torch.randn(64, 16)  # one Linear in three blocks, dropout
+
+
+@pytest.mark.parametrize(
+    "make", [_reused_linear, _tied_lm, _mix_thrice], ids=["reused-linear", "tied-lm", "mix-thrice"]
+)
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "stage-by-stage"])
 def test_a_weight_used_twice_accumulates_like_plain_autograd_over_micro_batches(
     make, merge, monkeypatch
