@@ -192,7 +192,12 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
         )
     returned: dict[str, None] = {}
     for value in output_node.all_input_nodes:
-        if value.op in ("placeholder", *_KINDS):
+        if value.op == "placeholder":
+            raise InvalidInput(
+                f"{type(model).__name__}.forward returns its input {value.name!r} itself; "
+                "return only what it computes (the caller has the input)"
+            )
+        if value.op in _KINDS:
             returned[value.name] = None
     return Captured(
         model=model,

@@ -21,8 +21,12 @@ inputs and random-number state:
 * buffers: a recomputation runs on copies of the stage's buffers, so BatchNorm running statistics
   and ``num_batches_tracked`` end exactly as without checkpointing;
 * autocast: recomputations and the backward run under the autocast state of the forward;
-* inputs may be a tensor or a tuple, list or dict of tensors (only floating-point tensors carry
-  gradients); stages may pass such structures between them;
+* inputs may be a tensor or, for an ``nn.Sequential``, a tuple, list or dict of tensors (only
+  floating-point tensors carry gradients); stages may pass such structures between them; an
+  output the loss does not use leaves its layers' gradients ``None``;
+* a plan is made for the input's shapes and dtypes, which parameters and inputs need a
+  gradient, and each module's train/eval mode: a step that differs in any of them is planned
+  for anew (plans are kept per state), or refused with ``on_new_shape="error"``;
 * under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
   when the plan stores everything (plain autograd's step, which holds no more than predicted);
   a plan whose every stage belongs to one graph run (:func:`~edgetrain.schedule.graph_runs`:
@@ -37,7 +41,16 @@ What is refused with one clear error (before any gradient, buffer or RNG state c
 * an input or parameter changed in place between the forward and the backward, as autograd does;
 * hooks registered on the wrapped model itself (register them on ``Checkpointed`` or on its
   children), and models torch.fx cannot trace (control flow on tensor values);
-* a saved plan made for another model, batch or input size.
+* a saved plan made for another model, batch or input size; a captured model given a tuple,
+  list or dict; a model that returns its own input.
+
+Not yet right (open): with gradients accumulated over micro-batches, a parameter also used
+outside the model in the same step (an L2 penalty, two calls in one step) is added to ``.grad``
+in another order than autograd's (equal up to rounding); a module whose forward updates a buffer
+it reads (``spectral_norm``) is recomputed from the updated buffer; in the loop that keeps
+gradients ``nn.MultiheadAttention``'s stage holds a few KB more than predicted; CPU autocast's
+weight copies are not in the prediction; forward hooks on children run again in each
+recomputation.
 
 Memory: what the step holds above what it started with (weights, buffers, input, and gradients if
 they exist) is the plan's ``Cost.peak_bytes`` for the sample input's shape, as counted by
@@ -74,7 +87,7 @@ from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.memory import fixed_training_bytes
 from edgetrain.paging import PageStore
 from edgetrain.planners.optimal import store_all
-from edgetrain.planners.search import plan_for_device
+from edgetrain.planners.search import plan, plan_for_device
 from edgetrain.profile import (
     _check_model,
     graph_step_peaks,
@@ -149,7 +162,13 @@ class Checkpointed(nn.Module):
         chain: a chain to plan on instead of profiling ``model`` (e.g. an analytic one).
         schedule: a ready plan (e.g. ``Schedule.load(path)``) instead of planning; refused if it
             was made for another model or input size.
-        on_new_shape: "replan" (profile and plan again for an input of another shape) or "error".
+        on_new_shape: "replan" (profile and plan again for an input of another shape, or when
+            what needs a gradient or a module's train/eval mode changed since planning: a layer
+            unfrozen, ``model.eval()``) or "error". A plan made once is kept for its input and
+            model state: coming back to them runs it again (a given ``schedule`` too; for other
+            inputs and states, plans are made for the memory the given one was made for). The
+            step that plans profiles the model first: its peak is the profile's, which can be
+            above a tight budget (call the model once per input shape before that matters).
         page_dir: directory for the page files of a plan that pages activations out (``Po k`` /
             ``Pi k``): the "SD card". Written by a background thread, checksummed, verified when
             read back, deleted after use (see :mod:`edgetrain.paging`).
@@ -188,6 +207,12 @@ class Checkpointed(nn.Module):
         self._max_recompute = max_recompute
         self._params = list(self.model.parameters())
         self._grads_exist: bool | None = None
+        # Plans made so far, by what each was made for (see _state): chain and schedule.
+        self._plans: dict[tuple[Any, ...], tuple[Chain, Schedule]] = {}
+        self._key: tuple[Any, ...] = ()  # what the current plan was made for (_state)
+        self._unplanned = False  # a new plan failed half way: plan again at the next step
+        self._given_bytes = 0  # activation bytes a given schedule was made for (see _plan)
+        self._sizes: dict[tuple[Any, ...], dict[GraphRun, Stage]] = {}  # per state, see _plan
         self.page_dir = None if page_dir is None else Path(page_dir)
         if self.page_dir is not None:
             PageStore(self.page_dir).close()  # refuse an unusable directory now, not mid-step
@@ -199,26 +224,40 @@ class Checkpointed(nn.Module):
 
     # -- planning ----------------------------------------------------------------------------------
 
-    def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
+    def _plan(
+        self, sample: Any, chain: Chain | None, schedule: Schedule | None, known: bool = False
+    ) -> None:
+        """Plan (or adopt ``schedule``) for ``sample``; ``known``: ``chain`` and ``schedule``
+        are a plan this net made before (:attr:`_plans`), the module's step already in it."""
         if chain is None:
             chain = profile(self.model, sample)
-        if self.model is not self.module:
+        if self.model is not self.module and not known:
             # The store-all plan runs the module itself: its own step's peak counts too.
             chain = with_module_step(chain, self.module, sample)
         self.chain = chain
         self._signature = signature(sample)
-        self._shapes = shapes(sample)
+        self._key = self._state(sample)
         # A run's merged stage depends on its stages and the sample only: sized once for every
         # plan tried here (see the tighter plan below).
-        self._sized: dict[GraphRun, Stage] = {}
+        # Kept per state too: coming back to a state does not size its runs again.
+        self._sized: dict[GraphRun, Stage] = self._sizes.setdefault(self._key, {})
         if schedule is not None:
             _check_made_for(schedule, self.chain)
             self._adopt(schedule, sample)
+            self._plans[self._key] = (self.chain, schedule)
+            if self._device is None and self._max_recompute is None and not self._given_bytes:
+                # Another input or model state is planned for the memory this plan was made
+                # for (its planner's budget, else its own peak), not for storing everything.
+                made_for = schedule.params.get("budget_bytes")
+                self._given_bytes = (
+                    made_for if isinstance(made_for, int) else self._costs[False].peak_bytes
+                )
             return
         planned = self._planned(self._device)
         self._adopt(planned, sample)
         excess = self._one_graph_excess
         if self._device is None or excess is None:
+            self._plans[self._key] = (self.chain, self.schedule)
             return
         # The plan is one graph run end to end but, as one graph, holds ``excess`` bytes more
         # than the budget allows (a LayerNorm's statistics: the DP fills the budget): the plan
@@ -240,11 +279,31 @@ class Checkpointed(nn.Module):
             excess = self._one_graph_excess
         if not self._one_graph or self.cost.seconds + STAGE_SECONDS > first:
             self._adopt(planned, sample)
+        self._plans[self._key] = (self.chain, self.schedule)
+
+    def _state(self, x: Any) -> tuple[Any, ...]:
+        """What a plan is made for besides the model: the input's shapes and dtypes, which
+        input tensors and parameters need a gradient, and each module's train/eval mode (the
+        chain records what needs a gradient, and a Dropout in eval mode was profiled as the
+        identity)."""
+        return (
+            shapes(x),
+            tuple(t.requires_grad for t in leaves(x)),
+            tuple(p.requires_grad for p in self._params),
+            tuple(m.training for m in self.module.modules()),
+        )
 
     def _planned(self, device: int | None) -> Schedule:
         """The planner's plan for a memory budget of ``device`` bytes (None: none)."""
         # Shown only when planning takes more than a couple of seconds (long chains).
         with progress.task(f"planning {self.chain.length} stages of {self.chain.name}"):
+            if device is None and self._given_bytes:
+                return plan(
+                    self.chain,
+                    self.strategy,
+                    memory=self._given_bytes,
+                    grads_exist=self.grads_exist,
+                )
             return plan_for_device(
                 self.chain,
                 self.strategy,
@@ -483,15 +542,31 @@ class Checkpointed(nn.Module):
         inputs = leaves(x)
         if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or params):
             return self.module(x)
-        if shapes(x) != self._shapes:
+        key = self._state(x)
+        if key != self._key or self._unplanned:
+            shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
             if self.on_new_shape == "error":
                 raise InvalidInput(
-                    f"Checkpointed was planned for an input of {self._signature}, called with "
-                    f"{signature(x)}; plan for this input (or pass on_new_shape='replan')"
+                    f"Checkpointed was planned for another state than this step's "
+                    f"({_change(self._key, key, shapes_now)}); plan for it (or pass "
+                    "on_new_shape='replan')"
                 )
-            if self.model is not self.module:
+            if self.model is not self.module and (key[0] != self._key[0] or self._unplanned):
+                # The cut depends on the shapes only (not on what needs a gradient, or modes).
                 self.model = as_stages(self.module, x)
-            self._plan(x, None, None)
+                self._params = list(self.model.parameters())
+            planned, change = self._key, _change(self._key, key, shapes_now)
+            self._unplanned = True  # until this plan is made: half planned, every call plans
+            try:
+                known = self._plans.get(key)
+                self._plan(x, *(known or (None, None)), known=known is not None)
+            except InfeasibleBudget as exc:
+                self._key = planned
+                raise InfeasibleBudget(
+                    f"planning again for {change}: {exc}",
+                    exc.smallest,
+                ) from exc
+            self._unplanned = False
         self._grads_exist = _kept(params)  # the loop this step runs in
         if self._stores_everything:
             # Every stage once with its graph, nothing recomputed: plain autograd on the module,
@@ -533,6 +608,12 @@ def as_stages(model: nn.Module, sample: Any) -> nn.Sequential:
         return model
     from edgetrain.capture import block_cuts, capture, segments
 
+    if not isinstance(sample, torch.Tensor):
+        raise InvalidInput(
+            f"{type(model).__name__} is captured with torch.fx, which edgetrain calls with one "
+            f"input tensor; the sample is a {type(sample).__name__}: give forward() one tensor "
+            "(an nn.Sequential may pass tuples, lists or dicts between its entries)"
+        )
     captured = capture(model, sample)
     return segments(captured, block_cuts(captured))
 
@@ -769,6 +850,27 @@ class _Run:
         return autocasting(self.autocast) if self.autocast else nullcontext()
 
 
+def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
+    """What differs between two :meth:`Checkpointed._state` keys, in words (``shapes``: the
+    input's then and now)."""
+    changes = [
+        what
+        for what, a, b in zip(
+            (
+                f"an input of {shapes}",
+                "another input needing a gradient",
+                "other parameters needing gradients (frozen or unfrozen layers)",
+                "another train/eval mode",
+            ),
+            planned,
+            now,
+            strict=True,
+        )
+        if a != b
+    ]
+    return ", ".join(changes)
+
+
 def _detach(value: Any) -> Any:
     return value.detach() if isinstance(value, torch.Tensor) else value
 
@@ -797,6 +899,9 @@ class _Watch(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         ctx.watched = watched
         ctx.done = False
+        # An output the loss does not use hands back None, not zeros: its parameters' gradients
+        # stay None, as plain autograd leaves them.
+        ctx.set_materialize_grads(False)
         return tuple(t.detach() for t in outs)
 
     @staticmethod
