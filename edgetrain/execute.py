@@ -207,12 +207,12 @@ class Checkpointed(nn.Module):
         self._max_recompute = max_recompute
         self._params = list(self.model.parameters())
         self._grads_exist: bool | None = None
-        # Plans made so far, by what each was made for (see _state): chain and schedule.
-        self._plans: dict[tuple[Any, ...], tuple[Chain, Schedule]] = {}
+        # Plans made so far, by what each was made for (see _state): everything a plan set up,
+        # restored as it was when a step comes back to that state (see _PLANNED).
+        self._plans: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._key: tuple[Any, ...] = ()  # what the current plan was made for (_state)
         self._unplanned = False  # a new plan failed half way: plan again at the next step
         self._given_bytes = 0  # activation bytes a given schedule was made for (see _plan)
-        self._sizes: dict[tuple[Any, ...], dict[GraphRun, Stage]] = {}  # per state, see _plan
         self.page_dir = None if page_dir is None else Path(page_dir)
         if self.page_dir is not None:
             PageStore(self.page_dir).close()  # refuse an unusable directory now, not mid-step
@@ -224,14 +224,15 @@ class Checkpointed(nn.Module):
 
     # -- planning ----------------------------------------------------------------------------------
 
-    def _plan(
-        self, sample: Any, chain: Chain | None, schedule: Schedule | None, known: bool = False
-    ) -> None:
-        """Plan (or adopt ``schedule``) for ``sample``; ``known``: ``chain`` and ``schedule``
-        are a plan this net made before (:attr:`_plans`), the module's step already in it."""
+    def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
+        """Plan (or adopt ``schedule``) for ``sample``, and remember the plan for its state."""
+        self._make_plan(sample, chain, schedule)
+        self._plans[self._key] = {name: getattr(self, name) for name in _PLANNED}
+
+    def _make_plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
         if chain is None:
             chain = profile(self.model, sample)
-        if self.model is not self.module and not known:
+        if self.model is not self.module:
             # The store-all plan runs the module itself: its own step's peak counts too.
             chain = with_module_step(chain, self.module, sample)
         self.chain = chain
@@ -239,12 +240,10 @@ class Checkpointed(nn.Module):
         self._key = self._state(sample)
         # A run's merged stage depends on its stages and the sample only: sized once for every
         # plan tried here (see the tighter plan below).
-        # Kept per state too: coming back to a state does not size its runs again.
-        self._sized: dict[GraphRun, Stage] = self._sizes.setdefault(self._key, {})
+        self._sized: dict[GraphRun, Stage] = {}
         if schedule is not None:
             _check_made_for(schedule, self.chain)
             self._adopt(schedule, sample)
-            self._plans[self._key] = (self.chain, schedule)
             if self._device is None and self._max_recompute is None and not self._given_bytes:
                 # Another input or model state is planned for the memory this plan was made
                 # for (its planner's budget, else its own peak), not for storing everything.
@@ -257,7 +256,6 @@ class Checkpointed(nn.Module):
         self._adopt(planned, sample)
         excess = self._one_graph_excess
         if self._device is None or excess is None:
-            self._plans[self._key] = (self.chain, self.schedule)
             return
         # The plan is one graph run end to end but, as one graph, holds ``excess`` bytes more
         # than the budget allows (a LayerNorm's statistics: the DP fills the budget): the plan
@@ -279,7 +277,6 @@ class Checkpointed(nn.Module):
             excess = self._one_graph_excess
         if not self._one_graph or self.cost.seconds + STAGE_SECONDS > first:
             self._adopt(planned, sample)
-        self._plans[self._key] = (self.chain, self.schedule)
 
     def _state(self, x: Any) -> tuple[Any, ...]:
         """What a plan is made for besides the model: the input's shapes and dtypes, which
@@ -551,15 +548,19 @@ class Checkpointed(nn.Module):
                     f"({_change(self._key, key, shapes_now)}); plan for it (or pass "
                     "on_new_shape='replan')"
                 )
-            if self.model is not self.module and (key[0] != self._key[0] or self._unplanned):
-                # The cut depends on the shapes only (not on what needs a gradient, or modes).
+            known = self._plans.get(key)
+            if known is not None:  # a state planned for before: as it was then
+                for name, value in known.items():
+                    setattr(self, name, value)
+                self._unplanned = False
+                return self.forward(x)
+            if self.model is not self.module:
                 self.model = as_stages(self.module, x)
                 self._params = list(self.model.parameters())
             planned, change = self._key, _change(self._key, key, shapes_now)
             self._unplanned = True  # until this plan is made: half planned, every call plans
             try:
-                known = self._plans.get(key)
-                self._plan(x, *(known or (None, None)), known=known is not None)
+                self._plan(x, None, None)
             except InfeasibleBudget as exc:
                 self._key = planned
                 raise InfeasibleBudget(
@@ -848,6 +849,33 @@ class _Run:
 
     def _autocast(self) -> AbstractContextManager[None]:
         return autocasting(self.autocast) if self.autocast else nullcontext()
+
+
+_PLANNED = (
+    "model",
+    "_params",
+    "chain",
+    "schedule",
+    "_signature",
+    "_key",
+    "_sized",
+    "_costs",
+    "_stages",
+    "_stores_everything",
+    "_one_graph",
+    "_one_graph_excess",
+    "_exec_stages",
+    "_exec_first",
+    "_exec_length",
+    "_stage_params",
+    "_shared_params",
+    "_forward_ops",
+    "_backward_ops",
+    "_rerun",
+    "_submodules",
+    "_needs",
+)
+"""What :meth:`Checkpointed._plan` sets up for a state (see ``Checkpointed._plans``)."""
 
 
 def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:

@@ -361,3 +361,23 @@ def test_a_gan_style_loop_freezing_a_part_every_other_step_trains_like_plain_aut
     assert len(net._plans) == 3  # two freezing states at 64, one at 48
     for (name, p), q in zip(plain.named_parameters(), ours.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_every_attribute_a_plan_sets_up_is_restored_with_its_state():
+    """Coming back to a state restores what its plan set up (``_PLANNED``): an attribute that
+    planning for another state changes, and that is not in that list, would stay at the other
+    state's value. Planning for a new state changes nothing else."""
+    from edgetrain.execute import _PLANNED
+
+    torch.manual_seed(0)
+    model, x = Residual().to(F64), torch.randn(64, 8, dtype=F64)
+    net = Checkpointed(model, x, max_recompute=1.5)
+    before = {name: id(value) for name, value in vars(net).items()}
+    before |= {name: id(value) for name, value in net._modules.items()}
+    step(net, x[:48], 0)  # another state: planned for
+    after = {name: id(value) for name, value in vars(net).items()}
+    after |= {name: id(value) for name, value in net._modules.items()}
+    changed = {name for name in after if after[name] != before.get(name)}
+    bookkeeping = {"_grads_exist", "_unplanned"}  # per step, not per plan
+    assert changed - bookkeeping <= set(_PLANNED), changed - bookkeeping - set(_PLANNED)
+    assert changed & set(_PLANNED)  # the test sees a new plan
