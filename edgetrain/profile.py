@@ -21,7 +21,7 @@ import itertools
 import operator
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -226,11 +226,18 @@ def _operations(segment: nn.Module) -> list[str]:
 def _meta_copy(model: nn.Module) -> nn.Module:
     """The model with every parameter and buffer on the meta device, without copying data; a
     tensor shared by several modules (a tied weight) stays one tensor."""
+    return _copy_on(model, _meta_like)
+
+
+def _copy_on(model: nn.Module, tensor: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A deep copy of the model whose parameters are new ``nn.Parameter`` s over
+    ``tensor(p.detach())`` (none of the originals' hooks) and whose buffers are ``tensor(b)``;
+    a tensor shared by several modules (a tied weight) stays one tensor."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(_meta_like(p.detach()), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(tensor(p.detach()), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = _meta_like(b)
+        memo[id(b)] = tensor(b)
     return copy.deepcopy(model, memo)
 
 
@@ -385,12 +392,8 @@ def graph_step_peaks(module: nn.Module, sample_input: Any) -> tuple[int, int] | 
     ]
     # A twin of the module on its own buffers and on aliases of its parameters (one per tied
     # parameter). Not torch.func.functional_call: it drops the hooks of tied parameters.
-    memo: dict[int, Any] = {
-        id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad) for p in module.parameters()
-    }
-    memo.update({id(b): b for b in module.buffers()})
     try:
-        twin = copy.deepcopy(module, memo)
+        twin = _copy_on(module, lambda t: t)
     except (TypeError, RuntimeError, copy.Error):
         return None  # a module deepcopy cannot copy (one holding a lock): run as counted
     with _preserved(module):
