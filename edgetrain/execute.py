@@ -541,33 +541,8 @@ class Checkpointed(nn.Module):
             return self.module(x)
         key = self._state(x)
         if key != self._key or self._unplanned:
-            shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
-            if self.on_new_shape == "error":
-                raise InvalidInput(
-                    f"Checkpointed was planned for another state than this step's "
-                    f"({_change(self._key, key, shapes_now)}); plan for it (or pass "
-                    "on_new_shape='replan')"
-                )
-            known = self._plans.get(key)
-            if known is not None:  # a state planned for before: as it was then
-                for name, value in known.items():
-                    setattr(self, name, value)
-                self._unplanned = False
-                return self.forward(x)
-            if self.model is not self.module:
-                self.model = as_stages(self.module, x)
-                self._params = list(self.model.parameters())
-            planned, change = self._key, _change(self._key, key, shapes_now)
-            self._unplanned = True  # until this plan is made: half planned, every call plans
-            try:
-                self._plan(x, None, None)
-            except InfeasibleBudget as exc:
-                self._key = planned
-                raise InfeasibleBudget(
-                    f"planning again for {change}: {exc}",
-                    exc.smallest,
-                ) from exc
-            self._unplanned = False
+            self._plan_for(x, key)
+            return self.forward(x)  # the step, on the plan (and parameter list) for this state
         self._grads_exist = _kept(params)  # the loop this step runs in
         if self._stores_everything:
             # Every stage once with its graph, nothing recomputed: plain autograd on the module,
@@ -590,6 +565,35 @@ class Checkpointed(nn.Module):
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
         return run.output(outs)
+
+    def _plan_for(self, x: Any, key: tuple[Any, ...]) -> None:
+        """Make the plan for the state ``key`` of a step on ``x`` (see :meth:`_state`) the
+        current one: restored as it was if planned for before, else planned now (or refused
+        with ``on_new_shape="error"``)."""
+        shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
+        if self.on_new_shape == "error":
+            raise InvalidInput(
+                f"Checkpointed was planned for another state than this step's "
+                f"({_change(self._key, key, shapes_now)}); plan for it (or pass "
+                "on_new_shape='replan')"
+            )
+        known = self._plans.get(key)
+        if known is not None:  # a state planned for before: as it was then
+            for name, value in known.items():
+                setattr(self, name, value)
+            self._unplanned = False
+            return
+        if self.model is not self.module:
+            self.model = as_stages(self.module, x)
+            self._params = list(self.model.parameters())
+        planned, change = self._key, _change(self._key, key, shapes_now)
+        self._unplanned = True  # until this plan is made: half planned, every call plans
+        try:
+            self._plan(x, None, None)
+        except InfeasibleBudget as exc:
+            self._key = planned
+            raise InfeasibleBudget(f"planning again for {change}: {exc}", exc.smallest) from exc
+        self._unplanned = False
 
     def extra_repr(self) -> str:
         return (
