@@ -49,6 +49,17 @@ def step(module: nn.Module, x: torch.Tensor, seed: int) -> torch.Tensor:
     return out
 
 
+def step_peak(net: nn.Module, x: torch.Tensor) -> int:
+    """The tensor peak of one training step (forward, loss, backward), as counted by
+    ``StorageCounter``: the caller keeps the output referenced until the step ends."""
+    counter = StorageCounter()
+    with counter:
+        out = net(x)
+        loss_of(out).backward()
+        del out
+    return counter.peak_bytes
+
+
 def tightest(model: nn.Module, x: torch.Tensor) -> Checkpointed:
     """``model`` under the optimal plan at the least memory that works (the profiled chain)."""
     chain = Checkpointed(copy.deepcopy(model), x).chain
@@ -265,12 +276,7 @@ def test_a_model_planned_in_eval_mode_is_planned_again_for_training_within_its_b
     net = Checkpointed(model, x, memory_budget=budget)
     net.train()
     step(net, x, 0)  # plans for train mode (the profile runs in this step, counted apart)
-    counter = StorageCounter()
-    with counter:
-        out = net(x)
-        loss_of(out).backward()
-        del out
-    assert counter.peak_bytes <= net.cost.peak_bytes + 64, net.runs_as
+    assert step_peak(net, x) <= net.cost.peak_bytes + 64, net.runs_as
     assert net.fixed_bytes + net.cost.peak_bytes <= budget
 
 
@@ -310,12 +316,7 @@ def test_a_stage_reading_its_input_thrice_holds_what_the_plan_predicts_with_kept
     assert net.runs_as != "the module itself"
     for p in net.parameters():
         p.grad = torch.zeros_like(p)
-    counter = StorageCounter()
-    with counter:
-        out = net(x)
-        loss_of(out).backward()
-        del out
-    assert counter.peak_bytes <= net.cost.peak_bytes + 64, net.runs_as
+    assert step_peak(net, x) <= net.cost.peak_bytes + 64, net.runs_as
 
 
 class Residual(nn.Module):
