@@ -47,10 +47,8 @@ What is refused with one clear error (before any gradient, buffer or RNG state c
 Not yet right (open): with gradients accumulated over micro-batches, a parameter also used
 outside the model in the same step (an L2 penalty, two calls in one step) is added to ``.grad``
 in another order than autograd's (equal up to rounding); a module whose forward updates a buffer
-it reads (``spectral_norm``) is recomputed from the updated buffer; in the loop that keeps
-gradients ``nn.MultiheadAttention``'s stage holds a few KB more than predicted; CPU autocast's
-weight copies are not in the prediction; forward hooks on children run again in each
-recomputation.
+it reads (``spectral_norm``) is recomputed from the updated buffer; CPU autocast's weight copies
+are not in the prediction; forward hooks on children run again in each recomputation.
 
 Memory: what the step holds above what it started with (weights, buffers, input, and gradients if
 they exist) is the plan's ``Cost.peak_bytes`` for the sample input's shape, as counted by

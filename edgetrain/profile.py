@@ -22,7 +22,7 @@ import operator
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,6 +35,7 @@ from edgetrain import progress
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, storage_bytes, storage_key
+from edgetrain.meta_kernels import cpu_kernels
 from edgetrain.stages import (
     StageParams,
     buffer_copy_bytes,
@@ -112,13 +113,14 @@ def _analytic(
         sample_input = _to_meta(sample_input)
     stages = as_stages(model, sample_input)
     meta_model = stages if _on_meta(stages) else _meta_copy(stages)
-    chain = _profile(
-        meta_model,
-        _to_meta(sample_input),
-        timer=None,
-        flops_per_second=flops_per_second,
-        flops=flops,
-    )
+    with cpu_kernels():
+        chain = _profile(
+            meta_model,
+            _to_meta(sample_input),
+            timer=None,
+            flops_per_second=flops_per_second,
+            flops=flops,
+        )
     if stages is model:
         return chain
     return replace(
@@ -378,8 +380,9 @@ def _profile(
 
 
 def graph_step_peaks(module: nn.Module, sample_input: Any) -> tuple[int, int] | None:
-    """:func:`_autograd_peaks` of ``module`` on the sample itself, not on meta tensors (some
-    kernels save other tensors on meta: ViT's attention one more of q's size): for a module
+    """:func:`_autograd_peaks` of ``module`` on the sample itself, not on meta tensors (a
+    kernel may save other tensors on meta than here; attention did, see
+    :mod:`edgetrain.meta_kernels`): for a module
     already run on the sample, whose step is known to fit (a plan's stages merged into one
     graph, sized by :func:`merged_chain`). Buffers, gradients and the RNG state are restored;
     the step runs on aliases of the parameters (their storage, not their hooks), so the user's
@@ -427,7 +430,7 @@ def _autograd_peaks(
                 for p in params:
                     p.grad = None
             counter = StorageCounter()
-            with torch.enable_grad(), counter:
+            with torch.enable_grad(), counter, cpu_kernels() if meta else nullcontext():
                 out = meta_model(x)
                 outs = [t for t in leaves(out) if t.requires_grad]
                 grads = [torch.ones_like(t) for t in outs]
@@ -474,6 +477,9 @@ class _Measured:
     saved_outputs: tuple[int, ...] | None = None
     input_gradient_bytes: int | None = None
     gradient_from: tuple[int, ...] = ()
+    # (backward_peak_bytes, backward_peak_kept_bytes) with every output gradient held until
+    # the backward ends; None for a stage with fewer than two output gradients.
+    backward_peaks_held: tuple[int, int] | None = None
 
 
 def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage]:
@@ -514,6 +520,12 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
         # @ h) read 10 KiB less than the first pass, and the executor's backward of it holds
         # what the first pass read.
         own[k] = sum(p.numel() * p.element_size() for p in fresh)
+    backward_peaks = [
+        r.backward_peaks_held
+        if held and r.backward_peaks_held
+        else (r.backward_peak_bytes, r.backward_peak_kept_bytes)
+        for held, (_, _, _, r) in zip(_gradients_shared(measured), measured, strict=True)
+    ]
     return [
         Stage(
             name=name,
@@ -523,8 +535,8 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             saves_output=r.saves_output,
             forward_peak_bytes=r.forward_peak_bytes,
             forward_grad_peak_bytes=r.forward_grad_peak_bytes,
-            backward_peak_bytes=r.backward_peak_bytes + summed[k],
-            backward_peak_kept_bytes=max(r.backward_peak_kept_bytes, r.backward_peak_bytes - own[k])
+            backward_peak_bytes=backward_peaks[k][0] + summed[k],
+            backward_peak_kept_bytes=max(backward_peaks[k][1], backward_peaks[k][0] - own[k])
             + summed[k],
             weight_bytes=weights[k],
             gradient_bytes=created[k],
@@ -546,6 +558,26 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
         )
         for k, (name, module, span, r) in enumerate(measured)
     ]
+
+
+def _gradients_shared(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[bool]:
+    """Per stage, whether two of its output tensors get one gradient storage in the step: the
+    next stage's backward passes an output gradient of its own on to both (an addition of the
+    trunk and this stage's branch), or to tensors that later get one so. The storage then lives
+    until the stage's backward ends (see :attr:`_Measured.backward_peaks_held`)."""
+    shared = [False] * len(measured)
+    # The storage of each gradient of a[k + 1] (stage k's output), by tensor; the caller's
+    # gradients of the model's output are distinct.
+    after: dict[int, object] = {}  # none known: each its own
+    for k in reversed(range(len(measured))):
+        shared[k] = len(after) != len({id(storage) for storage in after.values()})
+        # a[k]'s gradients: one passed on is the storage of the output gradient it came from.
+        after = {
+            i: after.setdefault(j, object())
+            for i, j in enumerate(measured[k][3].gradient_from)
+            if j >= 0
+        }
+    return shared
 
 
 def _new_bytes(tensors: Iterator[torch.Tensor], seen: set[int]) -> int:
@@ -627,7 +659,8 @@ def _profile_stage(
         saves_output = bool(saved_out_leaves)
 
         out_leaves = leaves(out)
-        grad_out = _output_gradients(graph.outputs, out_leaves, random=True)
+        wanted = list(graph.outputs)
+        grad_out = _output_gradients(wanted, out_leaves, random=True)
         # The model's last stage gets the caller's gradient, which the caller holds to the end.
         held = list(grad_out) if last else []
         out_grad_keys = [None if g is None else storage_key(g) for g in grad_out]
@@ -653,22 +686,47 @@ def _profile_stage(
         if all(j < 0 for j in gradient_from):
             gradient_from = ()
         del graph, input_grads, grad_out, held, made
+        grad_ids = {id(p) for i, p in params.params if i in param_grads}
+
+        def backward_peak_of(sink: Callable[[int, torch.Tensor], None], hold: bool) -> int:
+            """The backward's peak once more, the larger for the output gradients laid out
+            as their outputs and contiguous (see below); ``hold``: every output gradient
+            held by someone else until the backward ends."""
+            peaks = []
+            for contiguous in layouts:
+                param_grads.clear()
+                y, graph = run_forward_with_grad(
+                    module, x, needs_input_grad=needs_grad, params=params, sink=sink, stage=index
+                )
+                del y
+                grad_out = _output_gradients(wanted, out_leaves, random=True, contiguous=contiguous)
+                held = list(grad_out) if last or hold else []
+                base = counter.reset_peak()
+                run_backward(graph, grad_out)
+                peaks.append(counter.peak_bytes - base)
+                del graph, grad_out, held
+            return max(peaks)
+
+        # An output laid out other than contiguously (attention's output is a transpose) gets
+        # a gradient of its own layout in the first pass; in the step it gets what the next
+        # stage's backward returns, often contiguous, and its backward may then copy it
+        # (nn.MultiheadAttention's does: 8 KB more in the bug hunt's step). Both count.
+        layouts = [False]
+        if any(w and not t.is_contiguous() for w, t in zip(wanted, out_leaves, strict=True)):
+            layouts.append(True)
+            backward_peak = max(backward_peak, backward_peak_of(held_sink, hold=False))
         # Again, as in a loop that keeps gradients: each is added in place as it is computed.
-        y, graph = run_forward_with_grad(
-            module, x, needs_input_grad=needs_grad, params=params, sink=kept_sink, stage=index
-        )
-        del y
-        grad_out = _output_gradients(graph.outputs, out_leaves, random=True)
-        held = list(grad_out) if last else []
-        base = counter.reset_peak()
-        run_backward(graph, grad_out)
-        backward_peak_kept = counter.peak_bytes - base
-        del out_leaves, held
+        backward_peak_kept = backward_peak_of(kept_sink, hold=False)
+        # When the next stage hands one gradient storage to two of these outputs (an addition
+        # of the trunk and this stage's branch), nothing frees it before the backward ends:
+        # measured so as well, for the chain to take where that is so (see _stages).
+        held_peaks = None
+        if sum(wanted) > 1 and not last:
+            held_peaks = (backward_peak_of(held_sink, True), backward_peak_of(kept_sink, True))
+        param_grads.clear()
+        out_leaves.clear()
     saves_input = bool(saved_in_leaves)
     several_in, several_out = len(in_keys) > 1, len(out_keys) > 1
-    grad_ids = {id(p) for i, p in params.params if i in param_grads}
-    del graph, grad_out
-    param_grads.clear()
 
     forward_seconds = backward_seconds = 0.0
     if timer is not None:
@@ -696,6 +754,7 @@ def _profile_stage(
         forward_grad_peak_bytes=forward_grad_peak,
         backward_peak_bytes=backward_peak,
         backward_peak_kept_bytes=backward_peak_kept,
+        backward_peaks_held=held_peaks,
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
         layer_output_bytes=layer_outputs.bytes,
@@ -712,14 +771,23 @@ def _passed_from(grad: torch.Tensor, keys: list[int | None], freed: set[int]) ->
 
 
 def _output_gradients(
-    wanted: list[bool], tensors: list[torch.Tensor], *, random: bool = False
+    wanted: list[bool],
+    tensors: list[torch.Tensor],
+    *,
+    random: bool = False,
+    contiguous: bool = False,
 ) -> list[torch.Tensor | None]:
     """Gradients for a stage's output tensors, None where none flows: ones, or with ``random``
-    standard-normal values (ones on meta)."""
+    standard-normal values (ones on meta); laid out as their tensor is, or ``contiguous``."""
+    layout = torch.contiguous_format if contiguous else torch.preserve_format
     return [
         None
         if not want
-        else (torch.randn_like(t) if random and t.device.type != "meta" else torch.ones_like(t))
+        else (
+            torch.randn_like(t, memory_format=layout)
+            if random and t.device.type != "meta"
+            else torch.ones_like(t, memory_format=layout)
+        )
         for want, t in zip(wanted, tensors, strict=True)
     ]
 
