@@ -20,12 +20,15 @@ inputs and random-number state:
   goes on as usual;
 * buffers: a recomputation runs on copies of the stage's buffers, so BatchNorm running statistics
   and ``num_batches_tracked`` end exactly as without checkpointing;
-* autocast: recomputations and the backward run under the autocast state of the forward;
+* autocast: every stage run (recomputations too) is under the autocast state of the forward,
+  without autocast's cache of weight copies (a copy lives as long as autograd saves it, as the
+  profile, made under the same state, counts it);
 * inputs may be a tensor or, for an ``nn.Sequential``, a tuple, list or dict of tensors (only
   floating-point tensors carry gradients); stages may pass such structures between them; an
   output the loss does not use leaves its layers' gradients ``None``;
 * a plan is made for the input's shapes and dtypes, which parameters and inputs need a
-  gradient, and each module's train/eval mode: a step that differs in any of them is planned
+  gradient, each module's train/eval mode and the autocast state: a step that differs in any of
+  them is planned
   for anew (plans are kept per state), or refused with ``on_new_shape="error"``;
 * under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
   when the plan stores everything (plain autograd's step, which holds no more than predicted);
@@ -47,8 +50,8 @@ What is refused with one clear error (before any gradient, buffer or RNG state c
 Not yet right (open): with gradients accumulated over micro-batches, a parameter also used
 outside the model in the same step (an L2 penalty, two calls in one step) is added to ``.grad``
 in another order than autograd's (equal up to rounding); a module whose forward updates a buffer
-it reads (``spectral_norm``) is recomputed from the updated buffer; CPU autocast's weight copies
-are not in the prediction; forward hooks on children run again in each recomputation.
+it reads (``spectral_norm``) is recomputed from the updated buffer; forward hooks on children run
+again in each recomputation.
 
 Memory: what the step holds above what it started with (weights, buffers, input, and gradients if
 they exist) is the plan's ``Cost.peak_bytes`` for the sample input's shape, as counted by
@@ -229,7 +232,7 @@ class Checkpointed(nn.Module):
 
     def _make_plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
         if chain is None:
-            chain = profile(self.model, sample)
+            chain = profile(self.model, sample, autocast=autocast_state())
         if self.model is not self.module:
             # The store-all plan runs the module itself: its own step's peak counts too.
             chain = with_module_step(chain, self.module, sample)
@@ -278,14 +281,16 @@ class Checkpointed(nn.Module):
 
     def _state(self, x: Any) -> tuple[Any, ...]:
         """What a plan is made for besides the model: the input's shapes and dtypes, which
-        input tensors and parameters need a gradient, and each module's train/eval mode (the
-        chain records what needs a gradient, and a Dropout in eval mode was profiled as the
-        identity)."""
+        input tensors and parameters need a gradient, each module's train/eval mode (the chain
+        records what needs a gradient, and a Dropout in eval mode was profiled as the
+        identity), and the autocast state (under ``torch.autocast`` the stages are profiled
+        under it: other dtypes, other sizes, the weights' copies)."""
         return (
             shapes(x),
             tuple(t.requires_grad for t in leaves(x)),
             tuple(p.requires_grad for p in self._params),
             tuple(m.training for m in self.module.modules()),
+            tuple(autocast_state()),
         )
 
     def _planned(self, device: int | None) -> Schedule:
@@ -391,7 +396,8 @@ class Checkpointed(nn.Module):
                 return
             first, _ = merged_schedule(schedule, candidates)
             modules = _modules(self._stages, candidates)
-            sized = merged_chain(self.chain, modules, first, sample)
+            with autocasting(autocast_state()):  # as the step runs them (see autocasting)
+                sized = merged_chain(self.chain, modules, first, sample)
             if sized is not None:
                 by_first = dict(zip(first, sized.stages, strict=True))
                 as_one.update({run: by_first[run.first] for run in candidates})
@@ -891,6 +897,7 @@ def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
                 "another input needing a gradient",
                 "other parameters needing gradients (frozen or unfrozen layers)",
                 "another train/eval mode",
+                "another torch.autocast state",
             ),
             planned,
             now,

@@ -36,6 +36,7 @@ from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, storage_bytes, storage_key
 from edgetrain.meta_kernels import cpu_kernels
+from edgetrain.recompute import AutocastState, autocasting
 from edgetrain.stages import (
     StageParams,
     buffer_copy_bytes,
@@ -73,15 +74,28 @@ LAYER_TYPES: tuple[type[nn.Module], ...] = (
 """Layers whose outputs the paper's memory model counts as activations (no pooling, no reshapes)."""
 
 
-def profile(model: nn.Module, sample_input: Any, *, repeats: int = 3) -> Chain:
+def profile(
+    model: nn.Module,
+    sample_input: Any,
+    *,
+    repeats: int = 3,
+    autocast: AutocastState | None = None,
+) -> Chain:
     """Measure ``model`` (an ``nn.Sequential``) on ``sample_input`` on this device.
 
     Each child is one stage (children that return a view of their input or change it in place are
     merged with a neighbour, see :func:`edgetrain.stages.group_children`). Time is the least
     process CPU time (seconds) of ``repeats`` runs of each stage's forward (with grad) and
-    backward (see :class:`_Timer`).
+    backward (see :class:`_Timer`). ``autocast``: the ``torch.autocast`` state the steps run
+    under (:func:`~edgetrain.recompute.autocast_state`); each stage is measured under it, as the
+    executor runs it (:func:`~edgetrain.recompute.autocasting`). Its plain-autograd step is not
+    measured then (it is on meta tensors, which autocast does not cast): the store-all plan runs
+    stage by stage, as counted.
     """
-    return _profile(model, sample_input, timer=_Timer(repeats))
+    if not autocast:
+        return _profile(model, sample_input, timer=_Timer(repeats))
+    with autocasting(autocast):
+        return _profile(model, sample_input, timer=_Timer(repeats), plain_step=False)
 
 
 def analytic_chain(
@@ -328,6 +342,7 @@ def _profile(
     timer: _Timer | None,
     flops_per_second: float = NOMINAL_FLOPS,
     flops: bool = True,
+    plain_step: bool = True,
 ) -> Chain:
     _check_model(model)
     assert isinstance(model, nn.Sequential)
@@ -368,7 +383,7 @@ def _profile(
             measured.append((name, module, span, result))
             needs_grad = result.output_requires_grad
         done(detail="one step of plain autograd")
-        autograd_peaks = _autograd_peaks(model, sample_input)
+        autograd_peaks = _autograd_peaks(model, sample_input) if plain_step else None
     stages = _stages(measured)
     return Chain(
         stages=tuple(stages),
