@@ -703,9 +703,11 @@ def _profile_stage(
         del graph, input_grads, grad_out, held, made
         grad_ids = {id(p) for i, p in params.params if i in param_grads}
 
-        def backward_peak_of(sink: Callable[[int, torch.Tensor], None], hold: bool) -> int:
-            """The backward's peak once more, the larger for the output gradients laid out
-            as their outputs and contiguous (see below); ``hold``: every output gradient
+        def backward_peak_of(
+            sink: Callable[[int, torch.Tensor], None], hold: bool, layouts: list[bool]
+        ) -> int:
+            """The backward's peak once more, the largest over the output gradients' layouts
+            (``contiguous`` or as their outputs, see below); ``hold``: every output gradient
             held by someone else until the backward ends."""
             peaks = []
             for contiguous in layouts:
@@ -728,16 +730,19 @@ def _profile_stage(
         # (nn.MultiheadAttention's does: 8 KB more in the bug hunt's step). Both count.
         layouts = [False]
         if any(w and not t.is_contiguous() for w, t in zip(wanted, out_leaves, strict=True)):
-            layouts.append(True)
-            backward_peak = max(backward_peak, backward_peak_of(held_sink, hold=False))
+            layouts.append(True)  # the first pass above had the outputs' own layout
+            backward_peak = max(backward_peak, backward_peak_of(held_sink, False, [True]))
         # Again, as in a loop that keeps gradients: each is added in place as it is computed.
-        backward_peak_kept = backward_peak_of(kept_sink, hold=False)
+        backward_peak_kept = backward_peak_of(kept_sink, False, layouts)
         # When the next stage hands one gradient storage to two of these outputs (an addition
         # of the trunk and this stage's branch), nothing frees it before the backward ends:
         # measured so as well, for the chain to take where that is so (see _stages).
         held_peaks = None
         if sum(wanted) > 1 and not last:
-            held_peaks = (backward_peak_of(held_sink, True), backward_peak_of(kept_sink, True))
+            held_peaks = (
+                backward_peak_of(held_sink, True, layouts),
+                backward_peak_of(kept_sink, True, layouts),
+            )
         param_grads.clear()
         out_leaves.clear()
     saves_input = bool(saved_in_leaves)
