@@ -50,25 +50,21 @@ def _cpu_stand_in(t: torch.Tensor) -> torch.Tensor:
 def _cpu_choice(args: inspect.BoundArguments) -> int:
     """The kernel the CPU picks for these arguments (torch's ``SDPBackend`` number), asked
     with the tensor-counting modes (a ``StorageCounter``) suspended: not part of the step."""
-    with _disable_current_modes():
-        return _ask_cpu(args)
-
-
-def _ask_cpu(args: inspect.BoundArguments) -> int:
-    q, k, v = (_cpu_stand_in(args.arguments[name]) for name in ("query", "key", "value"))
     mask = args.arguments["attn_mask"]
-    return int(
-        torch._fused_sdp_choice(
-            q,
-            k,
-            v,
-            attn_mask=None if mask is None else _cpu_stand_in(mask),
-            dropout_p=args.arguments["dropout_p"],
-            is_causal=args.arguments["is_causal"],
-            scale=args.arguments["scale"],
-            enable_gqa=args.arguments["enable_gqa"],
+    with _disable_current_modes():
+        q, k, v = (_cpu_stand_in(args.arguments[name]) for name in ("query", "key", "value"))
+        return int(
+            torch._fused_sdp_choice(
+                q,
+                k,
+                v,
+                attn_mask=None if mask is None else _cpu_stand_in(mask),
+                dropout_p=args.arguments["dropout_p"],
+                is_causal=args.arguments["is_causal"],
+                scale=args.arguments["scale"],
+                enable_gqa=args.arguments["enable_gqa"],
+            )
         )
-    )
 
 
 def _flash(args: inspect.BoundArguments) -> torch.Tensor:
