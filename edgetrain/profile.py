@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -356,10 +357,15 @@ def _profile(
         groups = group_children(model, sample_input)
         x = sample_input
         needs_grad = any(t.requires_grad for t in leaves(sample_input))
+        # Stages with two or more output gradients, until it is known whether the step gives
+        # two of them one storage (see _gradients_shared): what their held passes need then.
+        pending: dict[int, tuple[Any, bool, tuple[Any, ...] | None]] = {}
+        held_memo: dict[tuple[Any, ...], tuple[int, int]] = {}
         for index, (name, module, span) in enumerate(groups):
             done(detail=name)
             last = index == len(groups) - 1
             key = (module_key(module), signature(x), needs_grad, last)
+            stage_input, stage_needs = x, needs_grad
             if timer is None and key in memo and not _shares_parameters(module, measured):
                 known, out = memo[key]
                 # The twin's parameters all got gradients, or none did: so do this one's.
@@ -382,6 +388,12 @@ def _profile(
                     memo[key] = (result, x)
             measured.append((name, module, span, result))
             needs_grad = result.output_requires_grad
+            if result.gradient_outputs > 1 and not last:
+                # Its held peaks serve its twins (identical stages on meta tensors) too.
+                twin = timer is None and not _shares_parameters(module, measured[:-1])
+                pending[index] = (stage_input, stage_needs, key if twin else None)
+            del stage_input
+            _measure_held(measured, pending, held_memo, index_of, complete=last)
         done(detail="one step of plain autograd")
         autograd_peaks = _autograd_peaks(model, sample_input) if plain_step else None
     stages = _stages(measured)
@@ -492,8 +504,10 @@ class _Measured:
     saved_outputs: tuple[int, ...] | None = None
     input_gradient_bytes: int | None = None
     gradient_from: tuple[int, ...] = ()
+    gradient_outputs: int = 0  # output tensors a gradient flows to
+    gradient_layouts: tuple[bool, ...] = (False,)  # see _layouts
     # (backward_peak_bytes, backward_peak_kept_bytes) with every output gradient held until
-    # the backward ends; None for a stage with fewer than two output gradients.
+    # the backward ends: measured (by _profile) only where two of them share one storage.
     backward_peaks_held: tuple[int, int] | None = None
 
 
@@ -536,10 +550,8 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
         # what the first pass read.
         own[k] = sum(p.numel() * p.element_size() for p in fresh)
     backward_peaks = [
-        r.backward_peaks_held
-        if held and r.backward_peaks_held
-        else (r.backward_peak_bytes, r.backward_peak_kept_bytes)
-        for held, (_, _, _, r) in zip(_gradients_shared(measured), measured, strict=True)
+        r.backward_peaks_held or (r.backward_peak_bytes, r.backward_peak_kept_bytes)
+        for _, _, _, r in measured
     ]
     return [
         Stage(
@@ -575,17 +587,59 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
     ]
 
 
-def _gradients_shared(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[bool]:
+def _measure_held(
+    measured: list[tuple[str, nn.Module, int, _Measured]],
+    pending: dict[int, tuple[Any, bool, tuple[Any, ...] | None]],
+    memo: dict[tuple[Any, ...], tuple[int, int]],
+    index_of: dict[int, int],
+    *,
+    complete: bool,
+) -> None:
+    """Settle the ``pending`` stages (index -> input, whether it needs a gradient, memo key)
+    that the stages profiled so far decide (:func:`_gradients_shared`): one whose step gives
+    two of its output gradients one storage gets its held peaks (measured, or from ``memo``
+    for a twin); the others are dropped, with their input."""
+    for k, shared in enumerate(_gradients_shared(measured, complete=complete)):
+        if k not in pending or shared is None:
+            continue  # not waiting, or still open: a later stage decides
+        x, needs_grad, key = pending.pop(k)
+        if not shared:
+            continue
+        name, module, span, result = measured[k]
+        held = memo.get(key) if key is not None else None
+        if held is None:
+            params = stage_params(module, index_of)
+            held = _held_backward_peaks(module, x, needs_grad, params, k, result)
+            if key is not None:
+                memo[key] = held
+        measured[k] = (name, module, span, replace(result, backward_peaks_held=held))
+
+
+def _gradients_shared(
+    measured: list[tuple[str, nn.Module, int, _Measured]], *, complete: bool = True
+) -> list[bool | None]:
     """Per stage, whether two of its output tensors get one gradient storage in the step: the
     next stage's backward passes an output gradient of its own on to both (an addition of the
     trunk and this stage's branch), or to tensors that later get one so. The storage then lives
-    until the stage's backward ends (see :attr:`_Measured.backward_peaks_held`)."""
-    shared = [False] * len(measured)
-    # The storage of each gradient of a[k + 1] (stage k's output), by tensor; the caller's
-    # gradients of the model's output are distinct.
-    after: dict[int, object] = {}  # none known: each its own
+    until the stage's backward ends (see :attr:`_Measured.backward_peaks_held`).
+
+    ``complete``: ``measured`` is the whole model, whose output gradients (the caller's) are
+    distinct. Else it is the stages profiled so far, and a stage two of whose output gradients
+    may still be given one storage by stages not yet profiled is None (open)."""
+    shared: list[bool | None] = [False] * len(measured)
+    # The storage of each gradient of a[k + 1] (stage k's output), by tensor: one made by a
+    # stage not profiled yet is an open one (only while the chain is incomplete).
+    after: dict[int, object] = {}
+    open_ones: set[int] = set()
+    if not complete and measured:
+        after = {j: object() for j in range(max(1, len(measured[-1][3].leaf_bytes)))}
+        open_ones = {id(storage) for storage in after.values()}
     for k in reversed(range(len(measured))):
-        shared[k] = len(after) != len({id(storage) for storage in after.values()})
+        storages = [id(storage) for storage in after.values()]
+        if len(storages) != len(set(storages)):
+            shared[k] = True
+        elif len(open_ones.intersection(storages)) > 1:
+            shared[k] = None
         # a[k]'s gradients: one passed on is the storage of the output gradient it came from.
         after = {
             i: after.setdefault(j, object())
@@ -617,7 +671,6 @@ def _profile_stage(
 ) -> tuple[_Measured, Any]:
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
-    buffers = {i: torch.zeros_like(p) for i, p in params.params}  # gradients that exist
     with counter:
         base = counter.reset_peak()
         with layer_outputs:
@@ -636,10 +689,6 @@ def _profile_stage(
 
         def held_sink(i: int, grad: torch.Tensor) -> None:
             param_grads[i] = grad if i not in param_grads else param_grads[i] + grad
-
-        def kept_sink(i: int, grad: torch.Tensor) -> None:
-            with torch.no_grad():
-                buffers[i].add_(grad)
 
         base = counter.reset_peak()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -702,49 +751,19 @@ def _profile_stage(
             gradient_from = ()
         del graph, input_grads, grad_out, held, made
         grad_ids = {id(p) for i, p in params.params if i in param_grads}
-
-        def backward_peak_of(
-            sink: Callable[[int, torch.Tensor], None], hold: bool, layouts: list[bool]
-        ) -> int:
-            """The backward's peak once more, the largest over the output gradients' layouts
-            (``contiguous`` or as their outputs, see below); ``hold``: every output gradient
-            held by someone else until the backward ends."""
-            peaks = []
-            for contiguous in layouts:
-                param_grads.clear()
-                y, graph = run_forward_with_grad(
-                    module, x, needs_input_grad=needs_grad, params=params, sink=sink, stage=index
-                )
-                del y
-                grad_out = _output_gradients(wanted, out_leaves, random=True, contiguous=contiguous)
-                held = list(grad_out) if last or hold else []
-                base = counter.reset_peak()
-                run_backward(graph, grad_out)
-                peaks.append(counter.peak_bytes - base)
-                del graph, grad_out, held
-            return max(peaks)
-
+        param_grads.clear()
+        again = partial(_backward_peak, module, x, needs_grad, params, index, last=last)
         # An output laid out other than contiguously (attention's output is a transpose) gets
         # a gradient of its own layout in the first pass; in the step it gets what the next
         # stage's backward returns, often contiguous, and its backward may then copy it
         # (nn.MultiheadAttention's does: 8 KB more in the bug hunt's step). Both count.
-        layouts = [False]
-        if any(w and not t.is_contiguous() for w, t in zip(wanted, out_leaves, strict=True)):
-            layouts.append(True)  # the first pass above had the outputs' own layout
-            backward_peak = max(backward_peak, backward_peak_of(held_sink, False, [True]))
+        layouts = _layouts(wanted, out_leaves)
+        if len(layouts) > 1:
+            backward_peak = max(backward_peak, again(kept=False, contiguous=True))
         # Again, as in a loop that keeps gradients: each is added in place as it is computed.
-        backward_peak_kept = backward_peak_of(kept_sink, False, layouts)
-        # When the next stage hands one gradient storage to two of these outputs (an addition
-        # of the trunk and this stage's branch), nothing frees it before the backward ends:
-        # measured so as well, for the chain to take where that is so (see _stages).
-        held_peaks = None
-        if sum(wanted) > 1 and not last:
-            held_peaks = (
-                backward_peak_of(held_sink, True, layouts),
-                backward_peak_of(kept_sink, True, layouts),
-            )
-        param_grads.clear()
-        out_leaves.clear()
+        backward_peak_kept = max(again(kept=True, contiguous=c) for c in layouts)
+        gradient_outputs = sum(wanted)
+        del out_leaves
     saves_input = bool(saved_in_leaves)
     several_in, several_out = len(in_keys) > 1, len(out_keys) > 1
 
@@ -774,7 +793,8 @@ def _profile_stage(
         forward_grad_peak_bytes=forward_grad_peak,
         backward_peak_bytes=backward_peak,
         backward_peak_kept_bytes=backward_peak_kept,
-        backward_peaks_held=held_peaks,
+        gradient_outputs=gradient_outputs,
+        gradient_layouts=tuple(layouts),
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
         layer_output_bytes=layer_outputs.bytes,
@@ -782,6 +802,67 @@ def _profile_stage(
         param_grad_ids=grad_ids,
     )
     return result, out
+
+
+def _layouts(wanted: list[bool], outputs: list[torch.Tensor]) -> list[bool]:
+    """The layouts (``contiguous`` or not) to give a stage's output gradients: their outputs'
+    own, and contiguous too when an output that gets a gradient is laid out otherwise."""
+    other = any(w and not t.is_contiguous() for w, t in zip(wanted, outputs, strict=True))
+    return [False, True] if other else [False]
+
+
+def _backward_peak(
+    module: nn.Module,
+    x: Any,
+    needs_grad: bool,
+    params: StageParams,
+    index: int,
+    *,
+    kept: bool,
+    contiguous: bool,
+    hold: bool = False,
+    last: bool = False,
+) -> int:
+    """The peak of one more backward of a stage (bytes above what it starts with): in the loop
+    that keeps gradients (``kept``: each added in place as it is computed) or the one that
+    creates them (held until the step ends); its output gradients ``contiguous`` or laid out as
+    the outputs; each held by someone else until the backward ends (``hold``, and always for the
+    model's last stage, whose gradient the caller holds) or handed to autograd to free."""
+    made: dict[int, torch.Tensor] = {}
+    existing = {i: torch.zeros_like(p) for i, p in params.params} if kept else {}
+
+    def sink(i: int, grad: torch.Tensor) -> None:
+        if kept:
+            with torch.no_grad():
+                existing[i].add_(grad)
+        else:
+            made[i] = grad if i not in made else made[i] + grad
+
+    counter = StorageCounter()
+    with counter:
+        y, graph = run_forward_with_grad(
+            module, x, needs_input_grad=needs_grad, params=params, sink=sink, stage=index
+        )
+        grad_out = _output_gradients(graph.outputs, leaves(y), random=True, contiguous=contiguous)
+        del y
+        held = list(grad_out) if hold or last else []
+        base = counter.reset_peak()
+        run_backward(graph, grad_out)
+        del graph, grad_out, held
+        return counter.peak_bytes - base
+
+
+def _held_backward_peaks(
+    module: nn.Module, x: Any, needs_grad: bool, params: StageParams, index: int, result: _Measured
+) -> tuple[int, int]:
+    """:attr:`_Measured.backward_peaks_held` of a stage measured as ``result``: both loops'
+    backward peaks with every output gradient held until the backward ends, the larger over
+    the gradients' layouts."""
+    again = partial(_backward_peak, module, x, needs_grad, params, index, hold=True)
+    return (
+        max(again(kept=False, contiguous=c) for c in result.gradient_layouts),
+        max(again(kept=True, contiguous=c) for c in result.gradient_layouts),
+    )
 
 
 def _passed_from(grad: torch.Tensor, keys: list[int | None], freed: set[int]) -> int:
