@@ -79,6 +79,17 @@ class Stage:
             only some of them (None: all of them or none, as ``saves_input``/``saves_output``).
         backward_peak_kept_bytes: the backward's peak when parameter gradients exist and are
             added to in place (None: as ``backward_peak_bytes``).
+        reads_updated_buffers: whether what the stage hands on (its output, what autograd
+            saves) depends on buffers its own forward changes (``spectral_norm``'s power
+            iteration updates ``u`` and ``v`` and normalises the weight with them; not
+            BatchNorm in training, whose output does not read its running statistics). A run
+            of it again must start from the buffers as they were before its first run: a plan
+            that runs it more than once keeps a copy of them (:attr:`recompute_buffer_bytes`)
+            from its first run to its last (see :mod:`edgetrain.buffer_state`).
+        retained_bytes: what its forward leaves alive besides its output and its graph: a
+            tensor a module keeps as an attribute (``torch.nn.utils.spectral_norm`` and
+            ``weight_norm`` set the weight their hook computes; the next forward replaces it).
+            Held from the stage's first run in a step to the step's end.
         input_gradient_bytes: the distinct storages of the gradient its backward returns for
             its input (None: the input's size). Less than the input when tensors share one
             gradient: an addition hands its output's gradient to both of its inputs. With
@@ -117,6 +128,8 @@ class Stage:
     gradient_from: tuple[int, ...] = ()
     copied_buffer_bytes: int | None = None
     shared_gradient_bytes: int = 0
+    reads_updated_buffers: bool = False
+    retained_bytes: int = 0
 
     def made_gradient_bytes(self, grads_exist: bool) -> int:
         """The gradient bytes the stage's backward leaves held until the step ends: those it
@@ -351,6 +364,8 @@ class Chain:
                 *([s.input_gradient_bytes] if s.input_gradient_bytes is not None else []),
                 *([list(s.gradient_from)] if s.gradient_from else []),
                 *([s.shared_gradient_bytes] if s.shared_gradient_bytes else []),
+                *(["reads updated buffers"] if s.reads_updated_buffers else []),
+                *([["retained", s.retained_bytes]] if s.retained_bytes else []),
             ]
             for s in self.stages
         ]

@@ -19,7 +19,10 @@ inputs and random-number state:
   random-number state the stage saw first (dropout masks are the same), and the caller's stream
   goes on as usual;
 * buffers: a recomputation runs on copies of the stage's buffers, so BatchNorm running statistics
-  and ``num_batches_tracked`` end exactly as without checkpointing;
+  and ``num_batches_tracked`` end exactly as without checkpointing; a stage whose result depends
+  on buffers its forward changes (``spectral_norm``'s power iteration, a moving average the
+  module reads) is recomputed from copies of its buffers as they were before its first run
+  (a snapshot the plan counts: :attr:`~edgetrain.chain.Stage.reads_updated_buffers`);
 * autocast: every stage run (recomputations too) is under the autocast state of the forward,
   without autocast's cache of weight copies (a copy lives as long as autograd saves it, as the
   profile, made under the same state, counts it);
@@ -49,9 +52,8 @@ What is refused with one clear error (before any gradient, buffer or RNG state c
 
 Not yet right (open): with gradients accumulated over micro-batches, a parameter also used
 outside the model in the same step (an L2 penalty, two calls in one step) is added to ``.grad``
-in another order than autograd's (equal up to rounding); a module whose forward updates a buffer
-it reads (``spectral_norm``) is recomputed from the updated buffer; forward hooks on children run
-again in each recomputation.
+in another order than autograd's (equal up to rounding); forward hooks on children run again in
+each recomputation.
 
 Memory: what the step holds above what it started with (weights, buffers, input, and gradients if
 they exist) is the plan's ``Cost.peak_bytes`` for the sample input's shape, as counted by
@@ -98,10 +100,12 @@ from edgetrain.profile import (
 )
 from edgetrain.recompute import (
     AutocastState,
+    BufferSnapshot,
     GraphRunModule,
     RngState,
     autocast_state,
     autocasting,
+    buffer_snapshot,
     check_backward,
     check_unchanged,
     recomputing,
@@ -332,6 +336,11 @@ class Checkpointed(nn.Module):
                     worst,
                 )
         self._stages = _stage_modules(self.model, self.chain)
+        # Stages whose result depends on buffers their forward changes (spectral_norm): a run
+        # again starts from a snapshot of their buffers taken before the first run.
+        self._snapshotted = {
+            k for k, stage in enumerate(self.chain.stages) if stage.reads_updated_buffers
+        }
         # The store-all plan runs as plain autograd when its peak was measured so (the chain's
         # autograd_peak_bytes, which simulate() gives it); otherwise stage by stage, as counted.
         self._stores_everything = (
@@ -349,7 +358,7 @@ class Checkpointed(nn.Module):
         chosen, self._exec_first, executed = self._merge(
             runs, schedule, sample, lambda run: _own_params(fine, run)
         )
-        self._exec_stages = _modules(self._stages, chosen)
+        self._exec_stages = _modules(self._stages, chosen, self._snapshotted)
         self._exec_length = executed.length
         self._stage_params = [
             fine[k] if module is self._stages[k] else stage_params(module, index_of)
@@ -364,9 +373,16 @@ class Checkpointed(nn.Module):
         self._backward_ops = ops[executed.forward_phase_end :]
         forwards = Counter(k for kind, k in ops if kind.is_forward)
         self._rerun = {k for k, count in forwards.items() if count > 1}
+        self._runs = {k: forwards[k] for k in self._rerun}
         # A recomputation runs on copies of the buffers of these modules (see recomputing): those
         # the chain counts (Stage.copied_buffer_bytes, from buffer_copy_bytes).
         self._submodules = {k: list(self._exec_stages[k].modules()) for k in self._rerun}
+        bounds = [*self._exec_first, self.chain.length]
+        self._snapshots = {
+            k
+            for k in self._rerun
+            if any(j in self._snapshotted for j in range(bounds[k], bounds[k + 1]))
+        }
         self._needs: dict[int, list[bool]] = {}  # per stage, filled as the stages first run
 
     def _merge(
@@ -395,7 +411,7 @@ class Checkpointed(nn.Module):
             if not candidates:
                 return
             first, _ = merged_schedule(schedule, candidates)
-            modules = _modules(self._stages, candidates)
+            modules = _modules(self._stages, candidates, self._snapshotted)
             with autocasting(autocast_state()):  # as the step runs them (see autocasting)
                 sized = merged_chain(self.chain, modules, first, sample)
             if sized is not None:
@@ -474,7 +490,7 @@ class Checkpointed(nn.Module):
         if spans == [(0, self.chain.length - 1)] and chosen[0].rebuilds:
             # One graph for the whole model: plain autograd runs it (as a store-all plan runs
             # the module), its step measured as it runs; if that fits too.
-            peaks = graph_step_peaks(_modules(self._stages, chosen)[0], sample)
+            peaks = graph_step_peaks(_modules(self._stages, chosen, self._snapshotted)[0], sample)
             if peaks is not None:
                 one = replace(self.chain, stages=(as_one[chosen[0]],), autograd_peak_bytes=peaks)
                 direct = {
@@ -691,9 +707,12 @@ def _own_params(params: list[StageParams], run: GraphRun) -> bool:
     )
 
 
-def _modules(stages: list[nn.Module], runs: list[GraphRun]) -> list[nn.Module]:
+def _modules(
+    stages: list[nn.Module], runs: list[GraphRun], snapshotted: set[int]
+) -> list[nn.Module]:
     """The stages as the executor runs them: each of ``runs`` one stage (a
-    :class:`~edgetrain.recompute.GraphRunModule`), the others as they are (see
+    :class:`~edgetrain.recompute.GraphRunModule`; of its stages, those in ``snapshotted`` are
+    rebuilt from a snapshot of their buffers), the others as they are (see
     :func:`~edgetrain.schedule.merged_schedule`)."""
     merged = {run.first: run for run in runs}
     modules: list[nn.Module] = []
@@ -706,7 +725,10 @@ def _modules(stages: list[nn.Module], runs: list[GraphRun]) -> list[nn.Module]:
             continue
         recomputed = frozenset(j - run.first for j in run.recomputed)
         segments = frozenset((i - run.first, j - run.first) for i, j in run.checkpointed)
-        modules.append(GraphRunModule(stages[run.first : run.last + 1], recomputed, segments))
+        snapshots = frozenset(j - run.first for j in snapshotted if run.first <= j <= run.last)
+        modules.append(
+            GraphRunModule(stages[run.first : run.last + 1], recomputed, segments, snapshots)
+        )
         k = run.last + 1
     return modules
 
@@ -723,6 +745,8 @@ class _Run:
     grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
     param_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     rng: dict[int, RngState] = field(default_factory=dict)
+    runs: Counter[int] = field(default_factory=Counter)  # runs so far of stages run again
+    snapshots: dict[int, BufferSnapshot] = field(default_factory=dict)
     wanted_params: set[int] = field(default_factory=set)
     in_place: dict[int, torch.Tensor] = field(default_factory=dict)  # index -> its .grad
     want_input: bool = True
@@ -847,13 +871,21 @@ class _Run:
         self.param_grads[index] = grad if known is None else known + grad
 
     def _replay(self, k: int) -> AbstractContextManager[None]:
-        """First run of stage k: remember its RNG state (if the plan runs it again). Later runs:
-        replay it, keep buffers."""
-        if k not in self.rng:
-            if k in self.net._rerun:
-                self.rng[k] = rng_state()
+        """First run of stage k: remember its RNG state (if the plan runs it again) and, for a
+        stage whose result depends on buffers it changes, its buffers. Later runs: replay them,
+        keep the model's buffers; the snapshot goes with the last run."""
+        net = self.net
+        if k not in net._rerun:
             return nullcontext()
-        return recomputing(self.rng[k], self.net._submodules[k])
+        self.runs[k] += 1
+        if k not in self.rng:
+            self.rng[k] = rng_state()
+            if k in net._snapshots:
+                self.snapshots[k] = buffer_snapshot(net._submodules[k])
+            return nullcontext()
+        last = self.runs[k] == net._runs[k]
+        snapshot = self.snapshots.pop(k, None) if last else self.snapshots.get(k)
+        return recomputing(self.rng[k], net._submodules[k], snapshot)
 
     def _autocast(self) -> AbstractContextManager[None]:
         return autocasting(self.autocast) if self.autocast else nullcontext()
@@ -880,6 +912,9 @@ _PLANNED = (
     "_forward_ops",
     "_backward_ops",
     "_rerun",
+    "_runs",
+    "_snapshotted",
+    "_snapshots",
     "_submodules",
     "_needs",
 )

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain import progress
+from edgetrain.buffer_state import BufferFlow
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, storage_bytes, storage_key
@@ -49,6 +50,7 @@ from edgetrain.stages import (
     run_forward,
     run_forward_with_grad,
     signature,
+    stage_buffers,
     stage_params,
 )
 
@@ -321,16 +323,19 @@ class _Timer:
 
 @contextmanager
 def _preserved(model: nn.Module) -> Iterator[None]:
-    """Restore buffers, parameter gradients and the RNG state after profiling."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    """Restore buffers (their values, and the tensors the modules hold: a module may assign
+    itself a new one), parameter gradients and the RNG state after profiling."""
+    places = stage_buffers(model.modules())
+    saved = {id(b): b.detach().clone() for _, _, b in places}
     grads = [(p, p.grad) for p in model.parameters()]
     rng = torch.get_rng_state()
     try:
         yield
     finally:
         with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
+            for buffers, name, buffer in places:
+                buffers[name] = buffer
+                buffer.copy_(saved[id(buffer)])
         for p, grad in grads:
             p.grad = grad
         torch.set_rng_state(rng)
@@ -509,6 +514,8 @@ class _Measured:
     # (backward_peak_bytes, backward_peak_kept_bytes) with every output gradient held until
     # the backward ends: measured (by _profile) only where two of them share one storage.
     backward_peaks_held: tuple[int, int] | None = None
+    reads_updated_buffers: bool = False
+    retained_bytes: int = 0
 
 
 def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage]:
@@ -582,6 +589,8 @@ def _stages(measured: list[tuple[str, nn.Module, int, _Measured]]) -> list[Stage
             saved_outputs=r.saved_outputs,
             input_gradient_bytes=r.input_gradient_bytes,
             gradient_from=r.gradient_from,
+            reads_updated_buffers=r.reads_updated_buffers,
+            retained_bytes=r.retained_bytes,
         )
         for k, (name, module, span, r) in enumerate(measured)
     ]
@@ -676,8 +685,12 @@ def _profile_stage(
         with layer_outputs:
             out = run_forward(module, x, stage=index, name=name)
         forward_peak = counter.peak_bytes - base
-        # What the forward made, and the tensors it passed through (held before it, shared).
-        output_bytes = counter.live_bytes - base + _passed_through_bytes(x, out)
+        output_bytes = storage_bytes(leaves(out))
+        # What the forward made that its output does not hold: a tensor the module keeps
+        # (torch.nn.utils.spectral_norm's hook sets the weight it computes as an attribute).
+        retained_bytes = max(
+            0, counter.live_bytes - base + _passed_through_bytes(x, out) - output_bytes
+        )
 
         saved: set[int] = set()
 
@@ -691,7 +704,8 @@ def _profile_stage(
             param_grads[i] = grad if i not in param_grads else param_grads[i] + grad
 
         base = counter.reset_peak()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        flow = BufferFlow(module) if any(True for _ in module.buffers()) else nullcontext()
+        with flow, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y, graph = run_forward_with_grad(
                 module,
                 x,
@@ -704,6 +718,7 @@ def _profile_stage(
         forward_grad_peak = counter.peak_bytes - base
         in_keys = [storage_key(t) for t in leaves(x)]
         out_keys = [storage_key(t) for t in leaves(y)]
+        reads_updated = isinstance(flow, BufferFlow) and flow.reaches(saved | set(out_keys))
         # Output tensors passed through unchanged: the same storage as an input tensor.
         carried = tuple((i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys)
         # Output tensors sharing one storage (views of one result): one piece of memory.
@@ -797,6 +812,8 @@ def _profile_stage(
         gradient_layouts=tuple(layouts),
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
+        reads_updated_buffers=reads_updated,
+        retained_bytes=retained_bytes,
         layer_output_bytes=layer_outputs.bytes,
         output_requires_grad=output_requires_grad,
         param_grad_ids=grad_ids,

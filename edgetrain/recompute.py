@@ -69,11 +69,33 @@ def autocasting(state: AutocastState) -> Iterator[None]:
         yield
 
 
+BufferSnapshot = dict[tuple[int, str], torch.Tensor]
+"""The buffers of a stage's modules as they were: (id of the module's buffer dict, name) ->
+a copy (a place a module assigns a new tensor to is found again)."""
+
+
+def buffer_snapshot(modules: list[nn.Module]) -> BufferSnapshot:
+    """Copies of the buffers of ``modules`` as they are now, for a stage whose result depends
+    on buffers its forward changes (:attr:`~edgetrain.chain.Stage.reads_updated_buffers`):
+    taken before its first run, so that a run again starts where the first one did. Holds
+    what a recomputation copies (:func:`~edgetrain.stages.buffer_copy_bytes`)."""
+    copies: dict[int, torch.Tensor] = {}
+    snapshot: BufferSnapshot = {}
+    for buffers, name, buffer in stage_buffers(modules):
+        if id(buffer) not in copies:
+            copies[id(buffer)] = buffer.detach().clone()
+        snapshot[(id(buffers), name)] = copies[id(buffer)]
+    return snapshot
+
+
 @contextmanager
-def recomputing(state: RngState, modules: list[nn.Module]) -> Iterator[None]:
+def recomputing(
+    state: RngState, modules: list[nn.Module], snapshot: BufferSnapshot | None = None
+) -> Iterator[None]:
     """Replay a stage's first RNG state, on copies of the buffers of its ``modules`` (all of
     them, those of a module an earlier stage ran too included; a tensor held in two places is
-    copied once, and the copy is held in both).
+    copied once, and the copy is held in both): copies of the buffers as they are now, or as
+    they were in ``snapshot`` (:func:`buffer_snapshot`, taken before the stage first ran).
 
     The recomputation updates the copies (BatchNorm running statistics ...), which are then
     dropped: the module's own buffers are untouched, and a graph may keep the copies it saved.
@@ -83,10 +105,11 @@ def recomputing(state: RngState, modules: list[nn.Module]) -> Iterator[None]:
     swapped = stage_buffers(modules)
     copies: dict[int, torch.Tensor] = {}
     for buffers, name, buffer in swapped:
-        if id(buffer) not in copies:
-            copies[id(buffer)] = buffer.detach().clone()
-        buffers[name] = copies[id(buffer)]
-    del copies
+        source = buffer if snapshot is None else snapshot.get((id(buffers), name), buffer)
+        if id(source) not in copies:
+            copies[id(source)] = source.detach().clone()
+        buffers[name] = copies[id(source)]
+    del copies, snapshot
     try:
         yield
     finally:
@@ -148,10 +171,14 @@ class GraphRunModule(nn.Sequential):
         stages: list[nn.Module],
         recomputed: frozenset[int],
         checkpointed: frozenset[tuple[int, int]] = frozenset(),
+        snapshotted: frozenset[int] = frozenset(),
     ) -> None:
         super().__init__(*stages)
         self.recomputed = recomputed
         self.checkpointed = dict(checkpointed)
+        # Positions of stages whose result depends on buffers their forward changes: a rebuild
+        # starts from a snapshot of their buffers taken before the first run (buffer_snapshot).
+        self.snapshotted = snapshotted
         # Whose buffers a rebuild copies (see recomputing), found once, not at every rebuild.
         self._submodules = {k: list(stages[k].modules()) for k in recomputed}
         for i, j in checkpointed:
@@ -180,7 +207,8 @@ class GraphRunModule(nn.Sequential):
                 end = self.checkpointed.get(position)
                 if end is not None:
                     segment = stages[position : end + 1]
-                    x = self._checkpointed(segment, self._submodules[position], x)
+                    snapshot = any(k in self.snapshotted for k in range(position, end + 1))
+                    x = self._checkpointed(segment, self._submodules[position], x, snapshot)
                     hooks.made = {}
                     position = end + 1
                     continue
@@ -190,7 +218,8 @@ class GraphRunModule(nn.Sequential):
                     hooks.made = {}  # only the next stage's graph releases a recipe's output
                     position += 1
                     continue
-                recipe = _Recipe(stage, self._submodules[position], x, hooks.outer)
+                snapshot = position in self.snapshotted
+                recipe = _Recipe(stage, self._submodules[position], x, hooks.outer, snapshot)
                 hooks.own = []
                 x = stage(x)
                 hooks.made = {
@@ -203,9 +232,12 @@ class GraphRunModule(nn.Sequential):
         return x
 
     @staticmethod
-    def _checkpointed(segment: list[nn.Module], submodules: list[nn.Module], x: Any) -> Any:
+    def _checkpointed(
+        segment: list[nn.Module], submodules: list[nn.Module], x: Any, snapshot: bool
+    ) -> Any:
         """``segment``'s stages on ``x`` under non-reentrant checkpointing (the input's tensors
-        passed as arguments, so that checkpoint saves them as tensors)."""
+        passed as arguments, so that checkpoint saves them as tensors); with ``snapshot``, the
+        recomputation starts from the buffers as they were before the segment ran."""
         flat, spec = tree_flatten(x)
 
         def run(*args: Any) -> Any:
@@ -215,7 +247,9 @@ class GraphRunModule(nn.Sequential):
             return y
 
         def contexts() -> tuple[Any, Any]:
-            return nullcontext(), recomputing(rng_state(), submodules)
+            # Called before the segment runs: the snapshot is of the buffers it first sees.
+            taken = buffer_snapshot(submodules) if snapshot else None
+            return nullcontext(), recomputing(rng_state(), submodules, taken)
 
         return checkpoint(
             run, *flat, use_reentrant=False, preserve_rng_state=False, context_fn=contexts
@@ -226,10 +260,17 @@ class _Recipe:
     """How to compute a stage's output again, and the output while the backward needs it."""
 
     def __init__(
-        self, module: nn.Module, submodules: list[nn.Module], x: Any, outer: tuple[Any, Any] | None
+        self,
+        module: nn.Module,
+        submodules: list[nn.Module],
+        x: Any,
+        outer: tuple[Any, Any] | None,
+        snapshot: bool = False,
     ) -> None:
         self.module, self.submodules = module, submodules
         self.rng = rng_state()
+        # Made before the stage runs: its buffers as the first run sees them.
+        self.snapshot = buffer_snapshot(submodules) if snapshot else None
         self.autocast = autocast_state()
         flat, self.spec = tree_flatten(x)
         self.outer = outer
@@ -255,10 +296,11 @@ class _Recipe:
             x = tree_unflatten([unpack(t) if tensor else t for tensor, t in self.held], self.spec)
             self.held = None
             self.versions = []  # it holds the input too, which the rebuild frees
-            rebuild = recomputing(self.rng, self.submodules)
+            rebuild = recomputing(self.rng, self.submodules, self.snapshot)
+            self.snapshot = None
             with torch.no_grad(), rebuild, autocasting(self.autocast):
                 value = leaves(self.module(x))
-            del x
+            del x, rebuild
             self.value = value
         self.uses -= 1
         if self.uses <= 0:

@@ -32,7 +32,10 @@ while our reference, a graph that saved it as its input, or a graph that saved i
 refers to it, and is counted once; a graph holds only what autograd saved; a stage run forward
 again works on copies of all its buffers (:attr:`~edgetrain.chain.Stage.recompute_buffer_bytes`;
 the executor keeps BatchNorm's running statistics from being updated twice), held during the
-operation and, after an ``Fa``, by its graph until its ``B``;
+operation and, after an ``Fa``, by its graph until its ``B``; a stage whose result depends on
+buffers its forward changes, run more than once, holds a snapshot of them (those bytes again)
+from its first run to its last; what a stage keeps past its run
+(:attr:`~edgetrain.chain.Stage.retained_bytes`) is held from its first run to the step's end;
 each operation adds its measured transient peak; parameter gradients appear as the backward
 creates them and stay until the step ends (unless ``grads_exist``: then they were held before the
 step and are added to in place). The input ``a[0]``, the weights and the buffers are held before
@@ -597,6 +600,19 @@ def _replay(
     released = [False] * n  # the graph of stage k was built by Fr k: it holds none of a[k]
     ran = [False] * n  # the stage has run forward before: a run again works on buffer copies
     copies = [0] * n  # buffer copies the graph of a stage run again holds
+    # A stage whose result depends on buffers its forward changes, run more than once, keeps
+    # a snapshot of its buffers from its first run to its last (Stage.reads_updated_buffers).
+    kinds, indices = schedule.kinds.tolist(), schedule.indices.tolist()
+    last_run: dict[int, int] = {}
+    runs = [0] * n
+    for i, (code, k) in enumerate(zip(kinds, indices, strict=True)):
+        if Op(code).is_forward and 0 <= k < n:
+            last_run[k] = i
+            runs[k] += 1
+    snapshot = [
+        stage.recompute_buffer_bytes if stage.reads_updated_buffers and runs[k] > 1 else 0
+        for k, stage in enumerate(stages)
+    ]
     plain[0] = True
     held = 0
     next_backward = n - 1  # the backward phase goes n-1 .. 0
@@ -640,9 +656,7 @@ def _replay(
         checkpoints -= 1
         return drop(pieces[k])
 
-    for i, (code, k) in enumerate(
-        zip(schedule.kinds.tolist(), schedule.indices.tolist(), strict=True)
-    ):
+    for i, (code, k) in enumerate(zip(kinds, indices, strict=True)):
         kind = Op(code)
         before = held
         written, writing = writing, 0
@@ -716,6 +730,10 @@ def _replay(
             # the recomputation must not update the model's), which its graph may keep; of all
             # of them, those of a BatchNorm an earlier stage ran too included.
             again = stage.recompute_buffer_bytes if ran[k] else 0
+            # What the stage keeps past its run is in its forward peaks, and held from its first
+            # run on (a run again makes it anew, then drops the last one).
+            kept = 0 if ran[k] else stage.retained_bytes
+            held += 0 if ran[k] else snapshot[k]  # taken before the first run
             ran[k] = True
             if kind.builds_graph:
                 during = held + again + stage.forward_grad_peak_bytes
@@ -737,7 +755,11 @@ def _replay(
                 if kind is Op.FORWARD_NOSAVE:
                     held -= release(k)
                 forward_steps += 1
+        if kind.is_forward:
+            held += kept
         during = max(during, held)
+        if kind.is_forward and last_run[k] == i:
+            held -= snapshot[k]  # the last run has made its copies of it
         max_checkpoints = max(max_checkpoints, checkpoints)
         if during > peak:
             peak, peak_op = during, i
