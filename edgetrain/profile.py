@@ -748,6 +748,7 @@ def _profile_stage(
         for j, g in enumerate(grad_out):
             if g is not None:
                 weakref.finalize(g.untyped_storage(), freed.add, j)
+        del g  # the loop's name would hold the last output gradient through the backward
         base = counter.reset_peak()
         input_grads = run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
