@@ -161,7 +161,10 @@ def merged_chain(
     bounds = [*first, chain.length]
     # Sized on the sample's own device, as the executor will run it: on meta tensors some
     # kernels save other tensors (ViT's attention: one more of q's size) than on the CPU.
-    sized = _profile(nn.Sequential(*modules), sample_input, timer=None, flops=False)
+    # Its own stages only: the chain's plain step does not apply to it (set to None below).
+    sized = _profile(
+        nn.Sequential(*modules), sample_input, timer=None, flops=False, plain_step=False
+    )
     if sized.length != len(modules):
         return None
     stages = []
