@@ -105,8 +105,12 @@ class BufferFlow(TorchDispatchMode):
 
 
 def _bound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, Any]]:
-    """The operator's schema arguments paired with the values passed for them."""
-    arguments = func._schema.arguments
+    """The operator's schema arguments paired with the values passed for them (none for an
+    operator without a schema: nothing counts as written in place)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    arguments = schema.arguments
     pairs = list(zip(arguments, args, strict=False))
     by_name = {a.name: a for a in arguments}
     pairs += [(by_name[name], value) for name, value in kwargs.items() if name in by_name]
