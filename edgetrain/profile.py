@@ -260,6 +260,12 @@ def _copy_on(model: nn.Module, tensor: Callable[[torch.Tensor], torch.Tensor]) -
         memo[id(p)] = nn.Parameter(tensor(p.detach()), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = tensor(b)
+    # A tensor a module keeps as a plain attribute: the older weight_norm and spectral_norm
+    # hooks set the weight they compute, which (not a leaf) deepcopy refuses.
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = tensor(value.detach())
     return copy.deepcopy(model, memo)
 
 
