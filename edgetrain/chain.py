@@ -192,6 +192,10 @@ class Chain:
             :func:`~edgetrain.schedule.simulate`): autograd's engine adds the two gradients of a
             tensor used twice into a new tensor where the executor adds in place, which no
             stage-by-stage count sees. None: not measured (a chain made by hand).
+        autocast: the ``torch.autocast`` state the stages were measured under, as
+            ``("cpu:bfloat16",)``; empty: none (every chain made from shapes: autocast does not
+            cast meta tensors). Under autocast a step holds other dtypes and the weights'
+            lower-precision copies, so a plan holds its budget only in the state its chain had.
     """
 
     stages: tuple[Stage, ...]
@@ -199,6 +203,7 @@ class Chain:
     input_requires_grad: bool = False
     name: str = ""
     autograd_peak_bytes: tuple[int, int] | None = None
+    autocast: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -383,6 +388,7 @@ class Chain:
                 if self.autograd_peak_bytes is not None
                 else {}
             ),
+            **({"autocast": list(self.autocast)} if self.autocast else {}),
         }
 
     @classmethod
@@ -390,12 +396,16 @@ class Chain:
         """Rebuild a chain from :meth:`to_dict` output; raises :class:`CorruptFile` if malformed."""
         try:
             stages = tuple(Stage(**_tuples(s)) for s in data["stages"])
+            autocast = data.get("autocast", [])
+            if not isinstance(autocast, list):
+                raise TypeError("autocast is not a list")
             return cls(
                 stages=stages,
                 input_bytes=int(data["input_bytes"]),
                 input_requires_grad=bool(data.get("input_requires_grad", False)),
                 name=str(data.get("name", "")),
                 autograd_peak_bytes=_pair(data.get("autograd_peak_bytes")),
+                autocast=tuple(str(a) for a in autocast),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptFile(

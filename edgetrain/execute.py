@@ -103,6 +103,7 @@ from edgetrain.recompute import (
     BufferSnapshot,
     GraphRunModule,
     RngState,
+    autocast_label,
     autocast_state,
     autocasting,
     buffer_snapshot,
@@ -237,6 +238,8 @@ class Checkpointed(nn.Module):
     def _make_plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
         if chain is None:
             chain = profile(self.model, sample, autocast=autocast_state())
+        elif chain.autocast != autocast_label(autocast_state()):
+            raise InvalidInput(_autocast_mismatch(chain.autocast, autocast_label(autocast_state())))
         if self.model is not self.module:
             # The store-all plan runs the module itself: its own step's peak counts too.
             chain = with_module_step(chain, self.module, sample)
@@ -919,6 +922,19 @@ _PLANNED = (
     "_needs",
 )
 """What :meth:`Checkpointed._plan` sets up for a state (see ``Checkpointed._plans``)."""
+
+
+def _autocast_mismatch(measured: tuple[str, ...], now: tuple[str, ...]) -> str:
+    """Why a given chain cannot plan this step: it was measured in another autocast state."""
+
+    def state(label: tuple[str, ...]) -> str:
+        return f"under torch.autocast({', '.join(label)})" if label else "without torch.autocast"
+
+    return (
+        f"chain= was measured {state(measured)} but Checkpointed is built {state(now)}, where "
+        "the step holds other dtypes and sizes; build it in the state the chain was measured "
+        "in (a step in another autocast state then plans for that state), or pass no chain="
+    )
 
 
 def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:

@@ -38,7 +38,7 @@ from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import StorageCounter, storage_bytes, storage_key
 from edgetrain.meta_kernels import cpu_kernels
-from edgetrain.recompute import AutocastState, autocasting
+from edgetrain.recompute import AutocastState, autocast_label, autocasting
 from edgetrain.stages import (
     StageParams,
     buffer_copy_bytes,
@@ -98,7 +98,8 @@ def profile(
     if not autocast:
         return _profile(model, sample_input, timer=_Timer(repeats))
     with autocasting(autocast):
-        return _profile(model, sample_input, timer=_Timer(repeats), plain_step=False)
+        chain = _profile(model, sample_input, timer=_Timer(repeats), plain_step=False)
+    return replace(chain, autocast=autocast_label(autocast))
 
 
 def analytic_chain(

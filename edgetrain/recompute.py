@@ -50,6 +50,12 @@ def autocast_state() -> AutocastState:
     ]
 
 
+def autocast_label(state: AutocastState) -> tuple[str, ...]:
+    """``state`` in words, as a :class:`~edgetrain.chain.Chain` records it: ``("cpu:bfloat16",)``;
+    empty without autocast."""
+    return tuple(f"{d}:{str(t).removeprefix('torch.')}" for d, t, enabled in state if enabled)
+
+
 @contextmanager
 def autocasting(state: AutocastState) -> Iterator[None]:
     """Enter the autocast contexts of ``state`` (from :func:`autocast_state`), without autocast's

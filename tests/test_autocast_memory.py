@@ -102,3 +102,38 @@ def test_a_change_of_autocast_state_is_named_when_plans_are_refused():
     refused = pytest.raises(InvalidInput, match=r"another torch\.autocast state")
     with refused, torch.autocast("cpu", dtype=BF16):
         net(x)
+
+
+def test_a_chain_measured_in_another_autocast_state_is_refused_with_the_fix_named():
+    """A chain from shapes (meta tensors, which autocast does not cast) or profiled without
+    autocast, given to a Checkpointed built under it, planned fp32 sizes for a bf16 step: the MLP's
+    least plan measured 536,260 B against its 354,344 B prediction (session 13)."""
+    model, x = mlp()
+    refused = pytest.raises(InvalidInput, match=r"chain= was measured without torch\.autocast")
+    for chain in (edgetrain.analytic_chain(model, x), Checkpointed(copy.deepcopy(model), x).chain):
+        schedule = edgetrain.plan(chain, "optimal", memory=minimum_memory(chain))
+        with refused, torch.autocast("cpu", dtype=BF16):
+            Checkpointed(copy.deepcopy(model), x, chain=chain, schedule=schedule)
+        with refused, torch.autocast("cpu", dtype=BF16):
+            Checkpointed(copy.deepcopy(model), x, chain=chain, max_recompute=1.5)
+        # Built outside the region with it, a step under autocast plans for autocast.
+        ours = copy.deepcopy(model)
+        net = Checkpointed(ours, x, chain=chain, max_recompute=1.5)
+        step(net, x, True)  # plans (profiles) under autocast: not a step to measure
+        measured = step_peak(net, list(ours.parameters()), x, False, True)
+        assert net.chain.autocast == ("cpu:bfloat16",)
+        assert measured <= net.cost.peak_bytes + LOSS_BYTES
+
+
+def test_a_chain_profiled_under_autocast_says_so_through_json_and_plans_only_under_it():
+    model, x = mlp()
+    with torch.autocast("cpu", dtype=BF16):
+        chain = Checkpointed(copy.deepcopy(model), x).chain
+    assert chain.autocast == ("cpu:bfloat16",)
+    again = edgetrain.Chain.from_json(chain.to_json())
+    assert again.autocast == chain.autocast and again.fingerprint() == chain.fingerprint()
+    schedule = edgetrain.plan(again, "optimal", memory=minimum_memory(again))
+    with torch.autocast("cpu", dtype=BF16):
+        Checkpointed(copy.deepcopy(model), x, chain=again, schedule=schedule)
+    with pytest.raises(InvalidInput, match=r"measured under torch\.autocast\(cpu:bfloat16\)"):
+        Checkpointed(copy.deepcopy(model), x, chain=again, schedule=schedule)
