@@ -136,8 +136,13 @@ def _sized_alike_on_meta(chain: Chain, model: nn.Module, sample_input: Any) -> b
         twin = _meta_copy(model)
     except (TypeError, RuntimeError, copy.Error):
         return False
-    with cpu_kernels() as unlike_cpu:
-        sized = _profile(twin, _to_meta(sample_input), timer=None, flops=False, plain_step=False)
+    try:
+        with cpu_kernels() as unlike_cpu:
+            sized = _profile(
+                twin, _to_meta(sample_input), timer=None, flops=False, plain_step=False
+            )
+    except (NotImplementedError, RuntimeError, InvalidInput):
+        return False  # not sized on meta stage by stage: nor is the plain step taken
     return not unlike_cpu and sized.fingerprint() == chain.fingerprint()
 
 
