@@ -7,7 +7,8 @@
 Contract (compare ``torch.utils.checkpoint``). What is the same as plain autograd on the same
 inputs and random-number state:
 
-* outputs, input gradients and parameter gradients (bitwise, in practice: the same kernels run);
+* outputs, input gradients and parameter gradients (bitwise, in practice: the same kernels run
+  on tensors of the same memory layouts, ``channels_last`` included);
 * what the caller's backward asks for: ``loss.backward()`` fills every ``.grad``;
   ``torch.autograd.grad(loss, x)`` and ``loss.backward(inputs=[x])`` touch no parameter's
   ``.grad``; ``torch.autograd.grad(loss, params)`` returns the parameters' gradients. Parameter

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.autograd.graph import _engine_run_backward
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -475,21 +476,48 @@ def run_backward(
 
 
 def _add(own: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
-    """``own + carried``, into ``own`` when nothing else holds it (a gradient the engine has
-    just made), as autograd's own gradient accumulation does; else a new tensor."""
+    """``carried + own`` laid out as plain autograd lays out the sum (``InputBuffer``): a
+    gradient carried past this stage comes from a later use of the tensor, so in plain autograd
+    it arrived first and is the tensor accumulated into, in place when nothing else holds it,
+    else ``carried + own``, which takes ``carried``'s layout unless it is broadcast (stride 0).
+    The values are the same whichever is added into; the layout is not, and the backward of the
+    operation before reads it (a channels-last BatchNorm backward handed a contiguous gradient
+    sums in another order). Where ``own`` already has that layout it is added into when nothing
+    else holds it: no new tensor, and no view's whole storage kept (``torch.cat``'s backward
+    hands each input a view of one gradient)."""
     with torch.no_grad():
-        # References to ``own``: the caller's name, this function's and getrefcount's argument.
-        if (
-            sys.getrefcount(own) <= 3
-            and own._use_count() == 1
-            and own._base is None
-            and own.shape == carried.shape
-            and own.dtype == carried.dtype
-            and (own.is_contiguous() or own.is_contiguous(memory_format=torch.channels_last))
-            and torch._C._storage_Use_Count(own.untyped_storage()._cdata) == 2
-        ):
-            return own.add_(carried)
-        return own + carried
+        broadcast = any(
+            s == 0 and n > 1 for s, n in zip(carried.stride(), carried.shape, strict=True)
+        )
+        if broadcast or _order(own) == _order(carried):
+            if _stealable(own, carried):
+                return own.add_(carried)
+        elif _stealable(carried, own):
+            return carried.add_(own)
+        return carried + own
+
+
+def _order(t: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's dimensions from the outermost in memory to the innermost (size-1 dimensions
+    left out: their strides say nothing)."""
+    return tuple(sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=lambda d: -t.stride(d)))
+
+
+def _stealable(t: torch.Tensor, other: torch.Tensor) -> bool:
+    """Whether ``t`` (the caller's name for it in :func:`_add`) may take ``other`` in place: a
+    gradient the engine has just made, which nothing else holds, dense, of ``other``'s shape
+    and dtype."""
+    # References to ``t``: _add's caller's name, _add's argument, this function's argument and
+    # getrefcount's.
+    return (
+        sys.getrefcount(t) <= 4
+        and t._use_count() == 1
+        and t._base is None
+        and t.shape == other.shape
+        and t.dtype == other.dtype
+        and is_non_overlapping_and_dense_or_false(t)
+        and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
+    )
 
 
 @dataclass(frozen=True)
