@@ -19,7 +19,14 @@ can torch.export trace it without rewriting); :func:`capture` then raises one
 The tracer is fx's own, except that ``a += b`` on a tensor is recorded as ``operator.iadd``
 (in place, as eager runs it) where plain fx would record ``a = a + b``.
 fx bakes Python values in at trace time (``self.training`` passed to ``F.dropout``, for
-example): capture the model in the mode it will run in.
+example): capture the model in the mode it will run in. fx records only calls, not the
+context managers around them; :func:`capture` records which nodes ran inside
+``torch.no_grad()`` (or ``set_grad_enabled(False)``, ``inference_mode()``) and inside
+``torch.autocast(...)`` regions, and wraps each such run of nodes in the graph between
+``_enter_context`` and ``_exit_context``: the token passed between them is live across every
+position inside, so no cut splits a region, and every segment runs its nodes in the grad mode
+and autocast state ``forward()`` gave them. A module attribute ``forward()`` assigns a computed
+value to (``self.aux_loss = ...``) cannot be captured and is refused.
 
 The metadata run happens under ``torch.no_grad()`` with the RNG state and every buffer restored
 afterwards, so capturing leaves the model exactly as it was.
@@ -148,11 +155,22 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
         raise InvalidInput(f"capture needs an nn.Module, got {type(model).__name__}")
     samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
     defaults = _defaulted_arguments(model, len(samples))
+    attributes = {id(m): dict(vars(m)) for m in model.modules()}
     try:
-        graph = _Tracer().trace(model, concrete_args=defaults or None)
+        with _traced_contexts(), torch.enable_grad():
+            graph = _Tracer().trace(model, concrete_args=defaults or None)
     except Exception as exc:
         raise InvalidInput(_trace_error(model, exc)) from exc
+    finally:
+        stored = _restore_attributes(model, attributes)
+    if stored:
+        raise InvalidInput(
+            f"cannot capture {type(model).__name__}: forward() assigns a computed value to "
+            f"{stored} (fx cannot trace that, and the step would leave it stale); return the "
+            "value from forward() instead"
+        )
     _drop_specialised_arguments(graph, len(samples))
+    _wrap_contexts(graph)
     graph_module = fx.GraphModule(model, graph)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(samples):
@@ -401,10 +419,114 @@ for _name in ("iadd", "isub", "imul", "itruediv"):
 
 
 class _Tracer(fx.Tracer):
-    """``torch.fx.symbolic_trace``'s tracer, keeping augmented assignments in place."""
+    """``torch.fx.symbolic_trace``'s tracer, keeping augmented assignments in place and noting
+    on each node the grad mode and autocast region it was traced in (see :func:`_context`)."""
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _InplaceProxy(node, self)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        node.meta[_CONTEXT] = _context()
+        return node
+
+
+_CONTEXT = "edgetrain_context"
+Context = tuple[bool, tuple[str, torch.dtype, bool] | None]
+"""Where a node runs: grad mode on (True) or off, and the innermost ``torch.autocast`` region
+``forward()`` entered around it (device type, dtype, enabled), or None."""
+_AUTOCAST: list[tuple[str, torch.dtype, bool]] = []  # regions entered while tracing
+
+
+def _context() -> Context | None:
+    """The current node's :data:`Context`, or None for the default (grad on, no region)."""
+    grad = torch.is_grad_enabled()
+    region = _AUTOCAST[-1] if _AUTOCAST else None
+    return None if grad and region is None else (grad, region)
+
+
+@contextlib.contextmanager
+def _traced_contexts() -> Iterator[None]:
+    """While tracing, note the ``torch.autocast`` regions ``forward()`` enters (fx sees only
+    calls; the grad mode is read as it is, the trace running with grad on)."""
+    cls = torch.amp.autocast_mode.autocast
+    enter, leave = cls.__enter__, cls.__exit__
+
+    def entering(self: Any) -> Any:
+        result = enter(self)
+        _AUTOCAST.append((self.device, self.fast_dtype, bool(self._enabled)))
+        return result
+
+    def leaving(self: Any, *exc: Any) -> Any:
+        _AUTOCAST.pop()
+        return leave(self, *exc)
+
+    cls.__enter__, cls.__exit__ = entering, leaving  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
+        _AUTOCAST.clear()
+
+
+def _enter_context(grad: bool, region: tuple[str, torch.dtype, bool] | None) -> list[Any]:
+    """Enter what ``forward()`` ran a run of nodes in: its autocast region (without autocast's
+    cache of weight copies, as the executor runs every stage) and ``torch.no_grad()`` when grad
+    was off. Returns the context managers entered, for :func:`_exit_context`."""
+    entered: list[Any] = []
+    if region is not None:
+        device, dtype, enabled = region
+        entered.append(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False))
+    if not grad:
+        entered.append(torch.no_grad())
+    for manager in entered:
+        manager.__enter__()
+    return entered
+
+
+def _exit_context(entered: list[Any]) -> None:
+    """Leave what :func:`_enter_context` entered, innermost first."""
+    for manager in reversed(entered):
+        manager.__exit__(None, None, None)
+
+
+def _wrap_contexts(graph: fx.Graph) -> None:
+    """Put each run of nodes traced in the same non-default :data:`Context` between an
+    :func:`_enter_context` node and an :func:`_exit_context` node reading its token."""
+    current: Context | None = None
+    token: fx.Node | None = None
+    for node in list(graph.nodes):
+        if node.op not in _KINDS and node.op != "output":
+            continue
+        state = node.meta.get(_CONTEXT) if node.op in _KINDS else None
+        if state == current:
+            continue
+        with graph.inserting_before(node):
+            if token is not None:
+                graph.call_function(_exit_context, (token,))
+            token = None if state is None else graph.call_function(_enter_context, state)
+        current = state
+
+
+def _restore_attributes(model: nn.Module, before: dict[int, dict[str, Any]]) -> str | None:
+    """Undo what tracing ``forward()`` assigned to the model's modules' attributes (``before``:
+    each module's ``vars()`` then); returns the first attribute that was given a traced value
+    (``"head.aux_loss"``), or None."""
+    stored = None
+    for path, module in model.named_modules():
+        attributes = vars(module)
+        old = before.get(id(module), {})
+        for name in [n for n, v in attributes.items() if old.get(n, _MISSING) is not v]:
+            if stored is None and isinstance(attributes[name], fx.Proxy):
+                stored = f"{path}.{name}" if path else name
+            if name in old:
+                attributes[name] = old[name]
+            else:
+                del attributes[name]
+    return stored
+
+
+_MISSING = object()
 
 
 def _defaulted_arguments(model: nn.Module, given: int) -> dict[str, Any]:

@@ -15,7 +15,9 @@ inputs and random-number state:
   gradients reach autograd once per step, summed over every stage that uses the parameter (tied
   and reused layers), so tensor hooks and post-accumulate-grad hooks run once, as without
   checkpointing; frozen parameters get none; a gradient stopped inside a stage (``detach``,
-  ``torch.no_grad()``) leaves the gradients before it ``None``;
+  ``torch.no_grad()``, a ``no_grad`` block in a captured ``forward()``) leaves the gradients
+  before it ``None``; a ``torch.autocast`` region in a captured ``forward()`` runs as it does
+  there (:mod:`edgetrain.capture` keeps each region in one stage);
 * random numbers: every stage runs once in the forward pass; a recomputation replays the
   random-number state the stage saw first (dropout masks are the same), and the caller's stream
   goes on as usual;
@@ -31,7 +33,8 @@ inputs and random-number state:
   floating-point tensors carry gradients); stages may pass such structures between them; an
   output the loss does not use leaves its layers' gradients ``None``;
 * a plan is made for the input's shapes and dtypes, which parameters and inputs need a
-  gradient, each module's train/eval mode and the autocast state: a step that differs in any of
+  gradient, each module's train/eval mode, the autocast state and, for a captured model, its
+  modules' plain Python attributes (fx traced their values in): a step that differs in any of
   them is planned for anew (plans are kept per state), or refused with
   ``on_new_shape="error"``;
 * under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
@@ -49,7 +52,8 @@ What is refused with one clear error (before any gradient, buffer or RNG state c
 * hooks registered on the wrapped model itself (register them on ``Checkpointed`` or on its
   children), and models torch.fx cannot trace (control flow on tensor values);
 * a saved plan made for another model, batch or input size; a captured model given a tuple,
-  list or dict; a model that returns its own input.
+  list or dict; a model that returns its own input; a captured model whose ``forward()``
+  assigns a computed value to a module attribute.
 
 Not yet right (open): with gradients accumulated over micro-batches, a parameter also used
 outside the model in the same step (an L2 penalty, two calls in one step) is added to ``.grad``
@@ -291,14 +295,17 @@ class Checkpointed(nn.Module):
         """What a plan is made for besides the model: the input's shapes and dtypes, which
         input tensors and parameters need a gradient, each module's train/eval mode (the chain
         records what needs a gradient, and a Dropout in eval mode was profiled as the
-        identity), and the autocast state (under ``torch.autocast`` the stages are profiled
-        under it: other dtypes, other sizes, the weights' copies)."""
+        identity), the autocast state (under ``torch.autocast`` the stages are profiled
+        under it: other dtypes, other sizes, the weights' copies), and for a captured model
+        the modules' plain Python attributes (fx traced their values into the stages: a
+        temperature annealed after planning would otherwise be the old one)."""
         return (
             shapes(x),
             tuple(t.requires_grad for t in leaves(x)),
             tuple(p.requires_grad for p in self._params),
             tuple(m.training for m in self.module.modules()),
             tuple(autocast_state()),
+            () if self.model is self.module else _plain_attributes(self.module),
         )
 
     def _planned(self, device: int | None) -> Schedule:
@@ -950,6 +957,7 @@ def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
                 "other parameters needing gradients (frozen or unfrozen layers)",
                 "another train/eval mode",
                 "another torch.autocast state",
+                "another value of a module attribute (fx traced the old one into the stages)",
             ),
             planned,
             now,
@@ -958,6 +966,20 @@ def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
         if a != b
     ]
     return ", ".join(changes)
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_attributes(model: nn.Module) -> tuple[tuple[str, Any], ...]:
+    """Every plain Python value (a number, string, bool or None) the modules of ``model`` hold
+    as attributes, but ``training`` (a state of its own)."""
+    return tuple(
+        (name, value)
+        for module in model.modules()
+        for name, value in vars(module).items()
+        if type(value) in _PLAIN and name != "training"
+    )
 
 
 def _detach(value: Any) -> Any:

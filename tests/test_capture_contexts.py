@@ -1,0 +1,185 @@
+"""What a user's ``forward()`` does besides calling layers, which torch.fx does not record
+(session 14's bug hunt): a ``torch.no_grad()`` block (a frozen backbone, a distillation
+teacher), a ``torch.autocast(enabled=False)`` region (an fp32 head in a bf16 step), a Python
+attribute the loop changes after planning (a softmax temperature), and a value ``forward()``
+stores on a module (an MoE's auxiliary loss). Each was silently wrong before: gradients for the
+frozen part, a bf16 head, the old temperature, a training step that did nothing. Compared with
+plain autograd on a deepcopy, on the same inputs and RNG state."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from edgetrain.errors import InvalidInput
+from edgetrain.execute import Checkpointed
+from edgetrain.measure import StorageCounter
+
+F64 = torch.float64
+MERGE = pytest.mark.parametrize("merge", [True, False], ids=["merged", "stage-by-stage"])
+
+
+def mlp(i: int, o: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(i, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.GELU(),
+        nn.Linear(64, o),
+    )  # fmt: skip
+
+
+class FrozenBackbone(nn.Module):
+    """Transfer learning as written in tutorials: features under ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.head = mlp(16, 64), mlp(64, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            features = self.backbone(x)
+        return self.head(features)
+
+
+class Distill(nn.Module):
+    """A student and a teacher whose output is computed under ``torch.no_grad()``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student, self.teacher = mlp(16, 5), mlp(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.teacher(x)
+        return self.student(x) - target
+
+
+def _peak_step(module: nn.Module, x: torch.Tensor, params: list[nn.Parameter]) -> int:
+    for p in params:
+        p.grad = None
+    counter = StorageCounter()
+    with counter:
+        out = module(x)
+        out.square().sum().backward()
+        del out
+    return counter.peak_bytes
+
+
+@MERGE
+@pytest.mark.parametrize("make", [FrozenBackbone, Distill])
+def test_a_no_grad_block_in_forward_gets_no_gradients_at_any_plan(make, merge, monkeypatch):
+    monkeypatch.setattr(Checkpointed, "_merge_graph_runs", merge)
+    torch.manual_seed(0)
+    model = make().to(F64)
+    x = torch.randn(256, 16, dtype=F64)
+    for plan in ({"max_recompute": 1.3}, {"max_recompute": 2.0}, {"max_recompute": 5.0}):
+        reference, ours = copy.deepcopy(model), copy.deepcopy(model)
+        net = Checkpointed(ours, x, **plan)
+        plain_peak = _peak_step(reference, x, list(reference.parameters()))
+        measured = _peak_step(net, x, list(ours.parameters()))
+        assert measured <= net.cost.peak_bytes + 64, (plan, net.runs_as)
+        assert measured <= plain_peak + 64
+        for (name, p), q in zip(reference.named_parameters(), ours.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), (plan, net.runs_as, name)
+            assert p.grad is None or torch.equal(p.grad, q.grad), (plan, name)
+    frozen = FrozenBackbone.__name__ == type(model).__name__
+    assert all(p.grad is None for p in (ours.backbone if frozen else ours.teacher).parameters())
+
+
+class Fp32Head(nn.Module):
+    """A bf16 body and a head kept in fp32 with ``torch.autocast(enabled=False)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU())
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        with torch.autocast("cpu", enabled=False):
+            return self.head(h.float())
+
+
+@pytest.mark.parametrize("rho", [1.0, 2.0])
+def test_an_autocast_region_in_forward_keeps_its_precision(rho):
+    torch.manual_seed(0)
+    model = Fp32Head()
+    x = torch.randn(64, 16)
+    reference, ours = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        net = Checkpointed(ours, x, max_recompute=rho)
+        expected, got = reference(x), net(x)
+    assert got.dtype == expected.dtype == torch.float32
+    assert torch.equal(got, expected)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    for (name, p), q in zip(reference.named_parameters(), ours.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+class Tempered(nn.Module):
+    """A softmax with a temperature the training loop anneals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(16, 10)
+        self.tau = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.body(x) / self.tau, dim=-1)
+
+
+def test_a_python_attribute_changed_after_planning_is_planned_for_again():
+    torch.manual_seed(0)
+    model = Tempered().to(F64)
+    x = torch.randn(64, 16, dtype=F64)
+    reference, ours = copy.deepcopy(model), copy.deepcopy(model)
+    net = Checkpointed(ours, x, max_recompute=2.0)
+    assert net.runs_as != "the module itself"  # a captured plan, with tau traced in
+    for tau in (0.5, 0.25, 0.5):
+        reference.tau = ours.tau = tau
+        for module in (reference, net):
+            module(x).square().sum().backward()
+        for (name, p), q in zip(reference.named_parameters(), ours.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), (tau, name)
+    assert len(net._plans) == 3  # tau 1.0 (built), 0.5 (planned again once), 0.25
+
+    strict = Checkpointed(copy.deepcopy(model), x, max_recompute=2.0, on_new_shape="error")
+    strict.module.tau = 0.5
+    with pytest.raises(InvalidInput, match="module attribute"):
+        strict(x)
+
+
+class Routed(nn.Module):
+    """A mixture-of-experts layer that keeps its load-balancing loss on itself for the loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(32, 4)
+        self.experts = nn.ModuleList(mlp(32, 32) for _ in range(4))
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1)
+        self.aux_loss = (probs.mean(0) ** 2).sum()
+        return sum(probs[:, e : e + 1] * expert(x) for e, expert in enumerate(self.experts))
+
+
+class RoutedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.moe, self.head = nn.Linear(8, 32), Routed(), nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(self.inp(x)))
+
+
+def test_a_value_forward_stores_on_a_module_is_refused_and_the_module_is_left_as_it_was():
+    """Captured, the attribute became an fx Proxy: the loop's ``loss + moe.aux_loss`` was no
+    tensor, and its backward left every gradient None without a word."""
+    model = RoutedNet()
+    aux = model.moe.aux_loss
+    with pytest.raises(InvalidInput, match=r"assigns a computed value to moe\.aux_loss") as error:
+        Checkpointed(model, torch.randn(16, 8), max_recompute=2.0)
+    assert "\n" not in str(error.value)
+    assert model.moe.aux_loss is aux
