@@ -25,8 +25,9 @@ context managers around them; :func:`capture` records which nodes ran inside
 ``torch.autocast(...)`` regions, and wraps each such run of nodes in the graph between
 ``_enter_context`` and ``_exit_context``: the token passed between them is live across every
 position inside, so no cut splits a region, and every segment runs its nodes in the grad mode
-and autocast state ``forward()`` gave them. A module attribute ``forward()`` assigns a computed
-value to (``self.aux_loss = ...``) cannot be captured and is refused.
+and autocast state ``forward()`` gave them. A ``forward()`` that assigns to a module attribute
+(``self.aux_loss = ...``, ``self.steps += 1``) cannot be captured (the captured step would never
+assign it) and is refused, the attribute left as it was.
 
 The metadata run happens under ``torch.no_grad()`` with the RNG state and every buffer restored
 afterwards, so capturing leaves the model exactly as it was.
@@ -165,9 +166,9 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
         stored = _restore_attributes(model, attributes)
     if stored:
         raise InvalidInput(
-            f"cannot capture {type(model).__name__}: forward() assigns a computed value to "
-            f"{stored} (fx cannot trace that, and the step would leave it stale); return the "
-            "value from forward() instead"
+            f"cannot capture {type(model).__name__}: forward() assigns to {stored} (fx records "
+            "calls, not assignments, so the captured step would never update it); return the "
+            "value from forward() instead, or update it outside the model"
         )
     _drop_specialised_arguments(graph, len(samples))
     _wrap_contexts(graph)
@@ -510,14 +511,14 @@ def _wrap_contexts(graph: fx.Graph) -> None:
 
 def _restore_attributes(model: nn.Module, before: dict[int, dict[str, Any]]) -> str | None:
     """Undo what tracing ``forward()`` assigned to the model's modules' attributes (``before``:
-    each module's ``vars()`` then); returns the first attribute that was given a traced value
-    (``"head.aux_loss"``), or None."""
+    each module's ``vars()`` then); returns the first attribute it assigned (``"head.aux_loss"``:
+    a traced value, an fx Proxy; or a counter ``self.steps += 1``), or None."""
     stored = None
     for path, module in model.named_modules():
         attributes = vars(module)
         old = before.get(id(module), {})
         for name in [n for n, v in attributes.items() if old.get(n, _MISSING) is not v]:
-            if stored is None and isinstance(attributes[name], fx.Proxy):
+            if stored is None:
                 stored = f"{path}.{name}" if path else name
             if name in old:
                 attributes[name] = old[name]

@@ -53,7 +53,7 @@ What is refused with one clear error (before any gradient, buffer or RNG state c
   children), and models torch.fx cannot trace (control flow on tensor values);
 * a saved plan made for another model, batch or input size; a captured model given a tuple,
   list or dict; a model that returns its own input; a captured model whose ``forward()``
-  assigns a computed value to a module attribute.
+  assigns to a module attribute (fx records calls, not assignments).
 
 Not yet right (open): with gradients accumulated over micro-batches, a parameter also used
 outside the model in the same step (an L2 penalty, two calls in one step) is added to ``.grad``

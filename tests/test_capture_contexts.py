@@ -179,7 +179,28 @@ def test_a_value_forward_stores_on_a_module_is_refused_and_the_module_is_left_as
     tensor, and its backward left every gradient None without a word."""
     model = RoutedNet()
     aux = model.moe.aux_loss
-    with pytest.raises(InvalidInput, match=r"assigns a computed value to moe\.aux_loss") as error:
+    with pytest.raises(InvalidInput, match=r"assigns to moe\.aux_loss") as error:
         Checkpointed(model, torch.randn(16, 8), max_recompute=2.0)
     assert "\n" not in str(error.value)
     assert model.moe.aux_loss is aux
+
+
+class Counting(nn.Module):
+    """A layer that counts its calls for a warm-up: eager PyTorch counts every step, the
+    captured step would count none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(16, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.body(x) * min(1.0, self.calls / 100)
+
+
+def test_a_counter_forward_increments_is_refused_and_left_as_it_was():
+    model = Counting()
+    with pytest.raises(InvalidInput, match="assigns to calls"):
+        Checkpointed(model, torch.randn(8, 16), max_recompute=2.0)
+    assert model.calls == 0
