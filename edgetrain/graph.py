@@ -283,7 +283,7 @@ def from_dict(data: Any) -> TrainingGraph:
         retains = _edges(data.get("retains", []))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CorruptFile(
-            f"graph JSON is malformed ({_why(exc)}); see {FORMAT} in the README"
+            f"graph JSON is malformed ({_why(exc)}); see {FORMAT} in docs/poet.md"
         ) from exc
     return TrainingGraph(
         nodes,
