@@ -15,7 +15,7 @@ import pytest
 
 from edgetrain.errors import CorruptFile
 from edgetrain.insitu.files import DiskFull
-from edgetrain.insitu.store import Store
+from edgetrain.insitu.store import Store, StoreError
 from tests.insitu_helpers import crops, fill
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,14 +71,59 @@ def test_a_corrupt_image_is_detected_and_the_rest_still_read(tmp_path: Path) -> 
                 store.read(row)
 
 
-def test_open_removes_images_no_row_points_to(tmp_path: Path) -> None:
+def test_open_removes_images_no_row_points_to_and_nothing_else(tmp_path: Path) -> None:
     fill(tmp_path, 1, per_track=4)
-    (tmp_path / "images" / "deadbeef.webp").write_bytes(b"x")
-    (tmp_path / "images" / ".half.webp.tmp").write_bytes(b"x")
+    (tmp_path / "images" / "0123456789abcdef0123.webp").write_bytes(b"x")
+    (tmp_path / "images" / ".0123456789abcdef0123.webp.k2j4.tmp").write_bytes(b"x")
+    (tmp_path / ".student.ckpt.x8q1.tmp").write_bytes(b"x")
+    # A user's files, which the store did not write (session 14's bug hunt: all were deleted).
+    users = [tmp_path / "images" / "holiday.webp", tmp_path / "images" / ".config", tmp_path / "a"]
+    for path in users:
+        path.write_bytes(b"mine")
     store, report = Store.open(tmp_path)
     store.close()
-    assert (report.orphans_removed, report.temporaries_removed) == (1, 1)
+    assert (report.orphans_removed, report.temporaries_removed) == (1, 2)
+    assert all(path.read_bytes() == b"mine" for path in users)
+    for path in users:
+        path.unlink()
     assert _verify_all(tmp_path) == 4
+
+
+def test_a_new_store_is_refused_in_a_directory_that_holds_other_files(tmp_path: Path) -> None:
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "frame0.png").write_bytes(b"mine")
+    with pytest.raises(StoreError, match="holds files and no store"):
+        Store.open(tmp_path)
+    assert (tmp_path / "images" / "frame0.png").read_bytes() == b"mine"
+    assert not (tmp_path / "store.sqlite").exists()
+
+
+def test_a_store_open_in_one_process_is_refused_in_another(tmp_path: Path) -> None:
+    store, _ = Store.open(tmp_path / "s")
+    with store:
+        other = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"from edgetrain.insitu.store import Store; Store.open({str(tmp_path / 's')!r})",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert other.returncode == 1 and "is in use by another edgetrain process" in other.stderr
+    Store.open(tmp_path / "s")[0].close()  # closed, it opens again
+
+
+def test_a_damaged_database_page_is_one_clear_error(tmp_path: Path) -> None:
+    fill(tmp_path, 3, per_track=6)
+    data = bytearray((tmp_path / "store.sqlite").read_bytes())
+    page = 4096
+    assert len(data) > 3 * page
+    data[2 * page : 3 * page] = bytes(random.Random(0).randrange(256) for _ in range(page))
+    (tmp_path / "store.sqlite").write_bytes(bytes(data))
+    with pytest.raises(CorruptFile, match="not a readable SQLite"):
+        Store.open(tmp_path)
 
 
 def test_the_cap_evicts_the_oldest_image_of_the_largest_label(tmp_path: Path) -> None:

@@ -5,6 +5,12 @@ Layout of a store directory::
     store.sqlite     images (label, track, frame, time, confidence, source, file, sha256, bytes),
                      crops (every tracked crop, labelled or not: what a resume skips), meta
     images/<sha256[:20]>.webp
+    store.lock       held (``flock``) by the one process that has the store open
+
+A new store is made only in a new or empty directory, and the store deletes only files it
+names itself (its image names, their temporary files, its checkpoint's temporary files): a
+user's files are never touched. One process at a time: a second one opening the store gets one
+line saying it is in use.
 
 Crash safety. A track's images are written first, each atomically (temporary file, fsync,
 rename), then its rows in one SQLite transaction. A crash before the commit leaves image files
@@ -23,8 +29,12 @@ evaluation only; the trainer reads the ``images`` table.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import io
+import os
+import re
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,6 +78,30 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 
 class StoreError(EdgetrainError):
     """The store cannot be used (not a store, or empty when images are needed)."""
+
+
+_IMAGE = re.compile(r"[0-9a-f]{20}\.webp")
+"""The name of an image the store writes (the first 20 hex digits of its SHA-256)."""
+_TEMPORARY = re.compile(r"\.([0-9a-f]{20}\.webp|student\.ckpt)\..+\.tmp")
+"""A temporary file of one of the store's writes (an image, the student's checkpoint)."""
+
+
+def _sqlite_error(exc: sqlite3.Error, path: Path, doing: str) -> EdgetrainError:
+    """The one-line error for a failed SQLite call on the store's database ``path``."""
+    name = getattr(exc, "sqlite_errorname", "")
+    if name == "SQLITE_FULL" or name.startswith("SQLITE_IOERR"):
+        # A write past the disk's room or the file-size limit reads "disk I/O error".
+        return DiskFull(
+            f"no room to {doing} {path} ({exc}); free space on the disk or lower --store-cap, "
+            "then run again: what is stored is intact"
+        )
+    damaged = name in ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+    if damaged or (isinstance(exc, sqlite3.DatabaseError) and not name):
+        return CorruptFile(
+            f"{path} is not a readable SQLite database ({exc}); move the store away and start a "
+            "new one with another --store"
+        )
+    return InvalidInput(f"cannot {doing} {path} ({exc}); check the directory")
 
 
 @dataclass(frozen=True)
@@ -133,12 +167,15 @@ def decode_image(data: bytes) -> np.ndarray:
 class Store:
     """A store directory. Use :meth:`open`; close with :meth:`close` (or ``with``)."""
 
-    def __init__(self, directory: Path, db: sqlite3.Connection, cap_bytes: int | None) -> None:
+    def __init__(
+        self, directory: Path, db: sqlite3.Connection, cap_bytes: int | None, lock: int
+    ) -> None:
         self.directory = directory
         self.images_dir = directory / "images"
         self.db = db
         self.cap_bytes = cap_bytes
         self.evicted = 0
+        self._lock = lock
 
     @classmethod
     def open(
@@ -149,30 +186,58 @@ class Store:
         if path.exists() and not path.is_dir():
             raise InvalidInput(f"store {path} is a file, not a directory; give a directory")
         db_path = path / "store.sqlite"
-        if not db_path.exists() and not create:
-            raise StoreError(f"{path} is not an in-situ store (no store.sqlite); run `insitu run`")
+        if not db_path.exists():
+            if not create:
+                raise StoreError(
+                    f"{path} is not an in-situ store (no store.sqlite); run `insitu run`"
+                )
+            if _holds_other_files(path):
+                raise StoreError(
+                    f"{path} holds files and no store (no store.sqlite); give a new or empty "
+                    "directory for the store, so that none of those files is touched"
+                )
+        lock = -1
         try:
             (path / "images").mkdir(parents=True, exist_ok=True)
+            lock = _lock(path / "store.lock")
             db = sqlite3.connect(db_path, isolation_level=None, timeout=30)
-            db.execute("PRAGMA journal_mode=DELETE")
-            db.execute("PRAGMA synchronous=FULL")
-            db.executescript(_SCHEMA)
-        except sqlite3.DatabaseError as exc:
-            if "disk" in str(exc) or "full" in str(exc):
-                raise DiskFull(f"no room to create the store in {path}; free space") from exc
-            raise CorruptFile(
-                f"{db_path} is not a readable SQLite database ({exc}); move it away to start a "
-                "new store"
-            ) from exc
+            try:
+                db.execute("PRAGMA journal_mode=DELETE")
+                db.execute("PRAGMA synchronous=FULL")
+                db.executescript(_SCHEMA)
+                check = db.execute("PRAGMA quick_check").fetchone()
+            except BaseException:
+                db.close()
+                raise
+            if check is None or check[0] != "ok":
+                db.close()
+                raise CorruptFile(
+                    f"{db_path} is not a readable SQLite database (SQLite's check: "
+                    f"{check and check[0]}); move the store away and start a new one with "
+                    "another --store"
+                )
+        except sqlite3.Error as exc:
+            if lock >= 0:
+                os.close(lock)
+            raise _sqlite_error(exc, db_path, "open") from exc
         except OSError as exc:
+            if lock >= 0:
+                os.close(lock)
             if exc.errno in DISK_FULL:
                 raise DiskFull(f"no room to create the store in {path}; free space") from exc
             raise InvalidInput(f"cannot create the store in {path}: {exc.strerror}") from exc
-        store = cls(path, db, cap_bytes)
+        except BaseException:
+            if lock >= 0:
+                os.close(lock)
+            raise
+        store = cls(path, db, cap_bytes, lock)
         return store, store._clean()
 
     def close(self) -> None:
         self.db.close()
+        if self._lock >= 0:
+            os.close(self._lock)  # releases the flock
+            self._lock = -1
 
     def __enter__(self) -> Store:
         return self
@@ -181,13 +246,19 @@ class Store:
         self.close()
 
     def _clean(self) -> OpenReport:
+        """Delete what an interrupted write left: images no row names, temporary files of the
+        store's own writes. Any other file is left alone."""
         known = {row[0] for row in self.db.execute("SELECT file FROM images")}
         orphans = temporaries = 0
-        for path in self.images_dir.iterdir():
-            if path.name.startswith("."):
+        for path in [*self.images_dir.iterdir(), *self.directory.iterdir()]:
+            if _TEMPORARY.fullmatch(path.name):
                 path.unlink(missing_ok=True)
                 temporaries += 1
-            elif path.name not in known:
+            elif (
+                path.parent == self.images_dir
+                and _IMAGE.fullmatch(path.name)
+                and path.name not in known
+            ):
                 path.unlink(missing_ok=True)
                 orphans += 1
         return OpenReport(orphans, temporaries)
@@ -202,13 +273,8 @@ class Store:
                 self.db.execute("ROLLBACK")
                 raise
             self.db.execute("COMMIT")
-        except sqlite3.OperationalError as exc:
-            if "full" in str(exc) or "disk" in str(exc):
-                raise DiskFull(
-                    f"no room to write {self.directory / 'store.sqlite'} ({exc}); free space on "
-                    "the disk or lower --store-cap, then run again: what is stored is intact"
-                ) from exc
-            raise
+        except sqlite3.Error as exc:
+            raise _sqlite_error(exc, self.directory / "store.sqlite", "write") from exc
 
     # -- meta -----------------------------------------------------------------------------
     def get(self, key: str, default: str | None = None) -> str | None:
@@ -362,3 +428,33 @@ class Store:
             (int(r[0]), int(r[1]), int(r[2]), int(r[3]))
             for r in self.db.execute("SELECT x0, y0, x1, y1 FROM crops WHERE frame = ?", (frame,))
         ]
+
+
+def _holds_other_files(path: Path) -> bool:
+    """Whether ``path`` has anything in it but an empty ``images`` folder (what a store's
+    creation leaves before its database exists)."""
+    if not path.is_dir():
+        return False
+    for entry in path.iterdir():
+        if entry.name == "store.lock":
+            continue
+        if entry.name != "images" or not entry.is_dir() or any(entry.iterdir()):
+            return True
+    return False
+
+
+def _lock(path: Path) -> int:
+    """An exclusive ``flock`` on ``path`` (created if needed), held by the returned descriptor
+    until it is closed; StoreError when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise StoreError(
+                f"the store {path.parent} is in use by another edgetrain process; wait for it to "
+                "finish, or give another --store"
+            ) from exc
+        raise
+    return fd
