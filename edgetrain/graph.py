@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from edgetrain.errors import CorruptFile, InvalidInput
+from edgetrain.jsonfile import read_json
 
 if TYPE_CHECKING:
     from edgetrain.chain import Chain
@@ -362,17 +363,7 @@ def _why(exc: BaseException) -> str:
 
 def load(path: str | Path) -> TrainingGraph:
     """Read a graph file (``edgetrain-graph-v1`` or ``poet-instance-v1`` JSON)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise InvalidInput(f"cannot read graph {path}: {exc.strerror}; check the path") from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CorruptFile(
-            f"graph {path} is not valid JSON ({exc.msg} at line {exc.lineno})"
-        ) from exc
-    return from_dict(data)
+    return from_dict(read_json(path, "graph", f"write it as {FORMAT} or {POET_FORMAT}"))
 
 
 # -- from a chain ----------------------------------------------------------------------------------

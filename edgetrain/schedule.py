@@ -63,6 +63,7 @@ import numpy as np
 
 from edgetrain.chain import Chain
 from edgetrain.errors import CorruptFile, InvalidSchedule
+from edgetrain.jsonfile import read_json
 
 FORMAT = "edgetrain-schedule"
 VERSION = 1
@@ -221,17 +222,7 @@ class Schedule:
     @classmethod
     def load(cls, path: str | Path) -> Schedule:
         """Read a schedule written by :meth:`save`; raises :class:`CorruptFile` if damaged."""
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise CorruptFile(
-                f"cannot read schedule {path}: {exc.strerror}; check the path"
-            ) from exc
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CorruptFile(f"schedule {path} is not valid JSON ({exc.msg}); re-plan it") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(read_json(path, "schedule", "re-plan it", unreadable=CorruptFile))
 
 
 def _parse_op(token: str) -> tuple[Op, int]:

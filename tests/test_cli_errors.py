@@ -147,6 +147,18 @@ def test_a_plan_to_read_must_be_a_readable_file(args, message):
         (["demo", "--memory", "2XB"], "cannot read size"),
         (["plan", "--no-such-flag"], "No such option"),
         (["no-such-command"], "No such command"),
+        # session 14's bug hunt: each was a traceback, or silently accepted
+        (["insitu", "run", "--seed", "-1", "--store", "s"], "'--seed'"),
+        (["insitu", "run", "--classes", "100", "--store", "s"], "'--classes'"),
+        (["insitu", "run", "--classes", "0", "--store", "s"], "'--classes'"),
+        (["insitu", "run", "--minutes", "nan", "--store", "s"], "'--minutes'"),
+        (["insitu", "run", "--idle-threshold", "nan", "--store", "s"], "'--idle-threshold'"),
+        (["insitu", "eval", "--store", "s", "--picture", "s/student.ckpt"], "must end in .png"),
+        (["insitu", "eval", "--store", "s", "--picture", "/no/such/dir/x.png"], "does not exist"),
+        (["poet", "--export-graph", "/no/such/dir/g.json"], "does not exist"),
+        (["poet", "--export-graph", "g.ckpt"], "must end in .json"),
+        (["poet-figure", "--out", "fig.xyz"], "must end in .png"),
+        (["poet-figure", "--out", "/proc/fig.png"], "cannot write in"),
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(args, message):
@@ -182,3 +194,21 @@ def test_tiles_help_lists_the_device_profiles():
     text = " ".join(CliRunner().invoke(cli, ["tiles", "--help"]).output.split())
     for name in CLUSTERS:
         assert name in text
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "--plan"],
+        ["poet", "--graph"],
+        ["poet", "--device"],
+        ["tiles", "--profile"],
+    ],
+    ids=["train-plan", "poet-graph", "poet-device", "tiles-profile"],
+)
+def test_a_json_file_that_is_not_text_is_one_line(args, tmp_path):
+    """Bytes that are not UTF-8 in a file given as JSON: a UnicodeDecodeError traceback before
+    (session 14's bug hunt)."""
+    binary = tmp_path / "bin.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    assert "not UTF-8 text" in refused([*args, str(binary)])

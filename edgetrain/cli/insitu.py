@@ -18,12 +18,13 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edgetrain.cli.main import register
+from edgetrain.cli.options import NON_NEGATIVE, POSITIVE_FLOAT, RECOMPUTE, FiniteRange, OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import CorruptFile, InvalidInput
 from edgetrain.insitu.capture import capture
 from edgetrain.insitu.evaluate import Report, evaluate, picture
 from edgetrain.insitu.network import classifier
-from edgetrain.insitu.scene import SyntheticScene, VideoSource, open_video
+from edgetrain.insitu.scene import CLASS_NAMES, SyntheticScene, VideoSource, open_video
 from edgetrain.insitu.store import Store, StoreError
 from edgetrain.insitu.student import (
     CHECKPOINT,
@@ -71,14 +72,24 @@ def _stored_source(store: Store) -> dict[str, Any]:
 @insitu.command(name="run")
 @click.option("--video", type=str, default=None, help="A video file or a folder of frames.")
 @click.option("--synthetic", is_flag=True, help="Use the synthetic camera scene (the default).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Synthetic scene seed.")
+@click.option(
+    "--seed", default=0, show_default=True, type=NON_NEGATIVE, help="Synthetic scene seed."
+)
 @click.option("--frames", default=2000, show_default=True, type=int, help="Synthetic frames.")
-@click.option("--classes", default=4, show_default=True, type=int)
-@click.option("--minutes", default=10.0, show_default=True, type=float, help="Wall-time limit.")
+@click.option(
+    "--classes",
+    default=4,
+    show_default=True,
+    type=click.IntRange(2, len(CLASS_NAMES)),
+    help="Kinds of object (the teacher knows the synthetic scene's).",
+)
+@click.option(
+    "--minutes", default=10.0, show_default=True, type=POSITIVE_FLOAT, help="Wall-time limit."
+)
 @click.option("--memory", default="2GB", show_default=True, help="Device memory for training.")
 @click.option("--store", "store_dir", required=True, help="Store directory (created if needed).")
 @click.option("--store-cap", default=None, help="Most image bytes to keep, e.g. 8GB.")
-@click.option("--recompute", default=1.25, show_default=True, type=float)
+@click.option("--recompute", default=1.25, show_default=True, type=RECOMPUTE)
 @click.option("--epochs", default=3, show_default=True, type=int)
 @click.option("--max-batch", default=32, show_default=True, type=int)
 @click.option("--checkpoint-every", default=10, show_default=True, type=int)
@@ -87,7 +98,7 @@ def _stored_source(store: Store) -> dict[str, Any]:
     "--idle-threshold",
     default=0.75,
     show_default=True,
-    type=float,
+    type=FiniteRange(0, 1, min_open=True),
     help="Pause training while other processes use more than this share of all cores (1: never).",
 )
 @click.option(
@@ -120,8 +131,6 @@ def run_command(
     """Capture, label, store, train the student when idle, evaluate; resumable."""
     if video is not None and synthetic:
         raise InvalidInput("give --video PATH or --synthetic, not both")
-    if minutes <= 0:
-        raise InvalidInput(f"--minutes must be positive, got {minutes}")
     for name, value in (
         ("--epochs", epochs),
         ("--max-batch", max_batch),
@@ -132,8 +141,6 @@ def run_command(
     ):
         if value < 1:
             raise InvalidInput(f"{name} must be at least 1, got {value}")
-    if not 0 < idle_threshold <= 1:
-        raise InvalidInput(f"--idle-threshold must be in (0, 1], got {idle_threshold}")
     config = TrainConfig(
         memory_bytes=parse_bytes(memory),
         recompute=recompute,
@@ -143,8 +150,6 @@ def run_command(
         threads=threads,
         idle_threshold=idle_threshold,
     )
-    if recompute < 1:
-        raise InvalidInput(f"--recompute must be at least 1, got {recompute}")
     # Fail on an unreadable video or an infeasible budget before any long work.
     meta = _source_meta(video, seed, frames, classes, teacher_views)
     source = _open_source(meta)
@@ -347,7 +352,13 @@ def _print_report(report: Report, extra: dict[str, Any]) -> None:
 
 @insitu.command(name="eval")
 @click.option("--store", "store_dir", required=True)
-@click.option("--picture", "picture_path", default=None, help="PNG path (default DIR/insitu.png).")
+@click.option(
+    "--picture",
+    "picture_path",
+    type=OutputFile(".png"),
+    default=None,
+    help="PNG path (default DIR/insitu.png).",
+)
 @click.option("--json", "as_json", is_flag=True)
 def eval_command(store_dir: str, picture_path: str | None, as_json: bool) -> None:
     """Teacher vs student by off-axis angle, label precision/recall, images and bytes."""

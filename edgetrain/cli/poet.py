@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from edgetrain.cli.main import register
+from edgetrain.cli.options import OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.graph import TrainingGraph
@@ -184,7 +185,12 @@ def result_json(result: MilpResult, graph: TrainingGraph) -> dict[str, Any]:
 @_graph_options
 @click.option("--ram", default=None, help="RAM budget: bytes (2MB) or % of keep-everything (50%).")
 @click.option("--mode", type=click.Choice(MODES), default="hybrid", show_default=True)
-@click.option("--export-graph", default=None, help="Also write the graph as edgetrain JSON here.")
+@click.option(
+    "--export-graph",
+    type=OutputFile(".json"),
+    default=None,
+    help="Also write the graph as edgetrain JSON here.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def poet_command(
     model_name: str,
@@ -314,7 +320,13 @@ def _print(result: MilpResult, graph: TrainingGraph) -> None:
     type=float,
     help="Smallest budget as a fraction of keep-everything.",
 )
-@click.option("--out", default="poet.png", show_default=True, help="PNG file to write.")
+@click.option(
+    "--out",
+    type=OutputFile(".png"),
+    default="poet.png",
+    show_default=True,
+    help="PNG file to write.",
+)
 @click.option("--json", "as_json", is_flag=True)
 def poet_figure(
     model_name: str,

@@ -16,7 +16,6 @@ names, power from the caller (a flag) since software cannot measure it.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import CorruptFile, InvalidInput
+from edgetrain.jsonfile import read_json
 
 
 @dataclass(frozen=True)
@@ -241,12 +241,7 @@ def from_dict(data: Any) -> EnergyProfile:
 
 def load(path: str | Path) -> EnergyProfile:
     """Read a profile JSON file."""
-    try:
-        return from_dict(json.loads(Path(path).read_text()))
-    except OSError as exc:
-        raise InvalidInput(f"cannot read profile {path}: {exc.strerror}; check the path") from exc
-    except json.JSONDecodeError as exc:
-        raise CorruptFile(f"profile {path} is not JSON ({exc.msg}); fix the file") from exc
+    return from_dict(read_json(path, "profile", "fix the file"))
 
 
 def measure_this(

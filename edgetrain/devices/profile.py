@@ -7,12 +7,12 @@ of their own boards (``load("path/to/profile.json")``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import CorruptFile, InvalidInput
+from edgetrain.jsonfile import read_json
 
 
 @dataclass(frozen=True)
@@ -97,14 +97,7 @@ def load(name: str) -> Cluster:
         return CLUSTERS[name]
     path = Path(name)
     if path.suffix == ".json":
-        try:
-            return cluster_from_json(json.loads(path.read_text()))
-        except OSError as exc:
-            raise InvalidInput(
-                f"cannot read profile {name}: {exc.strerror}; check the path"
-            ) from exc
-        except json.JSONDecodeError as exc:
-            raise CorruptFile(f"profile {name} is not JSON ({exc.msg}); fix the file") from exc
+        return cluster_from_json(read_json(path, "profile", "fix the file"))
     raise InvalidInput(
         f"unknown profile {name!r}; choose one of {', '.join(CLUSTERS)} or give a .json file"
     )
