@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,57 @@ def test_a_corrupt_checkpoint_is_one_line_and_the_store_survives(
     (store / CHECKPOINT).write_bytes(b"edgetrain-state sha256=00 bytes=3\nabc")
     _one_line_error(edgetrain(["insitu", "run", *SMALL, "--store", str(store)], cache), "checksum")
     assert sorted(p.name for p in (store / "images").iterdir()) == images
+
+
+def _set_meta(store: Path, key: str, value: str) -> None:
+    db = sqlite3.connect(store / "store.sqlite")
+    with db:
+        db.execute("UPDATE meta SET value = ? WHERE key = ?", (value, key))
+    db.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "key", "value", "text"),
+    [
+        ("run", "source", "{not json", "source record is unreadable"),
+        ("run", "frame_next", "abc", "not a whole number"),
+        ("eval", "source", "{not json", "source record is unreadable"),
+    ],
+)
+def test_a_damaged_meta_value_is_one_line_and_the_store_survives(
+    first_run: tuple[Path, dict], tmp_path: Path, cache: Path, command, key, value, text
+) -> None:
+    """A traceback before (JSONDecodeError, int()) from ``insitu run`` (session 14's bug hunt)."""
+    store = tmp_path / "store"
+    shutil.copytree(first_run[0], store)
+    images = sorted(p.name for p in (store / "images").iterdir())
+    _set_meta(store, key, value)
+    args = [*SMALL] if command == "run" else []
+    _one_line_error(edgetrain(["insitu", command, *args, "--store", str(store)], cache), text)
+    assert sorted(p.name for p in (store / "images").iterdir()) == images
+
+
+@pytest.mark.parametrize("command", ["run", "eval"])
+def test_another_state_file_as_the_checkpoint_is_one_line(
+    first_run: tuple[Path, dict], tmp_path: Path, cache: Path, command
+) -> None:
+    """The teacher's cached state copied over the student's checkpoint: its checksum holds, and
+    reading it was a KeyError traceback (session 14's bug hunt)."""
+    store = tmp_path / "store"
+    shutil.copytree(first_run[0], store)
+    teacher = next(cache.glob("teacher-*.pt"))
+    shutil.copy(teacher, store / CHECKPOINT)
+    args = [*SMALL] if command == "run" else []
+    _one_line_error(
+        edgetrain(["insitu", command, *args, "--store", str(store)], cache),
+        "another kind of state file",
+    )
+
+
+def test_an_unwritable_teacher_cache_is_one_line_before_the_teacher_is_trained(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = edgetrain(["insitu", "run", *SMALL, "--store", str(tmp_path / "s")], blocker / "c")
+    _one_line_error(result, "cannot write the teacher's cache")

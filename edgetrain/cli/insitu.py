@@ -158,7 +158,7 @@ def run_command(
     store, cleaned = Store.open(store_dir, cap_bytes=parse_bytes(store_cap) if store_cap else None)
     with store:
         previous = store.get("source")
-        if previous is not None and json.loads(previous) != meta:
+        if previous is not None and _stored_source(store) != meta:
             raise InvalidInput(
                 f"the store {store_dir} was filled from {previous}; use the same source or a new "
                 "--store"

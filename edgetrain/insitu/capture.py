@@ -55,18 +55,18 @@ def capture(
 ) -> CaptureProgress:
     """Process the video from where the store stopped until its end or ``deadline``
     (``time.monotonic()`` seconds)."""
-    start = int(store.get("frame_next", "0") or 0)
+    start = store.get_int("frame_next")
     progress = CaptureProgress(
         frames=start,
         total_frames=len(source),
-        tracks=int(store.get("tracks", "0") or 0),
-        labelled_tracks=int(store.get("labelled_tracks", "0") or 0),
-        dropped_tracks=int(store.get("dropped_tracks", "0") or 0),
+        tracks=store.get_int("tracks"),
+        labelled_tracks=store.get_int("labelled_tracks"),
+        dropped_tracks=store.get_int("dropped_tracks"),
         images=store.count(),
     )
     began = time.monotonic()
     detector = Detector()
-    tracker = Tracker(source.fps, first_id=int(store.get("next_track", "0") or 0))
+    tracker = Tracker(source.fps, first_id=store.get_int("next_track"))
     buffers: dict[int, list[Crop]] = {}
     first_frame: dict[int, int] = {}
     resumed = start > 0

@@ -147,8 +147,9 @@ def save_state(path: Path, state: dict[str, Any]) -> None:
     write_checked(path, buffer.getvalue())
 
 
-def load_state(path: Path) -> dict[str, Any]:
-    """A dict :func:`save_state` wrote, verified, loaded with ``weights_only=True``."""
+def load_state(path: Path, keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A dict :func:`save_state` wrote, verified, loaded with ``weights_only=True``, holding
+    ``keys`` (CorruptFile naming the first missing one: another kind of state file)."""
     payload = read_checked(path)
     try:
         state = torch.load(io.BytesIO(payload), weights_only=True)
@@ -156,4 +157,9 @@ def load_state(path: Path) -> dict[str, Any]:
         raise CorruptFile(f"{path} does not load ({exc}); delete it to start over") from exc
     if not isinstance(state, dict):
         raise CorruptFile(f"{path} holds no state dict; delete it to start over")
+    missing = [key for key in keys if key not in state]
+    if missing:
+        raise CorruptFile(
+            f"{path} is another kind of state file (no {missing[0]!r}); delete it to start over"
+        )
     return state

@@ -281,6 +281,18 @@ class Store:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return default if row is None else str(row[0])
 
+    def get_int(self, key: str) -> int:
+        """A whole number kept in the store's meta table (0 when absent); CorruptFile when the
+        value there is not one."""
+        text = self.get(key)
+        try:
+            return int(text) if text else 0
+        except ValueError as exc:
+            raise CorruptFile(
+                f"{self.directory / 'store.sqlite'}: meta {key!r} is {text!r}, not a whole "
+                "number; move the store away and start a new one with another --store"
+            ) from exc
+
     def set(self, **values: object) -> None:
         with self._transaction() as db:
             self._set(db, values)

@@ -45,6 +45,8 @@ from edgetrain.schedule import Schedule
 from edgetrain.units import format_bytes
 
 CHECKPOINT = "student.ckpt"
+CHECKPOINT_KEYS = ("model", "optimizer", "step", "rng", "ids", "config", "total_steps")
+"""What a student checkpoint holds (a teacher's cached state, copied over it, does not)."""
 OPTIMIZER = "momentum"  # SGD with momentum: one state tensor per parameter
 
 
@@ -257,7 +259,7 @@ def student_model(classes: int, teacher_state: dict[str, torch.Tensor]) -> nn.Se
 
 def load_student(directory: Path, classes: int) -> tuple[nn.Sequential, dict[str, Any]]:
     """The student's latest weights from a store's checkpoint (eval mode) and the checkpoint."""
-    state = load_state(directory / CHECKPOINT)
+    state = load_state(directory / CHECKPOINT, CHECKPOINT_KEYS)
     model = classifier(classes)
     model.load_state_dict(state["model"])
     model.eval()
@@ -280,7 +282,7 @@ def train_student(
     """
     torch.set_num_threads(config.threads)
     path = store.directory / CHECKPOINT
-    state: dict[str, Any] | None = load_state(path) if path.exists() else None
+    state: dict[str, Any] | None = load_state(path, CHECKPOINT_KEYS) if path.exists() else None
     model = student_model(classes, teacher_state)
     if state is not None:
         saved = state["config"]

@@ -16,6 +16,7 @@ labels) is dropped whole: a wrong label costs more than a missing one.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from edgetrain.errors import CorruptFile
+from edgetrain.errors import CorruptFile, InvalidInput
 from edgetrain.insitu.detect import square_crop
 from edgetrain.insitu.files import load_state, save_state
 from edgetrain.insitu.network import INPUT, classifier, to_input
@@ -132,6 +133,14 @@ def load_teacher(
             return Teacher(model, classes, path, retrained=False)
         except (CorruptFile, KeyError, RuntimeError):
             pass  # a cache: train it again below
+    try:  # before the minutes of training, not after
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as exc:
+        raise InvalidInput(
+            f"cannot write the teacher's cache in {path.parent} ({exc.strerror}); set "
+            "EDGETRAIN_CACHE_DIR to a writable directory"
+        ) from exc
     model = train_teacher(classes, seed, per_class=per_class, epochs=epochs)
     save_state(path, {"model": model.state_dict(), "classes": classes})
     return Teacher(model, classes, path, retrained=True)
