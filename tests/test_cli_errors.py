@@ -159,6 +159,8 @@ def test_a_plan_to_read_must_be_a_readable_file(args, message):
         (["poet", "--export-graph", "g.ckpt"], "must end in .json"),
         (["poet-figure", "--out", "fig.xyz"], "must end in .png"),
         (["poet-figure", "--out", "/proc/fig.png"], "cannot write in"),
+        (["revolve", "--steps", "99999999999999999999", "--slots", "2"], "operations"),
+        (["revolve", "--steps", "10000000", "--slots", "1"], "give more slots"),
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(args, message):

@@ -13,7 +13,13 @@ from edgetrain.chain import uniform_chain
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.planners import plan
 from edgetrain.planners.optimal import OptimalTable, minimum_memory, optimal, store_all
-from edgetrain.planners.revolve import optimal_forward_steps, revolve, revolve_steps
+from edgetrain.planners.revolve import (
+    beta,
+    optimal_forward_steps,
+    repetitions,
+    revolve,
+    revolve_steps,
+)
 from edgetrain.planners.search import tradeoff
 from edgetrain.planners.sequential import segment_bounds, sequential
 from edgetrain.profile import model_chain
@@ -352,3 +358,14 @@ def test_optimal_beats_a_recomputed_head_on_a_transformer_with_carried_skips(k):
     found = simulate(chain, optimal(chain, hand.peak_bytes))
     assert found.peak_bytes <= hand.peak_bytes
     assert found.seconds <= hand.seconds * (1 + 1e-9)
+
+
+def test_repetitions_is_the_least_r_whose_beta_reaches_the_steps():
+    """Searched by bisection (step by step, one slot and 10^20 steps ran for hours)."""
+    rng = random.Random(5)
+    for _ in range(2000):
+        steps, slots, start = rng.randint(1, 3000), rng.randint(1, 10), rng.randint(0, 15)
+        reps = repetitions(steps, slots, start)
+        assert reps >= start and beta(slots, reps) >= steps
+        assert reps == start or beta(slots, reps - 1) < steps
+    assert repetitions(10**20, 1) == 10**20 - 1

@@ -33,11 +33,20 @@ def beta(slots: int, reps: int) -> int:
 
 
 def repetitions(steps: int, slots: int, start: int = 0) -> int:
-    """``r = min{r >= start : β(slots, r) >= steps}``."""
-    reps = start
-    while beta(slots, reps) < steps:
-        reps += 1
-    return reps
+    """``r = min{r >= start : β(slots, r) >= steps}``, by doubling then bisection (β grows with
+    r: one slot needs r = steps - 1, which a search step by step took hours to reach)."""
+    if beta(slots, start) >= steps:
+        return start
+    low, high = start, max(2 * start, 1)  # β(slots, low) < steps
+    while beta(slots, high) < steps:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if beta(slots, middle) >= steps:
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def optimal_forward_steps(steps: int, slots: int) -> int:
@@ -67,6 +76,11 @@ def revolve(chain: Chain, slots: int) -> Schedule:
 def revolve_steps(steps: int, slots: int) -> Schedule:
     """The binomial schedule for ``steps`` stages and ``slots`` slots, without building a chain."""
     _check(steps, slots)
+    if 3 * steps > MAX_OPERATIONS:  # a forward, a backward and a discard per stage at least
+        raise InvalidInput(
+            f"{steps} steps need more than {MAX_OPERATIONS} operations; plan at most "
+            f"{MAX_OPERATIONS // 3} steps"
+        )
     slots = min(slots, steps)  # more slots than stages change nothing
     forward = optimal_forward_steps(steps, slots)
     if forward + 3 * steps > MAX_OPERATIONS:
