@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -12,6 +13,11 @@ from torch import nn
 from edgetrain.chain import Chain, Stage
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.measure import StorageCounter
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # scripts/test runs two workers on two cores: one torch thread each (tests that compare two
+    # runs make both in the same process, with the same thread count).
+    torch.set_num_threads(1)
 
 # 1 flop/s and 1 flop/J, paging no cheaper than that: a node's joules equal its seconds, so
 # least energy is least time (the MILP and POET-schedule tests compare against the chain DP).
