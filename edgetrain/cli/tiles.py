@@ -18,7 +18,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 
 
 def _positive(value: float, name: str) -> None:
-    if value <= 0:
+    if not value > 0 or value == float("inf"):  # nan compares false with every bound
         raise InvalidInput(f"--{name} must be positive, got {value}; e.g. --{name} 1")
 
 

@@ -68,6 +68,8 @@ def model_file_path(spec: str) -> tuple[Path, str]:
             f"model file {spec!r} is not FILE.py:FUNCTION; write e.g. my_model.py:build"
         )
     path = Path(path_text)
+    if path.is_dir():
+        raise InvalidInput(f"model file {path_text!r} is a directory; give the path of a .py file")
     if not path.is_file():
         raise InvalidInput(f"model file {path_text!r} does not exist; give the path of a .py file")
     if path.suffix != ".py":
