@@ -52,6 +52,7 @@ import contextlib
 import inspect
 import itertools
 import operator
+import threading
 import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -124,6 +125,9 @@ class Captured:
         input_shapes: shape of each sample input.
         nodes: the operations in topological (= execution) order; a node's index is its position.
         outputs: the values the model returns, in order of first appearance in its output.
+        reads: the plain Python attributes (a number, string, bool or None; not ``training``,
+            not ``_private``) ``forward()`` read while traced, as (module, name): fx traced
+            their values into the graph, so a step must be planned again when one changes.
     """
 
     model: nn.Module
@@ -133,6 +137,7 @@ class Captured:
     input_shapes: tuple[tuple[int, ...], ...]
     nodes: tuple[CapturedNode, ...]
     outputs: tuple[str, ...]
+    reads: tuple[tuple[nn.Module, str], ...] = ()
     _cache: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def node(self, name: str) -> CapturedNode:
@@ -156,20 +161,23 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
         raise InvalidInput(f"capture needs an nn.Module, got {type(model).__name__}")
     samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
     defaults = _defaulted_arguments(model, len(samples))
-    attributes = {id(m): dict(vars(m)) for m in model.modules()}
+    before = _snapshot(model)
+    failure: Exception | None = None
     try:
-        with _traced_contexts(), torch.enable_grad():
+        with _tracing() as attribute_reads, torch.enable_grad():
             graph = _Tracer().trace(model, concrete_args=defaults or None)
     except Exception as exc:
-        raise InvalidInput(_trace_error(model, exc)) from exc
+        failure = exc
     finally:
-        stored = _restore_attributes(model, attributes)
-    if stored:
+        stored = _restore(before)
+    if stored:  # the first thing to fix, when tracing also failed (fx on a submodule it made)
         raise InvalidInput(
             f"cannot capture {type(model).__name__}: forward() assigns to {stored} (fx records "
             "calls, not assignments, so the captured step would never update it); return the "
             "value from forward() instead, or update it outside the model"
-        )
+        ) from failure
+    if failure is not None:
+        raise InvalidInput(_trace_error(model, failure)) from failure
     _drop_specialised_arguments(graph, len(samples))
     _wrap_contexts(graph)
     graph_module = fx.GraphModule(model, graph)
@@ -226,6 +234,7 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
         input_shapes=tuple(tuple(s.shape) for s in samples),
         nodes=tuple(nodes),
         outputs=tuple(returned),
+        reads=tuple(attribute_reads),
     )
 
 
@@ -436,38 +445,63 @@ _CONTEXT = "edgetrain_context"
 Context = tuple[bool, tuple[str, torch.dtype, bool] | None]
 """Where a node runs: grad mode on (True) or off, and the innermost ``torch.autocast`` region
 ``forward()`` entered around it (device type, dtype, enabled), or None."""
-_AUTOCAST: list[tuple[str, torch.dtype, bool]] = []  # regions entered while tracing
+_PLAIN = (bool, int, float, str, type(None))
+_TRACE_LOCK = threading.Lock()  # one trace at a time: the class patches below are global
+_TRACING = threading.local()  # in the tracing thread: its autocast regions and attribute reads
 
 
 def _context() -> Context | None:
     """The current node's :data:`Context`, or None for the default (grad on, no region)."""
     grad = torch.is_grad_enabled()
-    region = _AUTOCAST[-1] if _AUTOCAST else None
+    regions = getattr(_TRACING, "regions", None)
+    region = regions[-1][1] if regions else None
     return None if grad and region is None else (grad, region)
 
 
 @contextlib.contextmanager
-def _traced_contexts() -> Iterator[None]:
-    """While tracing, note the ``torch.autocast`` regions ``forward()`` enters (fx sees only
-    calls; the grad mode is read as it is, the trace running with grad on)."""
+def _tracing() -> Iterator[dict[tuple[nn.Module, str], None]]:
+    """While tracing in this thread, note the ``torch.autocast`` regions ``forward()`` enters
+    (fx sees only calls; the grad mode is read as it is, the trace running with grad on) and the
+    plain attributes it reads (yielded, in order). Other threads run as usual meanwhile."""
     cls = torch.amp.autocast_mode.autocast
-    enter, leave = cls.__enter__, cls.__exit__
+    reads: dict[tuple[nn.Module, str], None] = {}
+    with _TRACE_LOCK:
+        enter, leave = cls.__enter__, cls.__exit__
 
-    def entering(self: Any) -> Any:
-        result = enter(self)
-        _AUTOCAST.append((self.device, self.fast_dtype, bool(self._enabled)))
-        return result
+        def entering(self: Any) -> Any:
+            result = enter(self)
+            regions = getattr(_TRACING, "regions", None)
+            if regions is not None:
+                regions.append((id(self), (self.device, self.fast_dtype, bool(self._enabled))))
+            return result
 
-    def leaving(self: Any, *exc: Any) -> Any:
-        _AUTOCAST.pop()
-        return leave(self, *exc)
+        def leaving(self: Any, *exc: Any) -> Any:
+            regions = getattr(_TRACING, "regions", None)
+            if regions and regions[-1][0] == id(self):
+                regions.pop()
+            return leave(self, *exc)
 
-    cls.__enter__, cls.__exit__ = entering, leaving  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
-        _AUTOCAST.clear()
+        def reading(self: nn.Module, name: str) -> Any:
+            value = object.__getattribute__(self, name)
+            if (
+                type(value) in _PLAIN
+                and name[0] != "_"
+                and name != "training"
+                and getattr(_TRACING, "regions", None) is not None
+                and name in object.__getattribute__(self, "__dict__")
+            ):
+                reads[(self, name)] = None
+            return value
+
+        cls.__enter__, cls.__exit__ = entering, leaving  # type: ignore[method-assign]
+        nn.Module.__getattribute__ = reading  # type: ignore[method-assign]
+        _TRACING.regions = []
+        try:
+            yield reads
+        finally:
+            del _TRACING.regions
+            del nn.Module.__getattribute__
+            cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
 
 
 def _enter_context(grad: bool, region: tuple[str, torch.dtype, bool] | None) -> list[Any]:
@@ -509,21 +543,34 @@ def _wrap_contexts(graph: fx.Graph) -> None:
         current = state
 
 
-def _restore_attributes(model: nn.Module, before: dict[int, dict[str, Any]]) -> str | None:
-    """Undo what tracing ``forward()`` assigned to the model's modules' attributes (``before``:
-    each module's ``vars()`` then); returns the first attribute it assigned (``"head.aux_loss"``:
-    a traced value, an fx Proxy; or a counter ``self.steps += 1``), or None."""
+_Snapshot = list[tuple[str, nn.Module, dict[str, Any], list[dict[str, Any]]]]
+
+
+def _snapshot(model: nn.Module) -> _Snapshot:
+    """Each module's path, itself, its ``vars()`` and its module, parameter and buffer dicts,
+    as shallow copies: what :func:`_restore` puts back."""
+    return [
+        (path, m, dict(vars(m)), [dict(m._modules), dict(m._parameters), dict(m._buffers)])
+        for path, m in model.named_modules()
+    ]
+
+
+def _restore(before: _Snapshot) -> str | None:
+    """Undo what tracing ``forward()`` assigned to the modules ``before`` lists (attributes,
+    submodules, parameters, buffers); returns the first it assigned (``"head.aux_loss"``: a
+    traced value, an fx Proxy; a counter ``self.steps += 1``; a submodule made in forward), or
+    None."""
     stored = None
-    for path, module in model.named_modules():
-        attributes = vars(module)
-        old = before.get(id(module), {})
-        for name in [n for n, v in attributes.items() if old.get(n, _MISSING) is not v]:
-            if stored is None:
-                stored = f"{path}.{name}" if path else name
-            if name in old:
-                attributes[name] = old[name]
-            else:
-                del attributes[name]
+    for path, module, attributes, registries in before:
+        now = [vars(module), module._modules, module._parameters, module._buffers]
+        for current, old in zip(now, [attributes, *registries], strict=True):
+            changed = [n for n, v in current.items() if old.get(n, _MISSING) is not v]
+            changed += [n for n in old if n not in current]
+            if changed and stored is None:
+                stored = f"{path}.{changed[0]}" if path else changed[0]
+            if changed:
+                current.clear()
+                current.update(old)
     return stored
 
 

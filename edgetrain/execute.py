@@ -239,6 +239,8 @@ class Checkpointed(nn.Module):
         """Plan (or adopt ``schedule``) for ``sample``, and remember the plan for its state."""
         self._make_plan(sample, chain, schedule)
         self._plans[self._key] = {name: getattr(self, name) for name in _PLANNED}
+        while len(self._plans) > KEPT_PLANS:  # the oldest first; the one just made stays
+            del self._plans[next(iter(self._plans))]
 
     def _make_plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
         if chain is None:
@@ -297,15 +299,17 @@ class Checkpointed(nn.Module):
         records what needs a gradient, and a Dropout in eval mode was profiled as the
         identity), the autocast state (under ``torch.autocast`` the stages are profiled
         under it: other dtypes, other sizes, the weights' copies), and for a captured model
-        the modules' plain Python attributes (fx traced their values into the stages: a
-        temperature annealed after planning would otherwise be the old one)."""
+        the plain Python attributes its ``forward()`` read while traced
+        (:attr:`~edgetrain.capture.Captured.reads`: fx traced their values in, so a temperature
+        annealed after planning would otherwise stay the old one; an attribute forward() does
+        not read, a step counter the loop keeps on the model, plans nothing again)."""
         return (
             shapes(x),
             tuple(t.requires_grad for t in leaves(x)),
             tuple(p.requires_grad for p in self._params),
             tuple(m.training for m in self.module.modules()),
             tuple(autocast_state()),
-            () if self.model is self.module else _plain_attributes(self.module),
+            tuple(getattr(m, name, None) for m, name in getattr(self.model, "traced_reads", ())),
         )
 
     def _planned(self, device: int | None) -> Schedule:
@@ -633,6 +637,11 @@ class Checkpointed(nn.Module):
         )
 
 
+KEPT_PLANS = 16
+"""Plans :class:`Checkpointed` keeps for states it may come back to (a value ``forward()`` reads
+that changes every step plans every step; pass such a value as a tensor instead)."""
+
+
 def as_stages(model: nn.Module, sample: Any) -> nn.Sequential:
     """The stages edgetrain plans over: a plain ``nn.Sequential`` as it is; any other module
     captured with torch.fx (:mod:`edgetrain.capture`) and cut between its blocks (where a single
@@ -651,7 +660,9 @@ def as_stages(model: nn.Module, sample: Any) -> nn.Sequential:
             "(an nn.Sequential may pass tuples, lists or dicts between its entries)"
         )
     captured = capture(model, sample)
-    return segments(captured, block_cuts(captured))
+    stages = segments(captured, block_cuts(captured))
+    stages.traced_reads = captured.reads  # what Checkpointed._state watches
+    return stages
 
 
 def _kept(params: Any) -> bool:
@@ -966,20 +977,6 @@ def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
         if a != b
     ]
     return ", ".join(changes)
-
-
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain_attributes(model: nn.Module) -> tuple[tuple[str, Any], ...]:
-    """Every plain Python value (a number, string, bool or None) the modules of ``model`` hold
-    as attributes, but ``training`` (a state of its own)."""
-    return tuple(
-        (name, value)
-        for module in model.modules()
-        for name, value in vars(module).items()
-        if type(value) in _PLAIN and name != "training"
-    )
 
 
 def _detach(value: Any) -> Any:

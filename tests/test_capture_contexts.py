@@ -77,6 +77,7 @@ def test_a_no_grad_block_in_forward_gets_no_gradients_at_any_plan(make, merge, m
         net = Checkpointed(ours, x, **plan)
         plain_peak = _peak_step(reference, x, list(reference.parameters()))
         measured = _peak_step(net, x, list(ours.parameters()))
+        assert net.cost.recompute_factor > 1 and net.runs_as != "the module itself"
         assert measured <= net.cost.peak_bytes + 64, (plan, net.runs_as)
         assert measured <= plain_peak + 64
         for (name, p), q in zip(reference.named_parameters(), ours.parameters(), strict=True):
@@ -109,6 +110,7 @@ def test_an_autocast_region_in_forward_keeps_its_precision(rho):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         net = Checkpointed(ours, x, max_recompute=rho)
         expected, got = reference(x), net(x)
+    assert net.runs_as != "the module itself"  # the captured stages, the region's nodes in one
     assert got.dtype == expected.dtype == torch.float32
     assert torch.equal(got, expected)
     expected.square().sum().backward()
@@ -204,3 +206,45 @@ def test_a_counter_forward_increments_is_refused_and_left_as_it_was():
     with pytest.raises(InvalidInput, match="assigns to calls"):
         Checkpointed(model, torch.randn(8, 16), max_recompute=2.0)
     assert model.calls == 0
+
+
+class Stepped(Tempered):
+    """A model the loop keeps a step counter on, which ``forward()`` does not read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+
+
+def test_an_attribute_forward_does_not_read_plans_nothing_again():
+    torch.manual_seed(0)
+    model = Stepped().to(F64)
+    x = torch.randn(64, 16, dtype=F64)
+    net = Checkpointed(model, x, max_recompute=2.0, on_new_shape="error")
+    for step in range(1, 4):
+        model.step = step  # the loop's counter: no replan, and on_new_shape="error" stays quiet
+        net(x).square().sum().backward()
+    assert len(net._plans) == 1
+    assert [name for _, name in net.model.traced_reads] == ["tau"]
+
+
+class LazyHead(nn.Module):
+    """A head made on the first call, as some users write lazy layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(8, 3)
+        return self.head(self.body(x))
+
+
+def test_a_submodule_made_in_forward_is_refused_and_the_model_left_whole():
+    model = LazyHead()
+    with pytest.raises(InvalidInput, match="assigns to head"):
+        Checkpointed(model, torch.randn(8, 16), max_recompute=2.0)
+    assert "head" not in dict(model.named_children())
+    repr(model)  # the model is whole: its registries were put back, not emptied
+    assert model(torch.randn(4, 16)).shape == (4, 3)  # and runs eagerly as before
