@@ -484,7 +484,10 @@ def _add(own: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
     operation before reads it (a channels-last BatchNorm backward handed a contiguous gradient
     sums in another order). Where ``own`` already has that layout it is added into when nothing
     else holds it: no new tensor, and no view's whole storage kept (``torch.cat``'s backward
-    hands each input a view of one gradient)."""
+    hands each input a view of one gradient). A ``carried`` broadcast along some dimensions and
+    laid out unlike ``own`` along the others is added into ``own`` (no new tensor, which the
+    profile would not count) though ``carried + own`` may order those dimensions as
+    ``carried`` does."""
     with torch.no_grad():
         broadcast = any(
             s == 0 and n > 1 for s, n in zip(carried.stride(), carried.shape, strict=True)
@@ -492,6 +495,8 @@ def _add(own: torch.Tensor, carried: torch.Tensor) -> torch.Tensor:
         if broadcast or _order(own) == _order(carried):
             if _stealable(own, carried):
                 return own.add_(carried)
+            if not broadcast and _stealable(carried, own):
+                return carried.add_(own)
         elif _stealable(carried, own):
             return carried.add_(own)
         return carried + own

@@ -63,9 +63,10 @@ def _stored_source(store: Store) -> dict[str, Any]:
         raise StoreError(f"{store.directory} has no recorded video source; run `insitu run` first")
     try:
         meta = json.loads(text)
-        assert isinstance(meta, dict) and meta["kind"] in ("video", "synthetic")
-    except (ValueError, AssertionError, KeyError) as exc:
+    except ValueError as exc:
         raise CorruptFile(f"{store.directory}: the store's source record is unreadable") from exc
+    if not isinstance(meta, dict) or meta.get("kind") not in ("video", "synthetic"):
+        raise CorruptFile(f"{store.directory}: the store's source record is unreadable")
     return meta
 
 

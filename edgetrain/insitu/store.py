@@ -86,10 +86,13 @@ _TEMPORARY = re.compile(r"\.([0-9a-f]{20}\.webp|student\.ckpt)\..+\.tmp")
 """A temporary file of one of the store's writes (an image, the student's checkpoint)."""
 
 
-def _sqlite_error(exc: sqlite3.Error, path: Path, doing: str) -> EdgetrainError:
-    """The one-line error for a failed SQLite call on the store's database ``path``."""
+def _sqlite_error(exc: sqlite3.Error, path: Path, doing: str) -> sqlite3.Error | EdgetrainError:
+    """The one-line error for a failed SQLite call on the store's database ``path``, or ``exc``
+    itself for what is a bug, not the user's (a constraint, misuse, an SQL error)."""
     name = getattr(exc, "sqlite_errorname", "")
-    if name == "SQLITE_FULL" or name.startswith("SQLITE_IOERR"):
+    if name.startswith(("SQLITE_CONSTRAINT", "SQLITE_MISUSE")) or name == "SQLITE_ERROR":
+        return exc
+    if name in ("SQLITE_FULL", "SQLITE_IOERR_WRITE", "SQLITE_IOERR_FSYNC", "SQLITE_IOERR_TRUNCATE"):
         # A write past the disk's room or the file-size limit reads "disk I/O error".
         return DiskFull(
             f"no room to {doing} {path} ({exc}); free space on the disk or lower --store-cap, "
@@ -219,7 +222,10 @@ class Store:
         except sqlite3.Error as exc:
             if lock >= 0:
                 os.close(lock)
-            raise _sqlite_error(exc, db_path, "open") from exc
+            error = _sqlite_error(exc, db_path, "open")
+            if error is exc:
+                raise
+            raise error from exc
         except OSError as exc:
             if lock >= 0:
                 os.close(lock)
@@ -231,7 +237,11 @@ class Store:
                 os.close(lock)
             raise
         store = cls(path, db, cap_bytes, lock)
-        return store, store._clean()
+        try:
+            return store, store._clean()
+        except BaseException:
+            store.close()  # the lock too: this process may open the store again
+            raise
 
     def close(self) -> None:
         self.db.close()
@@ -274,7 +284,10 @@ class Store:
                 raise
             self.db.execute("COMMIT")
         except sqlite3.Error as exc:
-            raise _sqlite_error(exc, self.directory / "store.sqlite", "write") from exc
+            error = _sqlite_error(exc, self.directory / "store.sqlite", "write")
+            if error is exc:
+                raise
+            raise error from exc
 
     # -- meta -----------------------------------------------------------------------------
     def get(self, key: str, default: str | None = None) -> str | None:
@@ -465,8 +478,8 @@ def _lock(path: Path) -> int:
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise StoreError(
-                f"the store {path.parent} is in use by another edgetrain process; wait for it to "
-                "finish, or give another --store"
+                f"the store {path.parent} is in use by another edgetrain process (or is open "
+                "already in this one); wait for it to finish, or give another --store"
             ) from exc
         raise
     return fd
