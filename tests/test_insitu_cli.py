@@ -15,6 +15,10 @@ import pytest
 
 from edgetrain.insitu.student import CHECKPOINT
 
+# One xdist worker runs the whole file: its module fixtures (a teacher trained into a fresh
+# cache, a first run of the scene) would otherwise run once per worker.
+pytestmark = pytest.mark.xdist_group("insitu-cli")
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "--synthetic", "--frames", "250", "--classes", "3", "--epochs", "1", "--max-batch", "8",
