@@ -33,7 +33,7 @@ FRACTIONS = (1.0, 0.5, 0.3)
 LINEAR = Path(__file__).resolve().parent.parent / "tests" / "data" / "poet_linear_m0.json"
 DATA = Path(__file__).resolve().parent / "data"
 # POET's own instances, exported with POET's builder (commit 6e63098, batch 1) in the
-# poet-instance-v1 format; see the README for how.
+# poet-instance-v1 format; see docs/poet.md for how.
 POET_INSTANCES = ("resnet18_cifar_a72", "vgg16_cifar_a72")
 # The least energy (J) any run has found for POET's instances (runtime 7.6x, poet accounting):
 # this solver at a 60 s limit, each proven within 0.002 % of the optimum by its own lower bound

@@ -19,7 +19,7 @@ skip stays alive from the encoder to the decoder). Costs are analytic (FLOP coun
 
 Budgets are fractions of the DP's keep-everything peak (``simulate`` of ``store_all``). The MILP's
 memory model (the ``edgetrain`` accounting) and ``simulate`` agree on chains to within one
-activation (see the README); their keep-everything peaks are printed for comparison. Recompute
+activation (see docs/poet.md); their keep-everything peaks are printed for comparison. Recompute
 time = plan time − one forward and one backward of every stage (seconds at NOMINAL_FLOPS).
 ``python benchmarks/unet_planning.py [--json] [--time-limit 60]``
 """
