@@ -22,10 +22,10 @@ fx bakes Python values in at trace time (``self.training`` passed to ``F.dropout
 example): capture the model in the mode it will run in. fx records only calls, not the
 context managers around them; :func:`capture` records which nodes ran inside
 ``torch.no_grad()`` (or ``set_grad_enabled(False)``, ``inference_mode()``) and inside
-``torch.autocast(...)`` regions, and wraps each such run of nodes in the graph between
-``_enter_context`` and ``_exit_context``: the token passed between them is live across every
-position inside, so no cut splits a region, and every segment runs its nodes in the grad mode
-and autocast state ``forward()`` gave them. A ``forward()`` that assigns to a module attribute
+``torch.autocast(...)`` regions, and folds each such run of nodes into one :class:`Region`
+module that runs them inside the same context (entered with ``with``: an exception leaves the
+grad mode and autocast state as they were). A region is one node, so no cut splits it: it is
+stored or recomputed whole. A ``forward()`` that assigns to a module attribute
 (``self.aux_loss = ...``, ``self.steps += 1``) cannot be captured (the captured step would never
 assign it) and is refused, the attribute left as it was.
 
@@ -179,8 +179,9 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
     if failure is not None:
         raise InvalidInput(_trace_error(model, failure)) from failure
     _drop_specialised_arguments(graph, len(samples))
-    _wrap_contexts(graph)
     graph_module = fx.GraphModule(model, graph)
+    _fold_regions(graph_module)
+    graph = graph_module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(samples):
         raise InvalidInput(
@@ -504,43 +505,99 @@ def _tracing() -> Iterator[dict[tuple[nn.Module, str], None]]:
             cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
 
 
-def _enter_context(grad: bool, region: tuple[str, torch.dtype, bool] | None) -> list[Any]:
-    """Enter what ``forward()`` ran a run of nodes in: its autocast region (without autocast's
-    cache of weight copies, as the executor runs every stage) and ``torch.no_grad()`` when grad
-    was off. Returns the context managers entered, for :func:`_exit_context`."""
-    entered: list[Any] = []
-    if region is not None:
-        device, dtype, enabled = region
-        entered.append(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False))
-    if not grad:
-        entered.append(torch.no_grad())
-    for manager in entered:
-        manager.__enter__()
-    return entered
+class Region(nn.Module):
+    """A run of a captured graph's nodes that ``forward()`` ran inside ``torch.no_grad()`` or a
+    ``torch.autocast`` region, as one module: ``body`` (an ``fx.GraphModule`` sharing the
+    model's modules) runs inside the same context, entered with ``with`` so that an exception
+    leaves the grad mode and autocast state as they were. Autocast runs without its cache of
+    weight copies, as the executor runs every stage (a copy lives as long as autograd saves it).
+    """
+
+    def __init__(self, body: fx.GraphModule, grad: bool, autocast: Any) -> None:
+        super().__init__()
+        self.body = body
+        self.grad = grad
+        self.autocast: tuple[str, torch.dtype, bool] | None = autocast
+
+    def forward(self, *args: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            if self.autocast is not None:
+                device, dtype, enabled = self.autocast
+                stack.enter_context(
+                    torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False)
+                )
+            if not self.grad:
+                stack.enter_context(torch.no_grad())
+            return self.body(*args)
+
+    def extra_repr(self) -> str:
+        where = [] if self.grad else ["no_grad"]
+        if self.autocast is not None:
+            device, dtype, enabled = self.autocast
+            where.append(f"autocast({device!r}, {dtype}, enabled={enabled})")
+        return ", ".join(where)
 
 
-def _exit_context(entered: list[Any]) -> None:
-    """Leave what :func:`_enter_context` entered, innermost first."""
-    for manager in reversed(entered):
-        manager.__exit__(None, None, None)
-
-
-def _wrap_contexts(graph: fx.Graph) -> None:
-    """Put each run of nodes traced in the same non-default :data:`Context` between an
-    :func:`_enter_context` node and an :func:`_exit_context` node reading its token."""
-    current: Context | None = None
-    token: fx.Node | None = None
-    for node in list(graph.nodes):
-        if node.op not in _KINDS and node.op != "output":
+def _fold_regions(graph_module: fx.GraphModule) -> None:
+    """Replace each run of consecutive nodes traced in the same non-default :data:`Context` by
+    one call of a :class:`Region` (registered on ``graph_module`` as ``_region<k>``)."""
+    graph = graph_module.graph
+    runs: list[tuple[Context, list[fx.Node]]] = []
+    previous = None  # the last node that is not a get_attr (those are looked up where read)
+    for node in graph.nodes:
+        if node.op == "get_attr":
             continue
         state = node.meta.get(_CONTEXT) if node.op in _KINDS else None
-        if state == current:
-            continue
-        with graph.inserting_before(node):
-            if token is not None:
-                graph.call_function(_exit_context, (token,))
-            token = None if state is None else graph.call_function(_enter_context, state)
-        current = state
+        if state is not None:
+            if runs and runs[-1][0] == state and runs[-1][1][-1] is previous:
+                runs[-1][1].append(node)
+            else:
+                runs.append((state, [node]))
+        previous = node
+    for index, (state, members) in enumerate(runs):
+        _fold(graph_module, f"_region{index}", state, members)
+    graph.lint()
+    graph_module.recompile()
+
+
+def _fold(graph_module: fx.GraphModule, name: str, state: Context, members: list[fx.Node]) -> None:
+    """Fold ``members`` into a call of a :class:`Region` named ``name``: what they read from
+    before the run are its arguments, what later nodes read of them its result (a tuple, taken
+    apart with ``getitem``, when several)."""
+    graph = graph_module.graph
+    inside = set(members)
+    reads = {v: None for m in members for v in m.all_input_nodes if v not in inside}
+    reads = {v: None for v in reads if v.op != "get_attr"}
+    results = [m for m in members if any(u not in inside for u in m.users)]
+    body = fx.Graph()
+    env = {value: body.placeholder(value.name) for value in reads}
+    attributes: dict[str, fx.Node] = {}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node.op == "get_attr":
+            target = str(node.target)
+            if target not in attributes:
+                attributes[target] = body.get_attr(target)
+            return attributes[target]
+        return env[node]
+
+    for member in members:
+        env[member] = body.node_copy(member, lookup)
+    outputs = [env[r] for r in results]
+    body.output(outputs[0] if len(outputs) == 1 else tuple(outputs) if outputs else None)
+    graph_module.add_submodule(name, Region(fx.GraphModule(graph_module, body), *state))
+    with graph.inserting_before(members[0]):  # in order, before the run (erased below)
+        call = graph.call_module(name, tuple(reads))
+        replacements = [call]
+        if len(results) > 1:
+            replacements = [
+                graph.call_function(operator.getitem, (call, i)) for i in range(len(results))
+            ]
+    for result, replacement in zip(results, replacements, strict=True):
+        for user in [u for u in result.users if u not in inside]:
+            user.replace_input_with(result, replacement)
+    for member in reversed(members):
+        graph.erase_node(member)
 
 
 _Snapshot = list[tuple[str, nn.Module, dict[str, Any], list[dict[str, Any]]]]

@@ -248,3 +248,24 @@ def test_a_submodule_made_in_forward_is_refused_and_the_model_left_whole():
     assert "head" not in dict(model.named_children())
     repr(model)  # the model is whole: its registries were put back, not emptied
     assert model(torch.randn(4, 16)).shape == (4, 3)  # and runs eagerly as before
+
+
+class FailsInside(nn.Module):
+    """A layer inside an autocast region that does not fit the sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.lin(x)
+
+
+def test_an_error_inside_a_region_leaves_autocast_and_grad_mode_as_they_were():
+    """The region is one module entered with ``with``: an exception inside it no longer skips
+    its exit (the review found autocast left on in the thread after such a capture)."""
+    with pytest.raises(InvalidInput, match="does not run on the sample"):
+        Checkpointed(FailsInside(), torch.randn(2, 8), max_recompute=2.0)
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.is_grad_enabled()
