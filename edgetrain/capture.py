@@ -54,7 +54,7 @@ import itertools
 import operator
 import threading
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,6 +391,23 @@ def _segment(captured: Captured, start: int, stop: int, index: int) -> fx.GraphM
     else:
         for i, name in enumerate(incoming):
             env[name] = graph.call_function(operator.getitem, (argument, i))
+    lookup = _copy_nodes(graph, compute[start:stop], env)
+    if stop == len(compute):
+        output_node = next(n for n in source.nodes if n.op == "output")
+        graph.output(fx.map_arg(output_node.args[0], lookup))
+    else:
+        outgoing = [env[name] for name in live_values(captured, stop)]
+        graph.output(outgoing[0] if len(outgoing) == 1 else tuple(outgoing))
+    graph.lint()
+    return fx.GraphModule(captured.graph_module, graph, class_name=f"Segment{index}")
+
+
+def _copy_nodes(
+    graph: fx.Graph, nodes: list[fx.Node], env: dict[str, fx.Node]
+) -> Callable[[fx.Node], fx.Node]:
+    """Copy ``nodes`` into ``graph``, each reading the values ``env`` gives by name (and adding
+    itself there), and the parameters and buffers they read through one ``get_attr`` each.
+    Returns the lookup that maps a source node to its copy, for what reads them after."""
     attributes: dict[str, fx.Node] = {}
 
     def lookup(node: fx.Node) -> fx.Node:
@@ -401,16 +418,9 @@ def _segment(captured: Captured, start: int, stop: int, index: int) -> fx.GraphM
             return attributes[target]
         return env[node.name]
 
-    for node in compute[start:stop]:
+    for node in nodes:
         env[node.name] = graph.node_copy(node, lookup)
-    if stop == len(compute):
-        output_node = next(n for n in source.nodes if n.op == "output")
-        graph.output(fx.map_arg(output_node.args[0], lookup))
-    else:
-        outgoing = [env[name] for name in live_values(captured, stop)]
-        graph.output(outgoing[0] if len(outgoing) == 1 else tuple(outgoing))
-    graph.lint()
-    return fx.GraphModule(captured.graph_module, graph, class_name=f"Segment{index}")
+    return lookup
 
 
 class _InplaceProxy(fx.Proxy):
@@ -570,20 +580,9 @@ def _fold(graph_module: fx.GraphModule, name: str, state: Context, members: list
     reads = {v: None for v in reads if v.op != "get_attr"}
     results = [m for m in members if any(u not in inside for u in m.users)]
     body = fx.Graph()
-    env = {value: body.placeholder(value.name) for value in reads}
-    attributes: dict[str, fx.Node] = {}
-
-    def lookup(node: fx.Node) -> fx.Node:
-        if node.op == "get_attr":
-            target = str(node.target)
-            if target not in attributes:
-                attributes[target] = body.get_attr(target)
-            return attributes[target]
-        return env[node]
-
-    for member in members:
-        env[member] = body.node_copy(member, lookup)
-    outputs = [env[r] for r in results]
+    env = {value.name: body.placeholder(value.name) for value in reads}
+    _copy_nodes(body, members, env)
+    outputs = [env[r.name] for r in results]
     body.output(outputs[0] if len(outputs) == 1 else tuple(outputs) if outputs else None)
     graph_module.add_submodule(name, Region(fx.GraphModule(graph_module, body), *state))
     with graph.inserting_before(members[0]):  # in order, before the run (erased below)
