@@ -33,10 +33,10 @@ inputs and random-number state:
   floating-point tensors carry gradients); stages may pass such structures between them; an
   output the loss does not use leaves its layers' gradients ``None``;
 * a plan is made for the input's shapes and dtypes, which parameters and inputs need a
-  gradient, each module's train/eval mode, the autocast state and, for a captured model, its
-  modules' plain Python attributes (fx traced their values in): a step that differs in any of
-  them is planned for anew (plans are kept per state), or refused with
-  ``on_new_shape="error"``;
+  gradient, each module's train/eval mode, the autocast state and, for a captured model, the
+  plain Python attributes its ``forward()`` reads (fx traced their values in): a step that
+  differs in any of them is planned for anew (plans are kept per state, at most
+  :data:`KEPT_PLANS`), or refused with ``on_new_shape="error"``;
 * under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
   when the plan stores everything (plain autograd's step, which holds no more than predicted);
   a plan whose every stage belongs to one graph run (:func:`~edgetrain.schedule.graph_runs`:
