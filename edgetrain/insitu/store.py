@@ -40,6 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 from PIL import Image
@@ -86,25 +87,52 @@ _TEMPORARY = re.compile(r"\.([0-9a-f]{20}\.webp|student\.ckpt)\..+\.tmp")
 """A temporary file of one of the store's writes (an image, the student's checkpoint)."""
 
 
-def _sqlite_error(exc: sqlite3.Error, path: Path, doing: str) -> sqlite3.Error | EdgetrainError:
-    """The one-line error for a failed SQLite call on the store's database ``path``, or ``exc``
-    itself for what is a bug, not the user's (a constraint, misuse, an SQL error)."""
+def _raise_sqlite(exc: sqlite3.Error, path: Path, doing: str) -> NoReturn:
+    """Raise the one-line error for a failed SQLite call on the store's database ``path``, or
+    ``exc`` itself for what is a bug, not the user's (a constraint, misuse, an SQL error)."""
     name = getattr(exc, "sqlite_errorname", "")
     if name.startswith(("SQLITE_CONSTRAINT", "SQLITE_MISUSE")) or name == "SQLITE_ERROR":
-        return exc
+        raise exc
     if name in ("SQLITE_FULL", "SQLITE_IOERR_WRITE", "SQLITE_IOERR_FSYNC", "SQLITE_IOERR_TRUNCATE"):
         # A write past the disk's room or the file-size limit reads "disk I/O error".
-        return DiskFull(
+        raise DiskFull(
             f"no room to {doing} {path} ({exc}); free space on the disk or lower --store-cap, "
             "then run again: what is stored is intact"
-        )
+        ) from exc
     damaged = name in ("SQLITE_CORRUPT", "SQLITE_NOTADB")
     if damaged or (isinstance(exc, sqlite3.DatabaseError) and not name):
-        return CorruptFile(
+        raise CorruptFile(
             f"{path} is not a readable SQLite database ({exc}); move the store away and start a "
             "new one with another --store"
+        ) from exc
+    raise InvalidInput(f"cannot {doing} {path} ({exc}); check the directory") from exc
+
+
+def _connect(db_path: Path) -> sqlite3.Connection:
+    """The store's database, its schema made and its pages checked (``PRAGMA quick_check``);
+    one-line errors for what the user can mend (see :func:`_raise_sqlite`)."""
+    try:
+        db = sqlite3.connect(db_path, isolation_level=None, timeout=30)
+    except sqlite3.Error as exc:
+        _raise_sqlite(exc, db_path, "open")
+    try:
+        db.execute("PRAGMA journal_mode=DELETE")
+        db.execute("PRAGMA synchronous=FULL")
+        db.executescript(_SCHEMA)
+        check = db.execute("PRAGMA quick_check").fetchone()
+    except BaseException as exc:
+        db.close()
+        if isinstance(exc, sqlite3.Error):
+            _raise_sqlite(exc, db_path, "open")
+        raise
+    if check is None or check[0] != "ok":
+        db.close()
+        raise CorruptFile(
+            f"{db_path} is not a readable SQLite database (SQLite's check: "
+            f"{check and check[0]}); move the store away and start a new one with another "
+            "--store"
         )
-    return InvalidInput(f"cannot {doing} {path} ({exc}); check the directory")
+    return db
 
 
 @dataclass(frozen=True)
@@ -199,44 +227,18 @@ class Store:
                     f"{path} holds files and no store (no store.sqlite); give a new or empty "
                     "directory for the store, so that none of those files is touched"
                 )
-        lock = -1
         try:
             (path / "images").mkdir(parents=True, exist_ok=True)
             lock = _lock(path / "store.lock")
-            db = sqlite3.connect(db_path, isolation_level=None, timeout=30)
-            try:
-                db.execute("PRAGMA journal_mode=DELETE")
-                db.execute("PRAGMA synchronous=FULL")
-                db.executescript(_SCHEMA)
-                check = db.execute("PRAGMA quick_check").fetchone()
-            except BaseException:
-                db.close()
-                raise
-            if check is None or check[0] != "ok":
-                db.close()
-                raise CorruptFile(
-                    f"{db_path} is not a readable SQLite database (SQLite's check: "
-                    f"{check and check[0]}); move the store away and start a new one with "
-                    "another --store"
-                )
-        except sqlite3.Error as exc:
-            if lock >= 0:
-                os.close(lock)
-            error = _sqlite_error(exc, db_path, "open")
-            if error is exc:
-                raise
-            raise error from exc
         except OSError as exc:
-            if lock >= 0:
-                os.close(lock)
             if exc.errno in DISK_FULL:
                 raise DiskFull(f"no room to create the store in {path}; free space") from exc
             raise InvalidInput(f"cannot create the store in {path}: {exc.strerror}") from exc
+        try:
+            store = cls(path, _connect(db_path), cap_bytes, lock)
         except BaseException:
-            if lock >= 0:
-                os.close(lock)
+            os.close(lock)
             raise
-        store = cls(path, db, cap_bytes, lock)
         try:
             return store, store._clean()
         except BaseException:
@@ -284,10 +286,7 @@ class Store:
                 raise
             self.db.execute("COMMIT")
         except sqlite3.Error as exc:
-            error = _sqlite_error(exc, self.directory / "store.sqlite", "write")
-            if error is exc:
-                raise
-            raise error from exc
+            _raise_sqlite(exc, self.directory / "store.sqlite", "write")
 
     # -- meta -----------------------------------------------------------------------------
     def get(self, key: str, default: str | None = None) -> str | None:
