@@ -161,7 +161,8 @@ def test_a_plan_to_read_must_be_a_readable_file(args, message):
         (["poet-figure", "--out", "/proc/fig.png"], "cannot write in"),
         (["revolve", "--steps", "99999999999999999999", "--slots", "2"], "operations"),
         (["revolve", "--steps", "10000000", "--slots", "1"], "give more slots"),
-        (["tiles", "--timeout", "nan"], "--timeout must be positive"),
+        (["tiles", "--timeout", "nan"], "'--timeout': 'nan' is not a finite number"),
+        (["tiles", "--timeout", "0"], "'--timeout'"),
         (["train", "--model-file", "tests:build"], "is a directory"),
     ],
 )

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from edgetrain.cli.main import register
+from edgetrain.cli.options import POSITIVE_FLOAT
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices.catalog import CLUSTERS
 from edgetrain.distributed.supported import CHAIN, TILE_MODELS
@@ -18,7 +19,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 
 
 def _positive(value: float, name: str) -> None:
-    if not value > 0 or value == float("inf"):  # nan compares false with every bound
+    if value <= 0:
         raise InvalidInput(f"--{name} must be positive, got {value}; e.g. --{name} 1")
 
 
@@ -55,7 +56,9 @@ def _positive(value: float, name: str) -> None:
     help=f"Cluster profile --groups auto optimises for: {', '.join(CLUSTERS)}, or a .json file.",
 )
 @click.option("--address", default="127.0.0.1", show_default=True, help="Address workers bind.")
-@click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds per op.")
+@click.option(
+    "--timeout", type=POSITIVE_FLOAT, default=120.0, show_default=True, help="Seconds per op."
+)
 @click.option("--threads", type=int, default=1, show_default=True, help="Threads per worker.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -95,7 +98,6 @@ def tiles(
 
     for value, name in ((batch, "batch"), (steps, "steps")):
         _positive(value, name)
-    _positive(timeout, "timeout")
     _positive(threads, "threads")
     image = parse_image(image_text)
     grid = parse_grid(grid_text)
