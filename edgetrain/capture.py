@@ -576,8 +576,12 @@ def _fold(graph_module: fx.GraphModule, name: str, state: Context, members: list
     apart with ``getitem``, when several)."""
     graph = graph_module.graph
     inside = set(members)
-    reads = {v: None for m in members for v in m.all_input_nodes if v not in inside}
-    reads = {v: None for v in reads if v.op != "get_attr"}
+    reads = {
+        v: None
+        for m in members
+        for v in m.all_input_nodes
+        if v not in inside and v.op != "get_attr"  # a get_attr is looked up where read
+    }
     results = [m for m in members if any(u not in inside for u in m.users)]
     body = fx.Graph()
     env = {value.name: body.placeholder(value.name) for value in reads}
