@@ -68,6 +68,11 @@ def boom():
     raise RuntimeError("out of coffee")
 
 
+def quits():
+    import sys
+    sys.exit(0)
+
+
 def not_a_model():
     return 42
 
@@ -222,6 +227,8 @@ def test_a_factory_that_returns_its_example_input_sets_the_shape(user_file):
         (["--model-file", "{dir}/my_model.py:not_a_model"], "returned int, not an nn.Module"),
         (["--model-file", "{dir}/my_model.py:branchy"], "cannot capture Branchy: a Python if"),
         (["--model-file", "{dir}/broken.py:build"], "failed: SyntaxError"),
+        (["--model-file", "{dir}/script.py:build"], "called sys.exit(2); put the script's own"),
+        (["--model-file", "{dir}/my_model.py:quits"], "quits called sys.exit(0); the factory"),
         (
             ["--model-file", "{dir}/my_model.py:build_with_input", "--input-shape", "2,3,8,8"],
             "returns its own example input",
@@ -249,6 +256,8 @@ def test_mistakes_with_models_exit_2_with_one_line(tmp_path, command, args, mess
     (tmp_path / "my_model.py").write_text(USER_MODEL)
     (tmp_path / "notes.txt").write_text(USER_MODEL)
     (tmp_path / "broken.py").write_text("def build(:\n")
+    # A training script whose top level exits (as its argument parsing does on a bad flag).
+    (tmp_path / "script.py").write_text(USER_MODEL + "\nimport sys\nsys.exit(2)\n")
     line = error_line(command, *(a.format(dir=tmp_path) for a in args))
     assert message in line
     if "unknown model" in message:

@@ -88,6 +88,11 @@ def load_model_file(spec: str) -> UserModel:
     with _importable_from(path.resolve().parent):
         try:
             module_spec.loader.exec_module(module)
+        except SystemExit as exc:
+            raise InvalidInput(
+                f"importing {str(path)!r} called sys.exit({exc.code!r}); put the script's own "
+                f"code under if __name__ == \"__main__\":"
+            ) from exc
         except Exception as exc:
             raise InvalidInput(
                 f"importing {str(path)!r} failed: {_one_line(exc)}; fix the file"
@@ -100,6 +105,10 @@ def load_model_file(spec: str) -> UserModel:
             )
         try:
             built = factory()
+        except SystemExit as exc:
+            raise InvalidInput(
+                f"{spec} called sys.exit({exc.code!r}); the factory must return the model"
+            ) from exc
         except Exception as exc:
             raise InvalidInput(f"{spec} raised {_one_line(exc)}; fix the factory") from exc
     example = None
