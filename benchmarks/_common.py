@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -28,27 +29,57 @@ def interleaved_medians(
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def interleaved_cpu_wall(
-    steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
-) -> dict[str, tuple[float, float]]:
-    """Median (process CPU seconds, wall seconds) of each step, measured round-robin.
+def interleaved_samples(
+    steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1, seed: int = 0
+) -> dict[str, list[tuple[float, float]]]:
+    """(process CPU seconds, wall seconds) of every step in every round, round-robin, each
+    round in an order of its own (shuffled with ``seed``), so that no step always runs first
+    or right after the same neighbour.
 
     Process CPU time (``time.process_time``: every thread of this process, nothing of other
     processes) is what to judge on a shared machine when torch runs one thread: other jobs
-    stretch the wall clock of a step, not the CPU time it takes.
+    stretch the wall clock of a step, not the CPU time it takes. They still slow it: this
+    machine's two vCPUs share their host, and steps timed minutes apart differ by up to 40 %,
+    so compare steps of the same round (:func:`paired_ratio`).
     """
     for _ in range(warmup):
         for step in steps.values():
             step()
-    cpu: dict[str, list[float]] = {name: [] for name in steps}
-    wall: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps)
+    shuffle = random.Random(seed).shuffle
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for _ in range(rounds):
-        for name, step in steps.items():
+        shuffle(order)
+        for name in order:
             start_wall, start_cpu = time.perf_counter(), time.process_time()
-            step()
-            cpu[name].append(time.process_time() - start_cpu)
-            wall[name].append(time.perf_counter() - start_wall)
-    return {name: (statistics.median(cpu[name]), statistics.median(wall[name])) for name in steps}
+            steps[name]()
+            cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start_wall
+            samples[name].append((cpu, wall))
+    return samples
+
+
+def paired_ratio(
+    samples: dict[str, list[tuple[float, float]]], name: str, reference: str
+) -> tuple[float, float]:
+    """Median over rounds of ``name``'s step over ``reference``'s step in the same round:
+    (CPU-time ratio, wall-clock ratio). Drift between rounds cancels, which it does not in a
+    ratio of two medians."""
+    pairs = list(zip(samples[name], samples[reference], strict=True))
+    return (
+        statistics.median(mine[0] / ref[0] for mine, ref in pairs),
+        statistics.median(mine[1] / ref[1] for mine, ref in pairs),
+    )
+
+
+def interleaved_cpu_wall(
+    steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
+) -> dict[str, tuple[float, float]]:
+    """Median (process CPU seconds, wall seconds) of each step over :func:`interleaved_samples`."""
+    samples = interleaved_samples(steps, rounds, warmup)
+    return {
+        name: (statistics.median(c for c, _ in runs), statistics.median(w for _, w in runs))
+        for name, runs in samples.items()
+    }
 
 
 def emit(

@@ -30,11 +30,14 @@ of plain ViT-Tiny and two edgetrain plans missed the top by 0.1-2 MiB in 6 to 11
 runs all miss it with a probability of 1-5 %, 7 runs under 0.1 %). For eager rows
 ``counter_MiB`` is ``StorageCounter``'s exact figure.
 
-Time: process CPU time (``cpu``, what the verdicts judge) and wall time of each step, medians
-of interleaved rounds (every configuration of a model once per round). torch and inductor's
-kernels run one thread and compiles run in this process, so other jobs on a shared machine
-stretch the wall clock but hardly the CPU time. ``cpu/compile@1``: a compiled row's step over
-the budget-1.0 compiled step, what compile pays for its memory.
+Time: process CPU time (``cpu``, what the verdicts judge) and wall time of each step, in
+interleaved rounds (every configuration of a model once per round, each round in a shuffled
+order). torch and inductor's kernels run one thread and compiles run in this process, so other
+jobs on a shared machine stretch the wall clock more than the CPU time; they still move the CPU
+time of a step by up to 40 % between rounds minutes apart. So every ratio is *paired*: the
+median over rounds of a row's step over the reference's step in the same round (``cpu/plain``;
+``cpu/compile@1``: a compiled row's step over the budget-1.0 compiled step, what compile pays
+for its memory). ``cpu_s`` and ``wall_s`` are plain medians.
 
 Verdicts, per model and compile budget b (issue 9's target): ``edgetrain≤compile@b``'s peak ≤
 compile@b's, and its overhead (cpu over plain's) ≤ compile's (compile@b over compile@1); and
@@ -53,6 +56,7 @@ import functools
 import gc
 import itertools
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -69,7 +73,7 @@ from torch.utils.checkpoint import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_cpu_wall
+from _common import emit, interleaved_samples, paired_ratio
 from _malloc_peak import malloc_peak, release_free_memory
 
 from edgetrain.chain import Chain, Stage
@@ -415,13 +419,22 @@ def bench_model(
                     notes[config] = f"no plan measured within: this one is {over:.1f} MiB over"
 
     _progress(f"{name}: timing {len(configs)} configurations, {args.rounds} rounds")
-    times = interleaved_cpu_wall(configs, rounds=args.rounds, warmup=0)
+    samples = interleaved_samples(configs, rounds=args.rounds, warmup=0)
     for config, source in alias.items():
-        times[config] = times[source]
+        samples[config] = samples[source]
+
+    def median_of(config: str) -> tuple[float | None, float | None]:
+        if config not in samples:
+            return None, None
+        runs = samples[config]
+        return statistics.median(c for c, _ in runs), statistics.median(w for _, w in runs)
+
+    def ratio(config: str, reference: str) -> tuple[float | None, float | None]:
+        if config not in samples or reference not in samples:
+            return None, None
+        return paired_ratio(samples, config, reference)
 
     rows = []
-    plain_cpu, plain_wall = times["plain"]
-    ref = times.get("compile@1")
     for config in [*configs, *alias, *reused, *(c for c in notes if c not in nets)]:
         row: dict[str, Any] = {"model": label, "config": config}
         if config in reused:
@@ -431,7 +444,9 @@ def bench_model(
             row["note"] = f"compile row from {args.compile_json}"
             rows.append(row)
             continue
-        cpu, wall = times.get(config, (None, None))
+        cpu, wall = median_of(config)
+        per_plain = ratio(config, "plain")
+        per_compile = ratio(config, "compile@1") if config in compiled else (None, None)
         net = nets.get(config)
         row.update(
             {
@@ -440,10 +455,10 @@ def bench_model(
                 "mem/plain": peaks[config] / peaks["plain"] if config in peaks else None,
                 "cpu_s": cpu,
                 "wall_s": wall,
-                "cpu/plain": cpu / plain_cpu if cpu else None,
-                "wall/plain": wall / plain_wall if wall else None,
-                "cpu/compile@1": cpu / ref[0] if cpu and ref and config in compiled else None,
-                "wall/compile@1": wall / ref[1] if wall and ref and config in compiled else None,
+                "cpu/plain": per_plain[0],
+                "wall/plain": per_plain[1],
+                "cpu/compile@1": per_compile[0],
+                "wall/compile@1": per_compile[1],
                 "compile_s": compile_s.get(config),
                 "planned_MiB": planned[config] / MiB if config in planned else None,
                 "plan": _describe(net, edgetrain) if net is not None else None,
