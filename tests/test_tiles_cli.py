@@ -62,7 +62,9 @@ def test_table_output_names_the_groups_chosen_automatically():
         (["--groups", "0-3"], "end the last group at 15"),
         (["--model", "resnet18"], "tiles cannot split resnet18"),
         (["--model", "vgg"], "unknown model 'vgg'; tiles trains yolov2-16"),
-        (["--steps", "0"], "--steps must be positive"),
+        (["--steps", "0"], "'--steps': 0 is not in the range x>=1"),
+        (["--batch", "-1"], "'--batch': -1 is not in the range x>=1"),
+        (["--threads", "0"], "'--threads': 0 is not in the range x>=1"),
         (["--profile", "mars"], "unknown profile"),
     ],
 )

@@ -7,20 +7,14 @@ from typing import Any
 import click
 
 from edgetrain.cli.main import register
-from edgetrain.cli.options import POSITIVE_FLOAT
+from edgetrain.cli.options import POSITIVE, POSITIVE_FLOAT
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices.catalog import CLUSTERS
 from edgetrain.distributed.supported import CHAIN, TILE_MODELS
-from edgetrain.errors import InvalidInput
 from edgetrain.units import format_bytes
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 """Largest relative difference ``--check`` accepts per precision."""
-
-
-def _positive(value: float, name: str) -> None:
-    if value <= 0:
-        raise InvalidInput(f"--{name} must be positive, got {value}; e.g. --{name} 1")
 
 
 @click.command("tiles")
@@ -38,14 +32,14 @@ def _positive(value: float, name: str) -> None:
     show_default=True,
     help="Image size in pixels: 416, or height x width (480x640); any size the model accepts.",
 )
-@click.option("--batch", type=int, default=1, show_default=True, help="Images per step.")
+@click.option("--batch", type=POSITIVE, default=1, show_default=True, help="Images per step.")
 @click.option(
     "--groups",
     default="auto",
     show_default=True,
     help='Layer groups: auto (cost model), per-layer, 1 (one group) or ranges "0-3,4-7,8-15".',
 )
-@click.option("--steps", type=int, default=3, show_default=True, help="Training steps.")
+@click.option("--steps", type=POSITIVE, default=3, show_default=True, help="Training steps.")
 @click.option(
     "--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True
 )
@@ -59,7 +53,7 @@ def _positive(value: float, name: str) -> None:
 @click.option(
     "--timeout", type=POSITIVE_FLOAT, default=120.0, show_default=True, help="Seconds per op."
 )
-@click.option("--threads", type=int, default=1, show_default=True, help="Threads per worker.")
+@click.option("--threads", type=POSITIVE, default=1, show_default=True, help="Threads per worker.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--check", is_flag=True, help="Also run one process and compare (max_rel_diff).")
@@ -96,9 +90,6 @@ def tiles(
     from edgetrain.distributed.worker import TileJob
     from edgetrain.models import build
 
-    for value, name in ((batch, "batch"), (steps, "steps")):
-        _positive(value, name)
-    _positive(threads, "threads")
     image = parse_image(image_text)
     grid = parse_grid(grid_text)
     name = tile_model(model)
