@@ -91,7 +91,7 @@ def load_model_file(spec: str) -> UserModel:
         except SystemExit as exc:
             raise InvalidInput(
                 f"importing {str(path)!r} called sys.exit({exc.code!r}); put the script's own "
-                f"code under if __name__ == \"__main__\":"
+                f'code under if __name__ == "__main__":'
             ) from exc
         except Exception as exc:
             raise InvalidInput(
