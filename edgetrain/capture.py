@@ -125,8 +125,9 @@ class Captured:
         input_shapes: shape of each sample input.
         nodes: the operations in topological (= execution) order; a node's index is its position.
         outputs: the values the model returns, in order of first appearance in its output.
-        reads: the plain Python attributes (a number, string, bool or None; not ``training``,
-            not ``_private``) ``forward()`` read while traced, as (module, name): fx traced
+        reads: the plain Python attributes (a number, string, bool or None; ``_private`` ones
+            too; not ``training`` nor what ``nn.Module`` itself keeps on every module)
+            ``forward()`` read while traced, as (module, name): fx traced
             their values into the graph, so a step must be planned again when one changes.
     """
 
@@ -457,6 +458,7 @@ Context = tuple[bool, tuple[str, torch.dtype, bool] | None]
 """Where a node runs: grad mode on (True) or off, and the innermost ``torch.autocast`` region
 ``forward()`` entered around it (device type, dtype, enabled), or None."""
 _PLAIN = (bool, int, float, str, type(None))
+_MODULE_OWN = frozenset(vars(nn.Module()))  # ``training`` and torch's own bookkeeping
 _TRACE_LOCK = threading.Lock()  # one trace at a time: the class patches below are global
 _TRACING = threading.local()  # in the tracing thread: its autocast regions and attribute reads
 
@@ -496,8 +498,7 @@ def _tracing() -> Iterator[dict[tuple[nn.Module, str], None]]:
             value = object.__getattribute__(self, name)
             if (
                 type(value) in _PLAIN
-                and name[0] != "_"
-                and name != "training"
+                and name not in _MODULE_OWN
                 and getattr(_TRACING, "regions", None) is not None
                 and name in object.__getattribute__(self, "__dict__")
             ):

@@ -131,9 +131,30 @@ class Tempered(nn.Module):
         return F.softmax(self.body(x) / self.tau, dim=-1)
 
 
-def test_a_python_attribute_changed_after_planning_is_planned_for_again():
+class PrivatelyTempered(nn.Module):
+    """The same with the temperature kept as a ``_private`` attribute behind a property."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = mlp(16, 10)
+        self._tau = 1.0
+
+    @property
+    def tau(self) -> float:
+        return self._tau
+
+    @tau.setter
+    def tau(self, value: float) -> None:
+        self._tau = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.body(x) / self._tau, dim=-1)
+
+
+@pytest.mark.parametrize("make", [Tempered, PrivatelyTempered])
+def test_a_python_attribute_changed_after_planning_is_planned_for_again(make):
     torch.manual_seed(0)
-    model = Tempered().to(F64)
+    model = make().to(F64)
     x = torch.randn(64, 16, dtype=F64)
     reference, ours = copy.deepcopy(model), copy.deepcopy(model)
     net = Checkpointed(ours, x, max_recompute=2.0)
