@@ -602,7 +602,7 @@ def _verdicts(label: str, rows: list[dict[str, Any]], budgets: list[float]) -> l
                 "peak<=compile": fits and mine["peak_MiB"] <= comp["peak_MiB"],
                 "compile overhead": theirs,
                 "edgetrain overhead": ours,
-                "overhead<=compile's": fits and ours is not None and ours <= theirs,
+                "overhead<=compile's": fits and None not in (ours, theirs) and ours <= theirs,
                 "note": mine.get("note"),
             }
         )
@@ -638,16 +638,30 @@ def _parse_models(text: str | None) -> dict[str, tuple[int, int]]:
     return models
 
 
+TIME_METHOD = (
+    "paired: median over rounds of a row's step over the reference's in the same round "
+    "(rounds shuffled); cpu = process CPU time (judged), wall beside"
+)
+"""The ``time`` field of ``--json`` output; runs before session 15 divided two medians."""
+
+
 def _reused_compile_rows(path: str | None) -> dict[str, dict[str, dict[str, Any]]]:
-    """Compile rows of an earlier ``--json`` run, by model label and config."""
+    """Compile rows of an earlier ``--json`` run, by model label and config. Rows of a run
+    timed another way (ratios of medians, before session 15) are taken, with a warning."""
     if path is None:
         return {}
     try:
-        rows = json.loads(Path(path).read_text())["rows"]
+        run = json.loads(Path(path).read_text())
+        rows = run["rows"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(
             f"--compile-json {path}: not the --json output of this script ({exc})"
         ) from exc
+    if run.get("time") != TIME_METHOD:
+        _progress(
+            f"warning: --compile-json {path} was timed another way ({run.get('time')!r}); "
+            "its compile overheads are not paired ratios"
+        )
     keep = ("peak_MiB", "cpu_s", "wall_s", "cpu/plain", "wall/plain", "cpu/compile@1")
     keep += ("wall/compile@1", "compile_s")
     out: dict[str, dict[str, dict[str, Any]]] = {}
@@ -710,7 +724,7 @@ def main() -> None:
         verdicts += model_verdicts
     extra = {
         "memory": "glibc mallinfo2 (uordblks + hblkhd) sampled in a thread, peak above start",
-        "time": "medians of interleaved rounds; cpu = process CPU time (judged), wall beside",
+        "time": TIME_METHOD,
         "setting": f"torch {torch.__version__}, {args.threads} threads, "
         f"{args.rounds} interleaved rounds",
     }

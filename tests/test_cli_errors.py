@@ -31,11 +31,12 @@ def _calls_of(call):
         nonlocal count
         count += event == "call"
 
+    before = sys.getprofile()
     sys.setprofile(profile)
     try:
         result = call()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(before)
     return result, count
 
 
