@@ -15,9 +15,10 @@ training step (forward, mean-square loss, backward; gradients then set to None) 
   counts the stages run.
 
 ``rho_pred`` is the plan's recompute factor from the profiled stage times (the time the planner
-predicts, over plain's); ``cpu/plain`` and ``wall/plain`` are measured: medians of interleaved
-rounds of process CPU time (robust to other jobs on a shared machine: one torch thread) and wall
-time. ``cpu/plain - rho_pred`` is what the executor costs beyond the compute the planner counts.
+predicts, over plain's); ``cpu/plain`` and ``wall/plain`` are measured in interleaved rounds of
+process CPU time (robust to other jobs on a shared machine: one torch thread) and wall time,
+paired: the median over rounds of the row's step over plain's in the same round.
+``cpu/plain - rho_pred`` is what the executor costs beyond the compute the planner counts.
 
     python benchmarks/executor_overhead.py [--models vit-tiny:8:128,...] [--rounds 7] [--json]
 
@@ -48,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_cpu_wall
+from _common import emit, interleaved_samples, paired_ratio
 
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.execute import Checkpointed
@@ -121,9 +122,8 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
         add(label, schedule)
         add(f"{label}, stage by stage", schedule, merge=False)
 
-    medians = interleaved_cpu_wall(steps, rounds=rounds)
-    cpu_s = {c: cpu for c, (cpu, _) in medians.items()}
-    wall_s = {c: wall for c, (_, wall) in medians.items()}
+    samples = interleaved_samples(steps, rounds=rounds)
+    paired = {c: paired_ratio(samples, c, "plain") for c in steps}  # (cpu, wall) over plain's
     rows = []
     for config in steps:
         net = nets.get(config)
@@ -135,10 +135,10 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
                 "stages_run": net._exec_length if net is not None else None,
                 "peak_MiB": ((net.cost.peak_bytes if net is not None else plain_peak) / MiB),
                 "rho_pred": rho,
-                "cpu/plain": cpu_s[config] / cpu_s["plain"],
-                "wall/plain": wall_s[config] / wall_s["plain"],
-                "cpu/plain - rho_pred": cpu_s[config] / cpu_s["plain"] - rho,
-                "plain_cpu_s": cpu_s["plain"],
+                "cpu/plain": paired[config][0],
+                "wall/plain": paired[config][1],
+                "cpu/plain - rho_pred": paired[config][0] - rho,
+                "plain_cpu_s": statistics.median(c for c, _ in samples["plain"]),
                 "predicted_plain_s": chain.forward_seconds + chain.backward_seconds,
             }
         )
