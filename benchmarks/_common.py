@@ -71,15 +71,17 @@ def paired_ratio(
     )
 
 
+def sample_medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """Median (process CPU seconds, wall seconds) of one step's samples."""
+    return statistics.median(c for c, _ in runs), statistics.median(w for _, w in runs)
+
+
 def interleaved_cpu_wall(
     steps: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
 ) -> dict[str, tuple[float, float]]:
     """Median (process CPU seconds, wall seconds) of each step over :func:`interleaved_samples`."""
     samples = interleaved_samples(steps, rounds, warmup)
-    return {
-        name: (statistics.median(c for c, _ in runs), statistics.median(w for _, w in runs))
-        for name, runs in samples.items()
-    }
+    return {name: sample_medians(runs) for name, runs in samples.items()}
 
 
 def emit(

@@ -56,7 +56,6 @@ import functools
 import gc
 import itertools
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -73,7 +72,7 @@ from torch.utils.checkpoint import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_samples, paired_ratio
+from _common import emit, interleaved_samples, paired_ratio, sample_medians
 from _malloc_peak import malloc_peak, release_free_memory
 
 from edgetrain.chain import Chain, Stage
@@ -424,10 +423,7 @@ def bench_model(
         samples[config] = samples[source]
 
     def median_of(config: str) -> tuple[float | None, float | None]:
-        if config not in samples:
-            return None, None
-        runs = samples[config]
-        return statistics.median(c for c, _ in runs), statistics.median(w for _, w in runs)
+        return sample_medians(samples[config]) if config in samples else (None, None)
 
     def ratio(config: str, reference: str) -> tuple[float | None, float | None]:
         if config not in samples or reference not in samples:

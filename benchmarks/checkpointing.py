@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_samples, paired_ratio
+from _common import emit, interleaved_samples, paired_ratio, sample_medians
 
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.execute import Checkpointed
@@ -210,8 +209,7 @@ def main() -> None:
     samples = interleaved_samples(steps, rounds=args.rounds)
     for name, runs in samples.items():
         row = next(r for r in rows if r.config == name)
-        row.step_s = statistics.median(cpu for cpu, _ in runs)
-        row.wall_s = statistics.median(wall for _, wall in runs)
+        row.step_s, row.wall_s = sample_medians(runs)
         row.measured_rho = paired_ratio(samples, name, plain.config)[0]
     assert plain.step_s is not None and best_torch.step_s is not None
     ours = [r for r in rows if r.config.startswith("edgetrain") and r.measured and r.predicted]

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_samples, paired_ratio
+from _common import emit, interleaved_samples, paired_ratio, sample_medians
 
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.execute import Checkpointed
@@ -138,7 +138,7 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
                 "cpu/plain": paired[config][0],
                 "wall/plain": paired[config][1],
                 "cpu/plain - rho_pred": paired[config][0] - rho,
-                "plain_cpu_s": statistics.median(c for c, _ in samples["plain"]),
+                "plain_cpu_s": sample_medians(samples["plain"])[0],
                 "predicted_plain_s": chain.forward_seconds + chain.backward_seconds,
             }
         )
