@@ -75,17 +75,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_samples, paired_ratio, sample_medians
 from _malloc_peak import malloc_peak, release_free_memory
 
-from edgetrain.chain import Chain, Stage
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.schedule import Cost, Schedule, simulate
 from edgetrain.errors import EdgetrainError, InfeasibleBudget
-from edgetrain.execute import STAGE_SECONDS
-from edgetrain.measure import StorageCounter
 from edgetrain.models import build, canonical_name, sample_input
 from edgetrain.models.mobilenetv2 import InvertedResidual
 from edgetrain.models.resnet import BasicBlock, Bottleneck
 from edgetrain.models.transformer import Block
 from edgetrain.models.unet import UNet
 from edgetrain.planners.optimal import store_all
-from edgetrain.schedule import Cost, Schedule, simulate
+from edgetrain.runtime.checkpointed import STAGE_SECONDS
 
 MiB = 2**20
 COMPILE_BUDGETS = (1.0, 0.5, 0.3, 0.1)
@@ -128,7 +128,7 @@ def with_loss(chain: Chain, loss: Stage) -> Chain:
 
     The loss runs between the forward phase and the backward phase, on top of what the plan
     holds when the forward ends, not at the chain's peak; and the forward's output and its
-    gradient are already counted by :func:`~edgetrain.schedule.simulate` (the caller holds the
+    gradient are already counted by :func:`~edgetrain.core.schedule.simulate` (the caller holds the
     output, the output's gradient is held until the backward ends), so the loss cannot be a
     reserve subtracted from the budget without counting it wrongly. Merged into the last stage
     (not appended as a stage of its own, which would let a plan run the last stage without
@@ -179,8 +179,8 @@ class Edgetrain:
 
     def __init__(self, base: nn.Module, x: torch.Tensor, chain: Chain | None = None) -> None:
         """``chain``: the model's chain when already made (else profiled here)."""
-        from edgetrain.execute import Checkpointed
-        from edgetrain.profile import profile
+        from edgetrain.frontend.profiling import profile_chain
+        from edgetrain.runtime.checkpointed import Checkpointed
 
         self.base, self.x = base, x
         start = time.perf_counter()
@@ -189,15 +189,15 @@ class Edgetrain:
         self.chain = chain
         with torch.no_grad():
             leaf = torch.zeros_like(base(x)).requires_grad_()
-        self.loss = profile(nn.Sequential(SquareMean()), leaf).stages[0]
+        self.loss = profile_chain(nn.Sequential(SquareMean()), leaf).stages[0]
         self.planning = with_loss(self.chain, self.loss)
         self.profile_s = time.perf_counter() - start
 
     def plan(self, heap_bytes: int) -> Schedule:
         """The fastest plan for a step peak (loss included) of ``heap_bytes``. Raises
         ``InfeasibleBudget`` when no plan fits."""
+        from edgetrain.core.schedule import made_for
         from edgetrain.planners import plan
-        from edgetrain.planners.search import made_for
 
         return made_for(plan(self.planning, "optimal", memory=heap_bytes), self.chain)
 
@@ -208,7 +208,7 @@ class Edgetrain:
         The executor sizes the model's step without the loss, so this lets one graph's extra
         fall where the loss is held too: :func:`_fit` keeps only plans whose measured step,
         loss included, is within the target."""
-        from edgetrain.execute import Checkpointed
+        from edgetrain.runtime.checkpointed import Checkpointed
 
         if target is not None:
             params = {**schedule.params, "budget_bytes": target}
@@ -499,7 +499,8 @@ def _fit(
     before, candidates too; the plans measured here are added to it. Each plan runs with
     ``target`` as the budget it was made for, so that the executor may run its stages as one
     graph up to it (:meth:`Edgetrain.checkpointed`); the fastest plan is the one whose predicted
-    time plus :data:`~edgetrain.execute.STAGE_SECONDS` per stage the executor runs is least.
+    time plus :data:`~edgetrain.runtime.checkpointed.STAGE_SECONDS` per stage the executor runs is
+    least.
     """
     least = edgetrain.least_bytes()
     fits: dict[int, bool] = {}  # budget tried -> whether its plan fits

@@ -42,15 +42,15 @@ from torch.utils.checkpoint import checkpoint_sequential
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_samples, paired_ratio, sample_medians
 
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.schedule import simulate
 from edgetrain.errors import InfeasibleBudget
-from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
+from edgetrain.frontend.profiling import profile_chain
 from edgetrain.models import build
 from edgetrain.models.resnet_module import module_state
 from edgetrain.planners.search import least_memory_of
 from edgetrain.planners.sequential import sequential
-from edgetrain.profile import profile
-from edgetrain.schedule import simulate
+from edgetrain.runtime.checkpointed import Checkpointed
 
 MiB = 2**20
 
@@ -126,7 +126,7 @@ def main() -> None:
     x = torch.randn(args.batch, 3, args.image, args.image)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # gradients are held before the step, as after step one
-    chain = profile(model, x, repeats=3)
+    chain = profile_chain(model, x, repeats=3)
     ours_model, ours_chain = model, chain
     if args.captured:
         ours_model = build(f"{args.model}-module")

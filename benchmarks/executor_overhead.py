@@ -51,12 +51,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_samples, paired_ratio, sample_medians
 
+from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.errors import InfeasibleBudget
-from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
 from edgetrain.models import build, canonical_name, sample_input
 from edgetrain.planners import plan
 from edgetrain.planners.optimal import store_all
+from edgetrain.runtime.checkpointed import Checkpointed
 
 DEFAULT_MODELS = "resnet50-module:8:112,vit-tiny:8:128"
 FRACTIONS = ("1.0", "0.7", "0.5", "least")

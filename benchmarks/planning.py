@@ -32,10 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from _common import emit
 
-from edgetrain.capture import all_cuts, block_cuts, capture, segments
-from edgetrain.chain import Chain, uniform_chain
+from edgetrain.core.chain import Chain, uniform_chain
+from edgetrain.core.schedule import simulate
 from edgetrain.errors import InfeasibleBudget
-from edgetrain.models import build, sample_input
+from edgetrain.frontend.fx_capture import all_cuts, block_cuts, capture, segments
+from edgetrain.frontend.profiling import analytic_chain
+from edgetrain.models import build, model_chain, sample_input
 from edgetrain.planners import plan
 from edgetrain.planners.blocks import block_plan
 from edgetrain.planners.optimal import (
@@ -46,8 +48,6 @@ from edgetrain.planners.optimal import (
     store_all,
 )
 from edgetrain.planners.revolve import optimal_forward_steps, revolve_steps
-from edgetrain.profile import analytic_chain, model_chain
-from edgetrain.schedule import simulate
 
 
 def median_seconds(work: Callable[[], object], runs: int) -> float:

@@ -23,10 +23,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_medians
 
-from edgetrain import graph as graphs
 from edgetrain.devices import energy
-from edgetrain.planners import milp, poet_check
-from edgetrain.profile import NOMINAL_FLOPS, model_chain
+from edgetrain.frontend.profiling import NOMINAL_FLOPS
+from edgetrain.models import model_chain
+from edgetrain.planners.poet import check as poet_check
+from edgetrain.planners.poet import graph as graphs
+from edgetrain.planners.poet import milp
 
 DEVICES = ("m0", "m4f", "rpi4")
 FRACTIONS = (1.0, 0.5, 0.3)
@@ -233,12 +235,12 @@ def poet_plan_row(rounds: int = 9, time_limit: float = 60.0) -> dict[str, object
     import torch
     from torch import nn
 
-    from edgetrain.execute import Checkpointed
-    from edgetrain.measure import StorageCounter
+    from edgetrain.autograd.storage_counter import StorageCounter
+    from edgetrain.core.schedule import Op, Schedule, simulate
+    from edgetrain.frontend.profiling import analytic_chain
     from edgetrain.planners.optimal import store_all
-    from edgetrain.planners.poet_schedule import plan_poet
-    from edgetrain.profile import analytic_chain
-    from edgetrain.schedule import Op, Schedule, simulate
+    from edgetrain.planners.poet.to_schedule import plan_poet
+    from edgetrain.runtime.checkpointed import Checkpointed
 
     torch.set_num_threads(1)
     torch.manual_seed(3)
@@ -302,11 +304,11 @@ def paging_executor(directory: str, rounds: int = 9) -> dict[str, object]:
     from torch import nn
 
     from edgetrain import plan
-    from edgetrain.execute import Checkpointed
-    from edgetrain.measure import StorageCounter
+    from edgetrain.autograd.storage_counter import StorageCounter
+    from edgetrain.core.schedule import Op, Schedule, simulate
+    from edgetrain.frontend.profiling import analytic_chain
     from edgetrain.planners.optimal import minimum_memory, store_all
-    from edgetrain.profile import analytic_chain
-    from edgetrain.schedule import Op, Schedule, simulate
+    from edgetrain.runtime.checkpointed import Checkpointed
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -30,16 +30,17 @@ import torch
 
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices import CLUSTERS
-from edgetrain.distributed.check import max_relative_difference, reference
-from edgetrain.distributed.grouping import (
+from edgetrain.models import build
+from edgetrain.tiles.check import max_relative_difference, reference
+from edgetrain.tiles.grouping import (
     grid_for,
     optimise,
     single_core_seconds,
     step_cost,
 )
-from edgetrain.distributed.launch import run_local
-from edgetrain.distributed.layers import describe
-from edgetrain.distributed.tiling import (
+from edgetrain.tiles.launch import run_local
+from edgetrain.tiles.layers import describe
+from edgetrain.tiles.tiling import (
     Grid,
     Grouping,
     format_grouping,
@@ -48,8 +49,7 @@ from edgetrain.distributed.tiling import (
     parse_image,
     plan,
 )
-from edgetrain.distributed.worker import RankResult, TileJob
-from edgetrain.models import build
+from edgetrain.tiles.worker import RankResult, TileJob
 from edgetrain.units import format_bytes
 
 PAPER = {"speedup": "2-15x over one core (2-6 Pi 3)", "memory": "up to 8x less per device"}

@@ -36,14 +36,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit
 
-from edgetrain import graph as graphs
-from edgetrain.chain import Chain
+from edgetrain.core.chain import Chain
+from edgetrain.core.schedule import Op, Schedule, simulate
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget
-from edgetrain.planners import milp, plan, poet_check
+from edgetrain.frontend.profiling import NOMINAL_FLOPS
+from edgetrain.planners import plan
 from edgetrain.planners.optimal import store_all
-from edgetrain.profile import NOMINAL_FLOPS
-from edgetrain.schedule import Op, Schedule, simulate
+from edgetrain.planners.poet import check as poet_check
+from edgetrain.planners.poet import graph as graphs
+from edgetrain.planners.poet import milp
 
 FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4)
 # Device seconds = chain seconds: a node's joules are its seconds (1 W), paging never used.
@@ -67,7 +69,7 @@ def dag_graph(captured: object, fine: Chain) -> graphs.TrainingGraph:
     edges: F(u) -> F(k) for each value k reads, F(k) -> B(k) when the operation saves its
     output, F(u) -> B(k) for each saved input u, B(w) -> B(k) for each reader w of k (the loss
     for the output)."""
-    from edgetrain.capture import Captured, live_values
+    from edgetrain.frontend.fx_capture import Captured, live_values
 
     assert isinstance(captured, Captured)
     ops = captured.nodes
@@ -241,9 +243,9 @@ def main() -> None:
 
     import torch
 
-    from edgetrain.capture import all_cuts, block_cuts, capture, segments
+    from edgetrain.frontend.fx_capture import all_cuts, block_cuts, capture, segments
+    from edgetrain.frontend.profiling import analytic_chain
     from edgetrain.models.unet import UNet
-    from edgetrain.profile import analytic_chain
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

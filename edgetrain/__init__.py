@@ -1,19 +1,21 @@
 """edgetrain: train neural networks on memory-limited edge devices.
 
-The pure core (chains, schedules, planners, the memory model) imports no torch, so plans can be
-made on a machine without it; the torch side (profiling, execution, models) loads on first use::
+The planning core (chains, schedules, planners, the simulator) imports no torch, so plans can be
+made on a machine without it; the torch side (profiling, the executor) loads on first use::
 
     import edgetrain
     net = edgetrain.Checkpointed(model, sample, memory_budget="512MB")   # torch
-    schedule = edgetrain.plan(chain, "optimal", recompute=1.5)             # pure
+    schedule = edgetrain.plan(chain, "optimal", max_recompute=1.5)       # pure
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
-from edgetrain.chain import Chain, Stage, uniform_chain
+from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.schedule import Cost, Op, Schedule, simulate
 from edgetrain.errors import (
     CorruptFile,
     EdgetrainError,
@@ -21,24 +23,31 @@ from edgetrain.errors import (
     InvalidInput,
     InvalidSchedule,
 )
-from edgetrain.planners import STRATEGIES, plan
-from edgetrain.schedule import Cost, Op, Schedule, simulate
+from edgetrain.planners import plan
 
 __version__ = "0.1.0"
 
+# The torch side of the public API, imported on first use: name -> (module, attribute).
 _TORCH_SIDE = {
-    "Checkpointed": "edgetrain.execute",
-    "profile": "edgetrain.profile",
-    "analytic_chain": "edgetrain.profile",
-    "model_chain": "edgetrain.profile",
-    "StorageCounter": "edgetrain.measure",
-    "build_model": "edgetrain.models",
-    "capture": "edgetrain.capture",
+    "Checkpointed": ("edgetrain.runtime.checkpointed", "Checkpointed"),
+    "profile_chain": ("edgetrain.frontend.profiling", "profile_chain"),
+    "analytic_chain": ("edgetrain.frontend.profiling", "analytic_chain"),
+    "StorageCounter": ("edgetrain.autograd.storage_counter", "StorageCounter"),
+}
+
+# Names of the previous release, kept for one release: name -> (module, attribute, new name).
+_DEPRECATED = {
+    "profile": ("edgetrain.frontend.profiling", "profile_chain", "edgetrain.profile_chain"),
+    "model_chain": ("edgetrain.models", "model_chain", "edgetrain.models.model_chain"),
+    "build_model": ("edgetrain.models", "build", "edgetrain.models.build"),
+    "capture": ("edgetrain.frontend.fx_capture", "capture", "edgetrain.frontend.fx_capture"),
+    "STRATEGIES": ("edgetrain.planners", "STRATEGIES", "edgetrain.planners.STRATEGIES"),
+    "uniform_chain": ("edgetrain.core.chain", "uniform_chain", "edgetrain.core.chain"),
 }
 
 __all__ = [
-    "STRATEGIES",
     "Chain",
+    "Checkpointed",
     "CorruptFile",
     "Cost",
     "EdgetrainError",
@@ -48,15 +57,28 @@ __all__ = [
     "Op",
     "Schedule",
     "Stage",
+    "StorageCounter",
+    "analytic_chain",
     "plan",
+    "profile_chain",
     "simulate",
-    "uniform_chain",
-    *_TORCH_SIDE,
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name in _TORCH_SIDE:
-        module = importlib.import_module(_TORCH_SIDE[name])
-        return getattr(module, "build" if name == "build_model" else name)
+        module, attribute = _TORCH_SIDE[name]
+        return getattr(importlib.import_module(module), attribute)
+    if name in _DEPRECATED:
+        module, attribute, new = _DEPRECATED[name]
+        warnings.warn(
+            f"edgetrain.{name} is deprecated and goes in the next release; use {new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), attribute)
     raise AttributeError(f"module 'edgetrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_TORCH_SIDE])

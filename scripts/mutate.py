@@ -95,7 +95,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "fixed-bytes-subtracts-buffers-input",
-        "edgetrain/memory.py",
+        "edgetrain/core/accounting.py",
         "+ chain.buffer_bytes\n        + chain.input_bytes",
         "- chain.buffer_bytes\n        - chain.input_bytes",
         MEMORY_TESTS,
@@ -104,7 +104,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "autograd-estimate-drops-buffers",
-        "edgetrain/memory.py",
+        "edgetrain/core/accounting.py",
         "other_bytes=chain.buffer_bytes + chain.input_bytes",
         "other_bytes=chain.input_bytes",
         MEMORY_TESTS,
@@ -113,7 +113,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "autograd-estimate-drops-input",
-        "edgetrain/memory.py",
+        "edgetrain/core/accounting.py",
         "other_bytes=chain.buffer_bytes + chain.input_bytes",
         "other_bytes=chain.buffer_bytes",
         MEMORY_TESTS,
@@ -122,7 +122,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "autograd-estimate-drops-activations",
-        "edgetrain/memory.py",
+        "edgetrain/core/accounting.py",
         "activations_bytes=peak,",
         "activations_bytes=0,",
         MEMORY_TESTS,
@@ -140,7 +140,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "no-grad-shortcut-removed",
-        "edgetrain/execute.py",
+        "edgetrain/runtime/checkpointed.py",
         "if not torch.is_grad_enabled()",
         "if False and not torch.is_grad_enabled()",
         EXECUTOR_TESTS,
@@ -158,7 +158,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "profile-slowest-run",
-        "edgetrain/profile.py",
+        "edgetrain/frontend/profiling.py",
         "statistics.median(forward), statistics.median(backward)",
         "max(forward), max(backward)",
         ("tests/test_strength.py", "tests/test_profile.py"),
@@ -176,7 +176,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "executor-no-rng-replay",
-        "edgetrain/execute.py",
+        "edgetrain/runtime/checkpointed.py",
         "_set_rng_state(state)\n",
         "pass\n",
         EXECUTOR_TESTS,
@@ -184,7 +184,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "executor-rng-not-restored",
-        "edgetrain/execute.py",
+        "edgetrain/runtime/checkpointed.py",
         "_set_rng_state(outer)",
         "pass",
         EXECUTOR_TESTS,
@@ -192,7 +192,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "executor-no-buffer-copies",
-        "edgetrain/execute.py",
+        "edgetrain/runtime/checkpointed.py",
         "sub._buffers[name] = buffer.detach().clone()",
         "pass",
         EXECUTOR_TESTS,
@@ -200,7 +200,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "executor-buffers-not-restored",
-        "edgetrain/execute.py",
+        "edgetrain/runtime/checkpointed.py",
         "buffers[name] = original",
         "pass",
         EXECUTOR_TESTS,
@@ -208,7 +208,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "simulate-ignores-saved-bytes",
-        "edgetrain/schedule.py",
+        "edgetrain/core/schedule.py",
         "take(pieces[k + 1]) + stage.saved_bytes",
         "take(pieces[k + 1])",
         SIMULATOR_TESTS,
@@ -216,7 +216,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "simulate-ignores-backward-peak",
-        "edgetrain/schedule.py",
+        "edgetrain/core/schedule.py",
         "during = held + stage.backward_peak(grads_exist)",
         "during = held",
         SIMULATOR_TESTS,
@@ -240,7 +240,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "tiles-split-drops-remainder",
-        "edgetrain/distributed/tiling.py",
+        "edgetrain/tiles/tiling.py",
         "size if i == parts - 1 else (i + 1) * step",
         "(i + 1) * step",
         TILE_TESTS,
@@ -248,7 +248,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "tiles-halo-one-short",
-        "edgetrain/distributed/tiling.py",
+        "edgetrain/tiles/tiling.py",
         "(stop - 1) * self.stride - self.padding + self.extent",
         "(stop - 1) * self.stride - self.padding + self.extent - 1",
         TILE_TESTS,
@@ -273,7 +273,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "profile-saved-counts-output-twice",
-        "edgetrain/profile.py",
+        "edgetrain/frontend/profiling.py",
         "saved_bytes=kept - new_saved_bytes,",
         "saved_bytes=kept,",
         ("tests/test_strength.py", "tests/test_profile.py", "tests/test_execute.py"),

@@ -10,9 +10,9 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
-from edgetrain.chain import Chain, Stage
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.chain import Chain, Stage
 from edgetrain.devices.energy import EnergyProfile
-from edgetrain.measure import StorageCounter
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test runs two workers on two cores: one torch thread each (tests that compare two

@@ -3,7 +3,8 @@
 It knows nothing of the dynamic program: it walks all states (which activations we hold, which
 graphs, how far the backward has come) reachable by any operation, keeping each operation's peak
 within the budget, and returns the fastest schedule. Its memory count is written from the
-simulator's documented rules, independently of :func:`edgetrain.schedule.simulate`: an activation
+simulator's documented rules, independently of :func:`edgetrain.core.schedule.simulate`: an
+activation
 is held while our reference, a graph that saved it as input, or a graph that saved it as output
 refers to it; the caller holds the output, autograd its gradient; parameter gradients stay
 from their backward on.
@@ -15,8 +16,8 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from edgetrain.chain import Chain
-from edgetrain.schedule import Op, Schedule
+from edgetrain.core.chain import Chain
+from edgetrain.core.schedule import Op, Schedule
 
 
 def fastest_schedule(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from edgetrain.execute import as_stages
-from edgetrain.models import build
-from edgetrain.profile import analytic_chain, model_chain, profile
+from edgetrain.frontend.profiling import analytic_chain, profile_chain
+from edgetrain.models import build, model_chain
+from edgetrain.runtime.checkpointed import as_stages
 
 
 class Block(nn.Module):
@@ -40,7 +40,7 @@ def test_analytic_chain_of_a_captured_model_has_the_measured_byte_counts():
     torch.manual_seed(0)
     model, x = Net(), torch.randn(2, 3, 8, 8)
     analytic = analytic_chain(model, x)
-    measured = profile(as_stages(model, x), x, repeats=1)
+    measured = profile_chain(as_stages(model, x), x, repeats=1)
     assert analytic.length == measured.length > 4
     assert analytic.fingerprint() == measured.fingerprint()
     names = [s.name for s in analytic.stages]
@@ -52,6 +52,6 @@ def test_model_chain_takes_a_registered_model_with_a_forward():
     analytic = model_chain("resnet18-module", 2, 32)
     model = build("resnet18-module")
     x = torch.randn(2, 3, 32, 32)
-    measured = profile(as_stages(model, x), x, repeats=1)
+    measured = profile_chain(as_stages(model, x), x, repeats=1)
     assert analytic.name == "resnet18-module"
     assert analytic.fingerprint() == measured.fingerprint()

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 import edgetrain
-from edgetrain.execute import Checkpointed, as_stages
-from edgetrain.measure import StorageCounter
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.schedule import simulate
+from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.models import build, sample_input
 from edgetrain.models.mobilenetv2 import MobileNetV2
 from edgetrain.models.tiny_lm import TinyLM
@@ -24,8 +25,7 @@ from edgetrain.models.vit import ViT
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
-from edgetrain.profile import analytic_chain, profile
-from edgetrain.schedule import simulate
+from edgetrain.runtime.checkpointed import Checkpointed, as_stages
 
 F64 = torch.float64
 
@@ -172,7 +172,7 @@ def test_a_store_all_plan_stays_within_a_budget_of_its_predicted_peak(
     model = make()
     x = make_input()
     stages = as_stages(model, x)
-    chain = profile(stages, x) if measured_chain else analytic_chain(stages, x)
+    chain = profile_chain(stages, x) if measured_chain else analytic_chain(stages, x)
     budget = simulate(chain, store_all(chain), grads_exist=not set_to_none).peak_bytes
     schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=not set_to_none)
     net = Checkpointed(model, x, chain=chain, schedule=schedule)
@@ -194,7 +194,7 @@ def test_a_store_all_plan_on_a_chain_without_its_measured_step_runs_as_counted()
     torch.manual_seed(0)
     model, x = UNet(base=8, depth=3), torch.randn(1, 3, 32, 32)
     stages = as_stages(model, x)
-    chain = replace(profile(stages, x), autograd_peak_bytes=None)
+    chain = replace(profile_chain(stages, x), autograd_peak_bytes=None)
     net = Checkpointed(model, x, chain=chain, schedule=store_all(chain))
     assert not net._stores_everything
     assert measured_peak(net, x) == net.cost.peak_bytes

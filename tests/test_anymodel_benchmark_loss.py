@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.execute import Checkpointed, as_stages
-from edgetrain.measure import StorageCounter
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.schedule import simulate
+from edgetrain.frontend.profiling import profile_chain
 from edgetrain.models.tiny_lm import TinyLM
 from edgetrain.planners.optimal import store_all
-from edgetrain.profile import profile
-from edgetrain.schedule import simulate
+from edgetrain.runtime.checkpointed import Checkpointed, as_stages
 
 BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "anymodel.py"
 
@@ -36,7 +36,7 @@ def anymodel():
 def _profiled(model, x):
     """The model's chain measured on this machine, as ``Checkpointed`` profiles it (each stage
     timed once: the times do not matter here)."""
-    return profile(as_stages(model, x), x, repeats=1)
+    return profile_chain(as_stages(model, x), x, repeats=1)
 
 
 class SmallCNN(nn.Module):

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import edgetrain
-from edgetrain.execute import Checkpointed, as_stages
-from edgetrain.measure import StorageCounter
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.schedule import simulate
+from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
-from edgetrain.profile import analytic_chain, profile
-from edgetrain.schedule import simulate
+from edgetrain.runtime.checkpointed import Checkpointed, as_stages
 
 # The caller's loss (a sum of squares of a 4 × 10 output) is not part of the model's step: at
 # most its scalar and the squares' 160 bytes come on top of the prediction.
@@ -110,7 +110,7 @@ def test_plain_autograds_step_sized_on_meta_tensors_is_the_cpus(block):
 def test_attention_models_chain_from_shapes_has_the_measured_byte_counts(block):
     net, x = model(block)
     stages = as_stages(net, x)
-    assert analytic_chain(net, x).fingerprint() == profile(stages, x, repeats=1).fingerprint()
+    assert analytic_chain(net, x).fingerprint() == profile_chain(stages, x, repeats=1).fingerprint()
 
 
 @pytest.mark.parametrize("block", [Block, SdpaBlock])

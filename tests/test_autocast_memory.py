@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 import edgetrain
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.schedule import simulate
 from edgetrain.errors import InvalidInput
-from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
 from edgetrain.planners.optimal import minimum_memory, store_all
-from edgetrain.schedule import simulate
+from edgetrain.runtime.checkpointed import Checkpointed
 from tests.test_attention_memory import LOSS_BYTES, Block, Net
 
 BF16 = torch.bfloat16

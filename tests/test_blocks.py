@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import edgetrain
-from edgetrain.capture import ALL_CUTS_UP_TO, all_cuts, capture
-from edgetrain.chain import Chain, Stage
+from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.schedule import Op, Schedule, simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.execute import Checkpointed, as_stages
+from edgetrain.frontend.fx_capture import ALL_CUTS_UP_TO, all_cuts, capture
+from edgetrain.frontend.profiling import analytic_chain
 from edgetrain.models import build, sample_input
 from edgetrain.planners import blocks as blocks_module
 from edgetrain.planners.blocks import (
@@ -30,8 +31,7 @@ from edgetrain.planners.blocks import (
 )
 from edgetrain.planners.optimal import OptimalTable, TableMaker, fastest, store_all
 from edgetrain.planners.search import FLAT_UP_TO
-from edgetrain.profile import analytic_chain
-from edgetrain.schedule import Op, Schedule, simulate
+from edgetrain.runtime.checkpointed import Checkpointed, as_stages
 from tests.conftest import random_chain
 from tests.test_anymodel import F64, ResidualMLP, measured_peak, same_state, train_step
 

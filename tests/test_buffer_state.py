@@ -24,12 +24,12 @@ from torch.nn.utils import spectral_norm as hook_spectral_norm
 from torch.nn.utils.parametrizations import spectral_norm
 
 import edgetrain
-from edgetrain.chain import Chain, Stage
-from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.schedule import Op, Schedule, memory_trace, simulate
+from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
-from edgetrain.profile import analytic_chain, profile
-from edgetrain.schedule import Op, Schedule, memory_trace, simulate
+from edgetrain.runtime.checkpointed import Checkpointed
 
 # The caller's loss (a sum of squares of a 64 × 10 or 4 × 1 output): its squares and scalar.
 LOSS_BYTES = 64 * 10 * 4 + 8
@@ -139,22 +139,22 @@ def test_flow_finds_the_stages_that_read_buffers_they_change():
     )
     x = torch.randn(8, 16)
     expected = [True, False, True, False, False]
-    for chain in (profile(model, x, repeats=1), analytic_chain(model, x)):
+    for chain in (profile_chain(model, x, repeats=1), analytic_chain(model, x)):
         assert [s.reads_updated_buffers for s in chain.stages] == expected
     model.eval()  # no power iteration in eval; the moving average still moves
-    flags = [s.reads_updated_buffers for s in profile(model, x, repeats=1).stages]
+    flags = [s.reads_updated_buffers for s in profile_chain(model, x, repeats=1).stages]
     assert flags == [False, False, True, False, False]
 
 
 @pytest.mark.parametrize("name", ["hook", "weight_norm_hook"])
 def test_the_hooks_weight_is_what_the_stage_retains(name):
     build, x = models()[name]
-    chain = profile(build(), x, repeats=1)
+    chain = profile_chain(build(), x, repeats=1)
     weight = 64 * 64 * 4
     assert [s.retained_bytes for s in chain.stages[:12:2]] == [weight] * 6
     assert not any(s.retained_bytes for s in chain.stages[1::2])
     assert all(s.output_bytes == 64 * 64 * 4 for s in chain.stages[:12])
-    clean = profile(mlp(lambda m: m), x, repeats=1)
+    clean = profile_chain(mlp(lambda m: m), x, repeats=1)
     assert not any(s.retained_bytes for s in clean.stages)
 
 
@@ -233,4 +233,6 @@ def test_a_model_with_a_hooks_weight_is_sized_from_shapes_as_measured(name):
     build, x = models()[name]
     model = build()
     model(x)  # the hooks have set the weights they compute
-    assert analytic_chain(model, x).fingerprint() == profile(model, x, repeats=1).fingerprint()
+    assert (
+        analytic_chain(model, x).fingerprint() == profile_chain(model, x, repeats=1).fingerprint()
+    )

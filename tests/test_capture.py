@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgetrain.capture import (
+from edgetrain.errors import InvalidInput
+from edgetrain.frontend.fx_capture import (
     all_cuts,
     articulation_cuts,
     capture,
@@ -21,7 +22,6 @@ from edgetrain.capture import (
     live_values,
     segments,
 )
-from edgetrain.errors import InvalidInput
 from edgetrain.models import build, sample_input
 from edgetrain.models.mobilenetv2 import MobileNetV2
 from edgetrain.models.tiny_lm import TinyLM

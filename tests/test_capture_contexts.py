@@ -13,9 +13,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.errors import InvalidInput
-from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
+from edgetrain.runtime.checkpointed import Checkpointed
 
 F64 = torch.float64
 MERGE = pytest.mark.parametrize("merge", [True, False], ids=["merged", "stage-by-stage"])

@@ -131,10 +131,10 @@ def test_train_reports_measured_and_predicted_peak():
 def test_the_demo_budget_is_feasible_and_below_plain_autograd():
     # scripts/run must work on its defaults: the demo trains ResNet-18, batch 16, 224x224.
     from edgetrain.cli.demo import demo
-    from edgetrain.memory import fixed_training_bytes
+    from edgetrain.core.accounting import fixed_training_bytes
+    from edgetrain.core.schedule import simulate
+    from edgetrain.models import model_chain
     from edgetrain.planners.optimal import minimum_memory, store_all
-    from edgetrain.profile import model_chain
-    from edgetrain.schedule import simulate
     from edgetrain.units import parse_bytes
 
     defaults = {p.name: p.default for p in demo.params}

@@ -10,14 +10,19 @@ import torch
 from torch import nn
 
 import edgetrain
+from edgetrain.autograd.replay import GraphRunModule
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.schedule import Op, Schedule, simulate
 from edgetrain.errors import InvalidInput, InvalidSchedule
-from edgetrain.execute import STAGE_SECONDS, Checkpointed, as_stages, fixed_training_bytes
-from edgetrain.measure import StorageCounter
+from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
-from edgetrain.profile import analytic_chain, profile
-from edgetrain.recompute import GraphRunModule
-from edgetrain.schedule import Op, Schedule, simulate
+from edgetrain.runtime.checkpointed import (
+    STAGE_SECONDS,
+    Checkpointed,
+    as_stages,
+    fixed_training_bytes,
+)
 
 F64 = torch.float64
 # Every strategy, and budgets from storing everything down to the tightest.
@@ -381,7 +386,7 @@ def test_a_batchnorm_reused_in_two_stages_is_counted_when_either_is_recomputed(f
     norm = model.norm if form == "forward" else model[1]
     x = torch.randn(4, 8, 6, 6, dtype=F64)
     analytic = analytic_chain(model, x)
-    chain = profile(as_stages(model, x), x, repeats=1) if measured else analytic
+    chain = profile_chain(as_stages(model, x), x, repeats=1) if measured else analytic
     least = minimum_memory(analytic)
     everything = simulate(analytic, store_all(analytic)).peak_bytes
     reran_second_use = False
@@ -1103,7 +1108,7 @@ def test_a_plan_one_graph_would_hold_a_little_over_budget_is_replanned_to_run_as
     _train_like_plain(model, x, run, set_to_none)
     # Without the tighter plan: the budget's own plan, merged only in parts; it costs more, its
     # time and the executor's cost per stage.
-    monkeypatch.setattr(edgetrain.execute, "ONE_GRAPH_TRIES", 0)
+    monkeypatch.setattr(edgetrain.runtime.checkpointed, "ONE_GRAPH_TRIES", 0)
     first = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=budget)
     assert first.schedule.text() != run.schedule.text() and first._exec_length > 1
     assert run.runs_as == "one graph" and first.runs_as == f"{first._exec_length} stages"

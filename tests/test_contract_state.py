@@ -13,11 +13,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import edgetrain
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.schedule import Op, Schedule
 from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
 from edgetrain.planners.optimal import minimum_memory
-from edgetrain.schedule import Op, Schedule
+from edgetrain.runtime.checkpointed import Checkpointed
 
 F64 = torch.float64
 MERGE = pytest.mark.parametrize("merge", [True, False], ids=["merged", "stage-by-stage"])
@@ -368,7 +368,7 @@ def test_every_attribute_a_plan_sets_up_is_restored_with_its_state():
     """Coming back to a state restores what its plan set up (``_PLANNED``): an attribute that
     planning for another state changes, and that is not in that list, would stay at the other
     state's value. Planning for a new state changes nothing else."""
-    from edgetrain.execute import _PLANNED
+    from edgetrain.runtime.checkpointed import _PLANNED
 
     torch.manual_seed(0)
     model, x = Residual().to(F64), torch.randn(64, 8, dtype=F64)

@@ -9,16 +9,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.accounting import fixed_training_bytes
+from edgetrain.core.schedule import Schedule, simulate
 from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidInput, InvalidSchedule
-from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
-from edgetrain.memory import fixed_training_bytes
+from edgetrain.frontend.profiling import analytic_chain
 from edgetrain.models import build
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
-from edgetrain.profile import analytic_chain
-from edgetrain.schedule import Schedule, simulate
+from edgetrain.runtime.checkpointed import Checkpointed
 from tests.conftest import small_cnn
 
 PLANS = [

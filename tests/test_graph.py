@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from edgetrain import graph as G
-from edgetrain.chain import uniform_chain
+from edgetrain.core.chain import uniform_chain
 from edgetrain.devices import energy
 from edgetrain.errors import CorruptFile, InvalidInput
+from edgetrain.planners.poet import graph as G
 
 DATA = Path(__file__).parent / "data" / "poet_linear_m0.json"
 
@@ -127,10 +127,10 @@ def test_chain_graph_keep_everything_peak_is_simulates_peak_or_one_activation_ab
     than the stage-by-stage replay (the chain's measured plain-autograd step left out: the graph
     counts stages, as the replay does).
     """
-    from edgetrain.planners import poet_check
+    from edgetrain.core.schedule import simulate
+    from edgetrain.models import model_chain
     from edgetrain.planners.optimal import store_all
-    from edgetrain.profile import model_chain
-    from edgetrain.schedule import simulate
+    from edgetrain.planners.poet import check as poet_check
 
     chain = model_chain("resnet18", 2, 32)
     graph = G.from_chain(chain, energy.get("rpi4"))

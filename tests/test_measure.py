@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from edgetrain.measure import StorageCounter
+from edgetrain.autograd.storage_counter import StorageCounter
 
 
 def test_counts_new_storages_exactly_and_subtracts_freed_ones():

@@ -5,8 +5,9 @@ import functools
 
 import pytest
 
-from edgetrain.measure_step import measure_training_step
-from edgetrain.memory import (
+from edgetrain.models import model_chain
+from edgetrain.paper.measured_step import measure_training_step
+from edgetrain.paper.memory_model import (
     TABLE_I,
     TABLE_II,
     TABLE_III_GB,
@@ -16,7 +17,6 @@ from edgetrain.memory import (
     paper_value_mb,
     to_mb,
 )
-from edgetrain.profile import model_chain
 
 
 @functools.cache

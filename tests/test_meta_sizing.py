@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import edgetrain
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.core.schedule import simulate
 from edgetrain.errors import InvalidInput
-from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter
+from edgetrain.frontend.profiling import _autograd_peaks, analytic_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
-from edgetrain.profile import _autograd_peaks, analytic_chain
-from edgetrain.schedule import simulate
+from edgetrain.runtime.checkpointed import Checkpointed
 
 
 class Call(nn.Module):

@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgetrain import graph as G
-from edgetrain.chain import Chain
+from edgetrain.core.chain import Chain
+from edgetrain.core.schedule import simulate
 from edgetrain.errors import InfeasibleBudget
-from edgetrain.planners import milp, plan
-from edgetrain.planners import poet_check as check
+from edgetrain.planners import plan
 from edgetrain.planners.optimal import TableMaker, fastest
 from edgetrain.planners.optimal import store_all as dp_store_all
-from edgetrain.schedule import simulate
+from edgetrain.planners.poet import check, milp
+from edgetrain.planners.poet import graph as G
 from tests.conftest import UNIT, output_saving_chain
 
 DATA = Path(__file__).parent / "data" / "poet_linear_m0.json"

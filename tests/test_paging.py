@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from edgetrain.errors import CorruptFile, InvalidInput
-from edgetrain.paging import PageStore
+from edgetrain.runtime.paging import PageStore
 
 
 def test_pages_round_trip_exactly_and_leave_nothing_behind(tmp_path: Path) -> None:
@@ -82,11 +82,11 @@ import copy  # noqa: E402
 from torch import nn  # noqa: E402
 
 from edgetrain import plan  # noqa: E402
-from edgetrain.chain import Chain  # noqa: E402
-from edgetrain.execute import Checkpointed  # noqa: E402
+from edgetrain.core.chain import Chain  # noqa: E402
+from edgetrain.core.schedule import Op, Schedule, simulate  # noqa: E402
+from edgetrain.frontend.profiling import analytic_chain  # noqa: E402
 from edgetrain.planners.optimal import minimum_memory, store_all  # noqa: E402
-from edgetrain.profile import analytic_chain  # noqa: E402
-from edgetrain.schedule import Op, Schedule, simulate  # noqa: E402
+from edgetrain.runtime.checkpointed import Checkpointed  # noqa: E402
 from tests.conftest import loss_and_peak  # noqa: E402
 
 
@@ -173,7 +173,7 @@ def test_a_paging_plan_needs_a_page_directory(tmp_path: Path) -> None:
 def test_the_simulator_refuses_paging_what_a_graph_holds() -> None:
     from dataclasses import replace
 
-    from edgetrain.chain import uniform_chain
+    from edgetrain.core.chain import uniform_chain
     from edgetrain.errors import InvalidSchedule
 
     plain = uniform_chain(3, 10)

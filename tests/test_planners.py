@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgetrain.chain import uniform_chain
+from edgetrain.core.chain import uniform_chain
+from edgetrain.core.schedule import Op, Schedule, simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
+from edgetrain.models import model_chain
 from edgetrain.planners import plan
 from edgetrain.planners.optimal import OptimalTable, minimum_memory, optimal, store_all
 from edgetrain.planners.revolve import (
@@ -22,8 +24,6 @@ from edgetrain.planners.revolve import (
 )
 from edgetrain.planners.search import tradeoff
 from edgetrain.planners.sequential import segment_bounds, sequential
-from edgetrain.profile import model_chain
-from edgetrain.schedule import Op, Schedule, simulate
 from tests.conftest import chains, random_chain
 from tests.exhaustive import fastest_schedule
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgetrain import graph as G
 from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
-from edgetrain.planners import poet_check
+from edgetrain.planners.poet import check as poet_check
+from edgetrain.planners.poet import graph as G
 
 DATA = Path(__file__).parent / "data" / "poet_linear_m0.json"
 

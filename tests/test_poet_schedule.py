@@ -11,22 +11,22 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain import graph as G
-from edgetrain.chain import Chain, Stage
+from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.schedule import Op, simulate
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
-from edgetrain.execute import Checkpointed
-from edgetrain.planners import milp, plan
-from edgetrain.planners import poet_check as check
+from edgetrain.frontend.profiling import analytic_chain
+from edgetrain.planners import plan
 from edgetrain.planners.optimal import store_all
-from edgetrain.planners.poet_schedule import (
+from edgetrain.planners.poet import check, milp
+from edgetrain.planners.poet import graph as G
+from edgetrain.planners.poet.to_schedule import (
     TOLERANCE,
     device_cost,
     plan_poet,
     schedule_from_plan,
 )
-from edgetrain.profile import analytic_chain
-from edgetrain.schedule import Op, simulate
+from edgetrain.runtime.checkpointed import Checkpointed
 from tests.conftest import UNIT, loss_and_peak, output_saving_chain
 
 # Paging is cheap next to recomputing (1 GB/s at 0.1 W; 1 GFLOP per joule): plans page.

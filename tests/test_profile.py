@@ -7,13 +7,13 @@ import torch
 from torch import nn
 
 from edgetrain.errors import InvalidInput
-from edgetrain.models import build
-from edgetrain.profile import analytic_chain, model_chain, profile
+from edgetrain.frontend.profiling import analytic_chain, profile_chain
+from edgetrain.models import build, model_chain
 from tests.conftest import small_cnn
 
 BYTE_FIELDS = [
     f.name
-    for f in dataclasses.fields(__import__("edgetrain.chain", fromlist=["Stage"]).Stage)
+    for f in dataclasses.fields(__import__("edgetrain.core.chain", fromlist=["Stage"]).Stage)
     if f.name.endswith("_bytes")
 ]
 
@@ -22,7 +22,7 @@ BYTE_FIELDS = [
 def test_measured_chain_equals_analytic_chain_on_every_byte_count(requires_grad):
     model = small_cnn(torch.float32)
     x = torch.randn(4, 3, 8, 8, requires_grad=requires_grad)
-    measured = profile(model, x, repeats=2)
+    measured = profile_chain(model, x, repeats=2)
     analytic = analytic_chain(model, x)
     assert [s.name for s in measured] == [s.name for s in analytic]
     for a, b in zip(measured.stages, analytic.stages, strict=True):
@@ -35,7 +35,7 @@ def test_measured_chain_equals_analytic_chain_on_every_byte_count(requires_grad)
 def test_resnet_measured_chain_equals_its_analytic_chain():
     model = build("resnet18")
     x = torch.randn(2, 3, 64, 64)
-    measured = profile(model, x, repeats=1)
+    measured = profile_chain(model, x, repeats=1)
     analytic = analytic_chain(model, x)
     for a, b in zip(measured.stages, analytic.stages, strict=True):
         assert [getattr(a, f) for f in BYTE_FIELDS] == [getattr(b, f) for f in BYTE_FIELDS]
@@ -60,7 +60,7 @@ def test_profiling_leaves_the_model_as_it_was():
     x = torch.randn(4, 3, 8, 8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    profile(model, x, repeats=1)
+    profile_chain(model, x, repeats=1)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state())
     assert all(p.grad is None for p in model.parameters())
@@ -83,7 +83,7 @@ def test_model_chain_uses_meta_tensors_for_huge_inputs():
 )
 def test_bad_models_get_one_line_errors(model, shape, message):
     with pytest.raises(InvalidInput, match=message) as info:
-        profile(model, torch.randn(*shape), repeats=1)
+        profile_chain(model, torch.randn(*shape), repeats=1)
     assert "\n" not in str(info.value)
 
 

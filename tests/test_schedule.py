@@ -7,12 +7,8 @@ import random
 import pytest
 from hypothesis import given, settings
 
-from edgetrain.chain import Chain, Stage, uniform_chain
-from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidSchedule
-from edgetrain.planners import STRATEGIES, plan
-from edgetrain.planners.optimal import store_all
-from edgetrain.planners.sequential import sequential
-from edgetrain.schedule import (
+from edgetrain.core.chain import Chain, Stage, uniform_chain
+from edgetrain.core.schedule import (
     GraphRun,
     Op,
     Schedule,
@@ -21,6 +17,10 @@ from edgetrain.schedule import (
     merged_schedule,
     simulate,
 )
+from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidSchedule
+from edgetrain.planners import STRATEGIES, plan
+from edgetrain.planners.optimal import store_all
+from edgetrain.planners.sequential import sequential
 from tests.conftest import chains, random_chain
 
 F, C, A, B, D = (Op.FORWARD_NOSAVE, Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.BACKWARD, Op.DISCARD)

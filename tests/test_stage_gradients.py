@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.capture import capture, live_values, segments
-from edgetrain.execute import as_stages
-from edgetrain.measure import StorageCounter, storage_bytes
-from edgetrain.profile import analytic_chain
-from edgetrain.stages import run_backward, run_forward_with_grad
+from edgetrain.autograd.stages import run_backward, run_forward_with_grad
+from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes
+from edgetrain.frontend.fx_capture import capture, live_values, segments
+from edgetrain.frontend.profiling import analytic_chain
+from edgetrain.runtime.checkpointed import as_stages
 
 
 class OneRead(nn.Module):

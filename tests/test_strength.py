@@ -30,20 +30,22 @@ from click.testing import CliRunner
 from rich.console import Console
 from torch import nn
 
-from edgetrain.chain import Chain, uniform_chain
+from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes
+from edgetrain.core.accounting import fixed_training_bytes
+from edgetrain.core.chain import Chain, uniform_chain
+from edgetrain.core.schedule import simulate
 from edgetrain.errors import InfeasibleBudget
-from edgetrain.execute import Checkpointed
-from edgetrain.measure import StorageCounter, storage_bytes
-from edgetrain.measure_step import measure_training_step
-from edgetrain.memory import autograd_estimate, fixed_training_bytes
+from edgetrain.frontend.profiling import analytic_chain, profile_chain
+from edgetrain.models import model_chain
 from edgetrain.models.resnet import BasicBlock
+from edgetrain.paper.measured_step import measure_training_step
+from edgetrain.paper.memory_model import autograd_estimate
 from edgetrain.planners import plan
 from edgetrain.planners.optimal import OptimalTable
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.search import tradeoff
 from edgetrain.planners.sequential import sequential
-from edgetrain.profile import analytic_chain, model_chain, profile
-from edgetrain.schedule import simulate
+from edgetrain.runtime.checkpointed import Checkpointed
 from tests.conftest import random_chain, small_cnn
 from tests.exhaustive import fastest_schedule
 
@@ -425,7 +427,7 @@ class Waits(nn.Module):
 
 def test_profiled_times_are_the_least_cpu_time_of_the_timed_runs():
     model = nn.Sequential(nn.Linear(4, 4), BusyScale(4))
-    chain = profile(model, torch.randn(3, 4), repeats=5)
+    chain = profile_chain(model, torch.randn(3, 4), repeats=5)
     stage = chain.stages[1]
     assert model[1].calls["forward"] >= 5 and model[1].calls["backward"] >= 5
     fast, slow = BusyScale.FAST, BusyScale.SLOW
@@ -436,5 +438,5 @@ def test_profiled_times_are_the_least_cpu_time_of_the_timed_runs():
 def test_profiled_times_do_not_count_waiting():
     # Time spent off the CPU (here asleep; on a shared machine, other jobs running) is not the
     # stage's cost: the profile counts this process's CPU time, not the wall clock.
-    chain = profile(nn.Sequential(nn.Linear(4, 4), Waits(4)), torch.randn(3, 4), repeats=3)
+    chain = profile_chain(nn.Sequential(nn.Linear(4, 4), Waits(4)), torch.randn(3, 4), repeats=3)
     assert chain.stages[1].forward_seconds < Waits.WAIT / 5

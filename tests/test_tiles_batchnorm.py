@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.distributed.batchnorm import global_batch_norm
-from edgetrain.distributed.comm import Comm
+from edgetrain.tiles.batchnorm import global_batch_norm
+from edgetrain.tiles.comm import Comm
 
 WHOLE = (slice(None), slice(None))
 

@@ -14,10 +14,10 @@ from torch import nn
 
 from edgetrain.cli import commands  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
-from edgetrain.distributed.layers import describe
-from edgetrain.distributed.supported import TILE_MODELS
 from edgetrain.errors import InvalidInput
 from edgetrain.models import build
+from edgetrain.tiles.layers import describe
+from edgetrain.tiles.supported import TILE_MODELS
 
 
 def _run(*args: str):
@@ -98,7 +98,7 @@ def test_a_layer_tiling_cannot_split_is_named():
 def test_torchrun_starts_ranks_that_find_each_other_and_report():
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     worker = (
-        "-m edgetrain.distributed.worker --model yolov2-16 --grid 1x2 --image 35x32 --steps 2 "
+        "-m edgetrain.tiles.worker --model yolov2-16 --grid 1x2 --image 35x32 --steps 2 "
         "--groups per-layer --bind 127.0.0.1 --timeout 60 --threads 1"
     )
     done = subprocess.run(

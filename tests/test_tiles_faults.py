@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.distributed.launch import WorkerFailed, run_local
-from edgetrain.distributed.tiling import Grid
-from edgetrain.distributed.worker import TileJob
 from edgetrain.errors import EdgetrainError
+from edgetrain.tiles.launch import WorkerFailed, run_local
+from edgetrain.tiles.tiling import Grid
+from edgetrain.tiles.worker import TileJob
 
 
 def _job(fault: tuple[str, int, int]) -> TileJob:

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from edgetrain.distributed.tiling import (
+from edgetrain.errors import InvalidInput
+from edgetrain.tiles.tiling import (
     Grid,
     Layer,
     Network,
@@ -19,7 +20,6 @@ from edgetrain.distributed.tiling import (
     smallest_image,
     split,
 )
-from edgetrain.errors import InvalidInput
 
 
 def conv(k: int = 3, s: int = 1, p: int | None = None, d: int = 1, cin: int = 4, cout: int = 4):

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from edgetrain.devices import CLUSTERS, Cluster, Link, load
-from edgetrain.distributed.grouping import (
+from edgetrain.errors import InvalidInput
+from edgetrain.tiles.grouping import (
     allreduce_seconds,
     exchange_seconds,
     grid_for,
@@ -16,8 +17,7 @@ from edgetrain.distributed.grouping import (
     single_core_seconds,
     step_cost,
 )
-from edgetrain.distributed.tiling import Grid, Layer, Network, Region, Transfer, Window
-from edgetrain.errors import InvalidInput
+from edgetrain.tiles.tiling import Grid, Layer, Network, Region, Transfer, Window
 
 
 def _net(size: int = 32) -> Network:
@@ -79,7 +79,7 @@ def test_one_device_has_no_communication_and_chooses_one_group():
 
 
 def test_the_predicted_halo_bytes_are_the_geometry_bytes_both_ways():
-    from edgetrain.distributed.tiling import plan
+    from edgetrain.tiles.tiling import plan
 
     net, grid = _net(), Grid(2, 2)
     grouping = ((0, 1), (2, 4), (5, 6))

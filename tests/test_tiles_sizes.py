@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.distributed.layers import describe
 from edgetrain.errors import InvalidInput
+from edgetrain.tiles.layers import describe
 from tests.test_tiles_exact import narrow, zoo
 
 

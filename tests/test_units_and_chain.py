@@ -2,7 +2,7 @@ from dataclasses import replace
 
 import pytest
 
-from edgetrain.chain import Chain, Stage, uniform_chain
+from edgetrain.core.chain import Chain, Stage, uniform_chain
 from edgetrain.errors import CorruptFile, InvalidInput
 from edgetrain.units import format_bytes, parse_bytes
 

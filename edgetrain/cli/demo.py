@@ -14,8 +14,8 @@ from edgetrain.cli.main import register
 from edgetrain.cli.options import POSITIVE, SIZE_HELP, ModelChoice, Size
 from edgetrain.cli.output import console, table
 from edgetrain.cli.train import run_training
-from edgetrain.memory import PAPER_DEPTHS, paper_cells, paper_estimate, to_mb
-from edgetrain.profile import model_chain
+from edgetrain.models import model_chain
+from edgetrain.paper.memory_model import PAPER_DEPTHS, paper_cells, paper_estimate, to_mb
 from edgetrain.units import format_bytes
 
 

@@ -14,7 +14,7 @@ from edgetrain.cli.main import register
 from edgetrain.cli.options import FiniteRange, OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
-from edgetrain.figure1 import CLAIM_RHO, DEPTHS, DEVICE_BYTES, SETTINGS, Curve, claim, curves
+from edgetrain.paper.figure1 import CLAIM_RHO, DEPTHS, DEVICE_BYTES, SETTINGS, Curve, claim, curves
 from edgetrain.units import format_bytes
 
 FORMATS = (".png", ".pdf", ".svg")

@@ -10,15 +10,9 @@ from edgetrain import progress
 from edgetrain.cli.main import register
 from edgetrain.cli.options import SIZE_HELP, IntList, ModelList, Size, model_names
 from edgetrain.cli.output import console, emit_json, table
-from edgetrain.memory import (
-    OPTIMIZER_STATES,
-    autograd_estimate,
-    paper_estimate,
-    paper_value_mb,
-    to_mb,
-)
-from edgetrain.models import check_image
-from edgetrain.profile import model_chain
+from edgetrain.core.accounting import OPTIMIZER_STATES
+from edgetrain.models import check_image, model_chain
+from edgetrain.paper.memory_model import autograd_estimate, paper_estimate, paper_value_mb, to_mb
 from edgetrain.units import format_bytes, mib
 
 
@@ -171,7 +165,7 @@ def _row(
     if measure:
         measured = None
         if real.total_bytes <= limit:
-            from edgetrain.measure_step import measure_training_step
+            from edgetrain.paper.measured_step import measure_training_step
 
             measured = int(measure_training_step(name, batch, image, optimizer))
         row["measured_bytes"] = measured

@@ -27,7 +27,7 @@ def models_command(as_json: bool) -> None:
                 for r in rows
             ],
             caption="nn.Sequential models are chains of stages; the others have a forward() "
-            "and are captured with torch.fx (edgetrain.capture). plan and train take them all, "
+            "and are captured with torch.fx. plan and train take them all, "
             "and your own with --model-file my_model.py:build "
             '(edgetrain.models.load_factory("my_model.py:build") in Python).',
         )

@@ -8,7 +8,6 @@ from typing import Any
 import click
 
 from edgetrain import progress
-from edgetrain.chain import Chain
 from edgetrain.cli.main import register
 from edgetrain.cli.options import (
     RECOMPUTE,
@@ -21,14 +20,15 @@ from edgetrain.cli.options import (
     model_options,
 )
 from edgetrain.cli.output import console, emit_json, table
+from edgetrain.core.accounting import OPTIMIZER_STATES, fixed_training_bytes
+from edgetrain.core.chain import Chain
+from edgetrain.core.schedule import Op, Schedule, simulate
 from edgetrain.errors import InvalidInput
-from edgetrain.memory import OPTIMIZER_STATES, fixed_training_bytes
-from edgetrain.models import MODELS
+from edgetrain.frontend.profiling import NOMINAL_FLOPS, analytic_chain
+from edgetrain.models import MODELS, model_chain
 from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
 from edgetrain.planners.search import plan_for_device
-from edgetrain.profile import NOMINAL_FLOPS, analytic_chain, model_chain
-from edgetrain.schedule import Op, Schedule, simulate
 from edgetrain.units import format_bytes, mib
 
 
@@ -189,7 +189,7 @@ def describe(chain: Chain, schedule: Schedule, fixed_total: int) -> dict[str, An
     ``max_checkpoints`` the most stage inputs held as checkpoints at once, ``recomputed_stages``
     the stages run forward more than once; ``predicted_seconds`` is the plan's compute time from
     the chain's stage times (for a chain from shapes, FLOP counts at
-    :data:`~edgetrain.profile.NOMINAL_FLOPS`: relative, not this device's). Per stage,
+    :data:`~edgetrain.frontend.profiling.NOMINAL_FLOPS`: relative, not this device's). Per stage,
     ``output_bytes`` adds up every tensor crossing the cut after it, ``tensors`` counts them.
     """
     # fixed_total holds the parameters' gradients from the last step, so the step adds to them

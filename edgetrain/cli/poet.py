@@ -18,9 +18,9 @@ from edgetrain.cli.main import register
 from edgetrain.cli.options import OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.graph import TrainingGraph
-from edgetrain.planners.milp import MODES, MilpResult
-from edgetrain.planners.poet_check import ACCOUNTINGS
+from edgetrain.planners.poet.check import ACCOUNTINGS
+from edgetrain.planners.poet.graph import TrainingGraph
+from edgetrain.planners.poet.milp import MODES, MilpResult
 from edgetrain.units import format_bytes, parse_bytes
 
 
@@ -80,8 +80,8 @@ def load_graph(
     watts: float | None,
 ) -> TrainingGraph:
     """The graph to plan: from a file, or from a model on a device profile."""
-    from edgetrain import graph as graphs
     from edgetrain.devices import energy
+    from edgetrain.planners.poet import graph as graphs
 
     if graph_path is not None:
         if device is not None:
@@ -101,7 +101,8 @@ def load_graph(
     from edgetrain.models import canonical_name, check_image
 
     check_image(canonical_name(model_name), image, batch)
-    from edgetrain.profile import NOMINAL_FLOPS, model_chain
+    from edgetrain.frontend.profiling import NOMINAL_FLOPS
+    from edgetrain.models import model_chain
 
     chain = model_chain(model_name, batch, image)
     return graphs.from_chain(chain, profile, chain_flops_per_second=NOMINAL_FLOPS)
@@ -109,7 +110,7 @@ def load_graph(
 
 def ram_budget(text: str | None, graph: TrainingGraph, accounting: str) -> float | None:
     """``--ram``: bytes ("2MB") or a percentage of the keep-everything peak ("50%")."""
-    from edgetrain.planners import poet_check
+    from edgetrain.planners.poet import check as poet_check
 
     if text is None:
         return None
@@ -209,8 +210,8 @@ def poet_command(
     as_json: bool,
 ) -> None:
     """Least-energy plan of recomputation and paging (POET's MILP on HiGHS)."""
-    from edgetrain.planners import milp
-    from edgetrain.schedule import atomic_write_text
+    from edgetrain.core.schedule import atomic_write_text
+    from edgetrain.planners.poet import milp
 
     if not 0 < time_limit < float("inf"):
         raise InvalidInput("--time-limit must be positive seconds, e.g. 60")
@@ -345,7 +346,8 @@ def poet_figure(
     as_json: bool,
 ) -> None:
     """POET's picture: energy against RAM budget for hybrid, remat-only and paging-only."""
-    from edgetrain.planners import milp, poet_check
+    from edgetrain.planners.poet import check as poet_check
+    from edgetrain.planners.poet import milp
 
     if points < 2:
         raise InvalidInput("--points must be at least 2")

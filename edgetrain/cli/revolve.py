@@ -9,9 +9,9 @@ import click
 from edgetrain.cli.main import register
 from edgetrain.cli.options import POSITIVE
 from edgetrain.cli.output import console, emit_json, table
+from edgetrain.core.schedule import Op
 from edgetrain.errors import InvalidInput
 from edgetrain.planners.revolve import optimal_forward_steps, repetitions, revolve_steps
-from edgetrain.schedule import Op
 
 
 @click.command(name="revolve")

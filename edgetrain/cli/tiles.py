@@ -10,7 +10,7 @@ from edgetrain.cli.main import register
 from edgetrain.cli.options import POSITIVE, POSITIVE_FLOAT
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices.catalog import CLUSTERS
-from edgetrain.distributed.supported import CHAIN, TILE_MODELS
+from edgetrain.tiles.supported import CHAIN, TILE_MODELS
 from edgetrain.units import format_bytes
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
@@ -82,13 +82,13 @@ def tiles(
     import torch
 
     from edgetrain.devices import load
-    from edgetrain.distributed.grouping import choose_grouping, plan_cost
-    from edgetrain.distributed.launch import run_local
-    from edgetrain.distributed.layers import describe
-    from edgetrain.distributed.supported import tile_model
-    from edgetrain.distributed.tiling import format_grouping, parse_grid, parse_image, plan
-    from edgetrain.distributed.worker import TileJob
     from edgetrain.models import build
+    from edgetrain.tiles.grouping import choose_grouping, plan_cost
+    from edgetrain.tiles.launch import run_local
+    from edgetrain.tiles.layers import describe
+    from edgetrain.tiles.supported import tile_model
+    from edgetrain.tiles.tiling import format_grouping, parse_grid, parse_image, plan
+    from edgetrain.tiles.worker import TileJob
 
     image = parse_image(image_text)
     grid = parse_grid(grid_text)
@@ -131,7 +131,7 @@ def tiles(
     }
     failed = False
     if check:
-        from edgetrain.distributed.check import max_relative_difference, reference
+        from edgetrain.tiles.check import max_relative_difference, reference
 
         diff = max_relative_difference(job, results, reference(job))
         doc["max_rel_diff"] = diff

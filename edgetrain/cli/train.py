@@ -26,14 +26,14 @@ from edgetrain.cli.options import (
     model_options,
 )
 from edgetrain.cli.output import console, emit_json, table
+from edgetrain.core.accounting import OPTIMIZER_STATES
+from edgetrain.core.schedule import Schedule
 from edgetrain.errors import InvalidInput
-from edgetrain.execute import Checkpointed
-from edgetrain.memory import OPTIMIZER_STATES
 from edgetrain.models import build, sample_input
 from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
-from edgetrain.schedule import Schedule
-from edgetrain.training import train
+from edgetrain.runtime.checkpointed import Checkpointed
+from edgetrain.runtime.training import train
 from edgetrain.units import format_bytes
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edgetrain.devices.catalog import CLUSTERS
-from edgetrain.devices.profile import Cluster, Device, Link, cluster_from_json, load
+from edgetrain.devices.catalog import CLUSTERS, load
+from edgetrain.devices.cluster import Cluster, Device, Link, cluster_from_json
 
 __all__ = ["CLUSTERS", "Cluster", "Device", "Link", "cluster_from_json", "load"]

@@ -23,7 +23,11 @@ Sources, and what is derived or assumed (replace with your own measurements when
 
 from __future__ import annotations
 
-from edgetrain.devices.profile import Cluster, Device, Link
+from pathlib import Path
+
+from edgetrain.devices.cluster import Cluster, Device, Link, cluster_from_json
+from edgetrain.errors import InvalidInput
+from edgetrain.jsonfile import read_json
 
 PI3 = Device(
     name="Raspberry Pi 3 Model B",
@@ -58,3 +62,15 @@ CLUSTERS: dict[str, Cluster] = {
     "pi3-wifi": Cluster("pi3-wifi", PI3, WIFI_PI3),
 }
 """Built-in profiles by name."""
+
+
+def load(name: str) -> Cluster:
+    """A built-in profile by name (``pi3-ethernet``, ``pi3-wifi``) or a ``.json`` file."""
+    if name in CLUSTERS:
+        return CLUSTERS[name]
+    path = Path(name)
+    if path.suffix == ".json":
+        return cluster_from_json(read_json(path, "profile", "fix the file"))
+    raise InvalidInput(
+        f"unknown profile {name!r}; choose one of {', '.join(CLUSTERS)} or give a .json file"
+    )

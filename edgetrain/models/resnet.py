@@ -106,11 +106,11 @@ def resnet(depth: int, num_classes: int = 1000) -> nn.Sequential:
         nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Linear(cin, num_classes)
     )
     model = nn.Sequential(stages)
-    _init_like_torchvision(model)
+    init_like_torchvision(model)
     return model
 
 
-def _init_like_torchvision(model: nn.Module) -> None:
+def init_like_torchvision(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
             nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")

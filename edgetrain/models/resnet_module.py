@@ -19,7 +19,7 @@ from edgetrain.models.resnet import (
     ARCHITECTURES,
     BasicBlock,
     Bottleneck,
-    _init_like_torchvision,
+    init_like_torchvision,
 )
 
 
@@ -46,7 +46,7 @@ class ResNet(nn.Module):
         self.layer1, self.layer2, self.layer3, self.layer4 = groups
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cin, num_classes)
-        _init_like_torchvision(self)
+        init_like_torchvision(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))

@@ -1,7 +1,7 @@
 """Planners: pure functions from a chain and a budget to a Schedule (no torch).
 
 :func:`plan` is the entry point: give a strategy and either a memory budget (bytes of activations
-above weights, gradients and input, as :func:`edgetrain.schedule.simulate` counts them) or a
+above weights, gradients and input, as :func:`edgetrain.core.schedule.simulate` counts them) or a
 recompute factor; it returns the fastest plan within the memory, or the smallest-memory plan
 within the recompute factor.
 """

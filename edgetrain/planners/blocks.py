@@ -12,9 +12,10 @@ stages and context, as ResNets repeat them) are computed once.
 The outer recursion is :class:`~edgetrain.planners.optimal.OptimalTable`'s, on the chain of
 blocks: "forward with grad" of a block is the best of its options (:class:`StepCosts` with one
 row per option), "checkpoint" runs the block's stages without grad (``Fc`` then ``Fn``). The plan
-is expanded into an ordinary :class:`~edgetrain.schedule.Schedule` of the fine chain and checked
+is expanded into an ordinary :class:`~edgetrain.core.schedule.Schedule` of the fine chain and
+checked
 with the one simulator. Every number of an option is read off
-:func:`~edgetrain.schedule.memory_trace` of its operations on the block's stages between
+:func:`~edgetrain.core.schedule.memory_trace` of its operations on the block's stages between
 stand-ins for the block's input (counted, or held elsewhere) and for the rest of the chain
 (which hands the block its output's gradient), so the prediction is the simulator's.
 Pure planning code: no torch.
@@ -30,7 +31,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from edgetrain.chain import Chain, Stage
+from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.schedule import Op, Schedule, memory_trace, simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.planners.optimal import (
     DEFAULT_SLOTS,
@@ -42,7 +44,6 @@ from edgetrain.planners.optimal import (
     resolution,
     store_all,
 )
-from edgetrain.schedule import Op, Schedule, memory_trace, simulate
 
 STRATEGY = "blocks"
 
@@ -388,7 +389,7 @@ class BlockPlan:
         chain: the fine chain.
         blocks: its blocks (ranges of stage indices).
         options: per block, its options (operations in the chain's indices).
-        grads_exist: as in :func:`~edgetrain.schedule.simulate`.
+        grads_exist: as in :func:`~edgetrain.core.schedule.simulate`.
     """
 
     chain: Chain

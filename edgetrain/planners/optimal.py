@@ -22,7 +22,7 @@ first" may be one of several *options* (its forward phase, what it leaves held, 
 phase) and the best is taken: a chain's own stages have one option each (:func:`chain_costs`),
 blocks of stages several (:mod:`edgetrain.planners.blocks`, through :class:`TableMaker`).
 
-Memory is counted exactly as :func:`edgetrain.schedule.simulate` counts it (a graph holds what
+Memory is counted exactly as :func:`edgetrain.core.schedule.simulate` counts it (a graph holds what
 autograd saves: its input, its output or neither; shared storages once; transient peaks per
 operation; the output held by the caller after the loss; parameter gradients held from the backward
 that creates them to the end of the step), with every size rounded *up* to whole slots, so a plan
@@ -44,9 +44,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from edgetrain.chain import Chain
+from edgetrain.core.chain import Chain
+from edgetrain.core.schedule import Op, Schedule, simulate, store_all_operations
 from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.schedule import Op, Schedule, simulate, store_all_operations
 
 DEFAULT_SLOTS = 500
 MIN_SLOTS = 48
@@ -533,7 +533,7 @@ class TableMaker:
 
     Attributes:
         chain: the chain the plans are for (and the simulator checks them on).
-        grads_exist: as in :func:`~edgetrain.schedule.simulate`.
+        grads_exist: as in :func:`~edgetrain.core.schedule.simulate`.
         length: stages of the recursion (the chain's by default).
         unit: a size (bytes) every size of the recursion is a multiple of (0: none known).
         costs, expand, strategy, release: as in :class:`OptimalTable`.
@@ -585,7 +585,7 @@ def optimal(
     chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
 ) -> Schedule:
     """The fastest plan whose simulated peak stays within ``memory_bytes`` (see
-    :class:`~edgetrain.schedule.Cost`).
+    :class:`~edgetrain.core.schedule.Cost`).
 
     One table for the budget (at most ``slots`` slots, fewer for long chains, see
     :func:`max_slots`; exactly the chain's common size unit when that needs no more): the plans it

@@ -19,9 +19,9 @@ from math import comb
 
 import numpy as np
 
-from edgetrain.chain import Chain
+from edgetrain.core.chain import Chain
+from edgetrain.core.schedule import Op, Schedule
 from edgetrain.errors import InvalidInput
-from edgetrain.schedule import Op, Schedule
 
 MAX_OPERATIONS = 50_000_000
 """Longest schedule revolve will build (about 1 GB of operations would be beyond any use)."""

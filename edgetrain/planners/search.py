@@ -15,20 +15,23 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgetrain.chain import Chain
+from edgetrain.core.chain import Chain
+from edgetrain.core.schedule import Cost, Schedule, made_for, simulate
 from edgetrain.devices import energy
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget, InvalidInput
+from edgetrain.planners.blocks import block_plan, blocks_of
 from edgetrain.planners.optimal import (
     DEFAULT_SLOTS,
     OptimalTable,
     TableMaker,
     fastest,
+    least_memory,
     store_all,
 )
+from edgetrain.planners.poet.to_schedule import plan_poet
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
-from edgetrain.schedule import Cost, Schedule, simulate
 from edgetrain.units import format_bytes, parse_bytes
 
 STRATEGIES = ("optimal", "blocks", "revolve", "sequential")
@@ -55,13 +58,13 @@ def plan(
     ``strategy="poet"`` is the least-*energy*
     plan of recomputation and paging on ``device`` (a profile or its name, e.g. ``"rpi4"``)
     within ``memory`` and ``runtime`` (POET's multiplier of one pass over every node), found by
-    the MILP (:func:`edgetrain.planners.poet_schedule.plan_poet`, which also returns its proof);
+    the MILP (:func:`edgetrain.planners.poet.to_schedule.plan_poet`, which also returns its proof);
     a plan that pages needs ``Checkpointed(..., page_dir=...)``.
 
     ``memory`` (bytes, or a size such as "1GB" or "512MiB", as everywhere in edgetrain) counts
     what the step holds above what it starts with: activations, graphs, activation gradients and
-    the parameter gradients it creates (see :class:`~edgetrain.schedule.Cost`; ``grads_exist``
-    as in :func:`~edgetrain.schedule.simulate`).
+    the parameter gradients it creates (see :class:`~edgetrain.core.schedule.Cost`; ``grads_exist``
+    as in :func:`~edgetrain.core.schedule.simulate`).
     Raises :class:`InfeasibleBudget` with the smallest feasible value when nothing fits.
     """
     if memory is not None:
@@ -97,8 +100,6 @@ def _plan_poet(
     device: str | EnergyProfile | None,
     runtime: float | None,
 ) -> Schedule:
-    from edgetrain.planners.poet_schedule import plan_poet
-
     if device is None or memory is None:
         raise InvalidInput(
             "strategy 'poet' needs a device (e.g. device='rpi4') and a memory budget"
@@ -112,19 +113,6 @@ def _plan_poet(
         )
     profile = energy.get(device) if isinstance(device, str) else device
     return plan_poet(chain, profile, memory=memory, runtime=runtime).schedule
-
-
-def made_for(schedule: Schedule, chain: Chain) -> Schedule:
-    """``schedule`` with a record of what it was made for (the chain's fingerprint, its name and
-    input size), which :class:`~edgetrain.execute.Checkpointed` checks before running it."""
-    record = {
-        "chain": chain.fingerprint(),
-        "model": chain.name,
-        "input_bytes": chain.input_bytes,
-        "stages": chain.length,
-    }
-    params = {**schedule.params, "made_for": record}
-    return Schedule(schedule.length, schedule.kinds, schedule.indices, schedule.strategy, params)
 
 
 def _sequential_family(chain: Chain) -> list[Schedule]:
@@ -182,8 +170,6 @@ def _makers(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> list[
     blocks, its blocks. Each finds plans the other misses: the flat DP may place checkpoints
     across a block's boundary; the block DP counts a skip carried across cuts inside a block
     once (the flat DP counts it at every cut, on the safe side)."""
-    from edgetrain.planners.blocks import block_plan, blocks_of
-
     makers = []
     if strategy == "optimal" and chain.length <= FLAT_UP_TO:
         makers.append(TableMaker(chain, grads_exist))
@@ -234,8 +220,6 @@ def least_memory_of(
 ) -> float:
     """The smallest activation budget (bytes) with which ``plan(chain, "optimal", memory=...)``
     finds a plan: the least of its tables' (see :func:`_makers`)."""
-    from edgetrain.planners.optimal import least_memory
-
     return min(
         least_memory(maker, slots) for maker in _makers(chain, "optimal", slots, grads_exist)
     )

@@ -8,9 +8,9 @@ reaches it; the last piece (which takes the remainder) runs normally. On ``l`` e
 
 from __future__ import annotations
 
-from edgetrain.chain import Chain
+from edgetrain.core.chain import Chain
+from edgetrain.core.schedule import Op, Schedule
 from edgetrain.errors import InvalidInput
-from edgetrain.schedule import Op, Schedule
 
 
 def segment_bounds(length: int, segments: int) -> list[tuple[int, int]]:

@@ -1,0 +1,87 @@
+"""Device and link profiles: the numbers the tile-parallel cost model needs (pure data).
+
+A :class:`Cluster` is a number of identical devices joined by one kind of link. Every number
+carries its source or says that it is an assumption, so a user can replace it with a measurement
+of their own boards (``load("path/to/profile.json")``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from edgetrain.errors import CorruptFile
+
+
+@dataclass(frozen=True)
+class Device:
+    """One board.
+
+    Attributes:
+        name: what it is.
+        core_macs_per_second: multiply-accumulates per second one core sustains on convolution
+            (forward pass), the figure the paper's "speedup over a single core" divides by.
+        cores: cores a worker uses.
+        parallel_efficiency: speedup of ``cores`` cores over one, divided by ``cores`` (0..1].
+        memory_bytes: memory a training process can use.
+        backward_factor: backward time over forward time of the same layer (input and weight
+            gradients: about 2).
+        source: where the numbers come from.
+    """
+
+    name: str
+    core_macs_per_second: float
+    cores: int
+    parallel_efficiency: float
+    memory_bytes: int
+    backward_factor: float = 2.0
+    source: str = ""
+
+    @property
+    def macs_per_second(self) -> float:
+        """Multiply-accumulates per second with all ``cores``."""
+        return self.core_macs_per_second * self.cores * self.parallel_efficiency
+
+
+@dataclass(frozen=True)
+class Link:
+    """The network between devices.
+
+    Attributes:
+        name: what it is.
+        bandwidth_bytes_per_second: payload throughput of one device's link (TCP goodput).
+        latency_seconds: one message's fixed cost (half a round trip plus software overhead).
+        shared_medium: True when all devices share one channel (Wi-Fi): transfers add up instead
+            of running in parallel on a switch's separate full-duplex ports.
+        source: where the numbers come from.
+    """
+
+    name: str
+    bandwidth_bytes_per_second: float
+    latency_seconds: float
+    shared_medium: bool
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``Device`` boards on a ``Link``: what a grouping is optimised for."""
+
+    name: str
+    device: Device
+    link: Link
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cluster_from_json(data: dict[str, Any]) -> Cluster:
+    """Build a :class:`Cluster` from the dictionary :meth:`Cluster.to_json` writes."""
+    try:
+        return Cluster(
+            name=str(data["name"]), device=Device(**data["device"]), link=Link(**data["link"])
+        )
+    except (KeyError, TypeError) as exc:
+        raise CorruptFile(
+            f"not a cluster profile ({exc}); write name, device and link as in docs/tiles.md"
+        ) from exc

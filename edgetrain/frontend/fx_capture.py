@@ -1,0 +1,792 @@
+"""Capture any ``nn.Module`` as a graph of operations, and cut that graph into runnable segments.
+
+:func:`capture` traces ``model`` with ``torch.fx.symbolic_trace`` and runs the traced graph once
+on a sample to record, per node (in the graph's order, which is topological and is the order
+``forward()`` runs them): what it is (a leaf-module call, a function, a tensor method), which
+values it reads, its output's shape, dtype and bytes, whether it overwrites a value in place and
+whether its output shares storage with (is a view of, or the in-place result of) a value it read.
+
+Why ``torch.fx`` and not ``torch.export`` or dispatch-level tracing: fx traces a ResNet-152 in
+well under a second and keeps the model's own leaf modules (``Conv2d``, ``BatchNorm2d``,
+``Dropout``) and in-place operations exactly as written, so a cut graph re-runs *the same
+modules*: BatchNorm updates its own running statistics, dropout draws from the same RNG stream
+in the same order, tied weights stay one parameter. ``torch.export`` (and AOT/dispatch tracing)
+lowers to ATen operators, functionalises in-place updates and turns BatchNorm's buffer updates
+into graph outputs, which an executor would have to write back; it also takes seconds per model.
+The price of fx: Python control flow that depends on a tensor's *value* cannot be traced (nor
+can torch.export trace it without rewriting); :func:`capture` then raises one
+:class:`~edgetrain.errors.InvalidInput` line naming the construct, where it is, and what to do.
+The tracer is fx's own, except that ``a += b`` on a tensor is recorded as ``operator.iadd``
+(in place, as eager runs it) where plain fx would record ``a = a + b``.
+fx bakes Python values in at trace time (``self.training`` passed to ``F.dropout``, for
+example): capture the model in the mode it will run in. fx records only calls, not the
+context managers around them; :func:`capture` records which nodes ran inside
+``torch.no_grad()`` (or ``set_grad_enabled(False)``, ``inference_mode()``) and inside
+``torch.autocast(...)`` regions, and folds each such run of nodes into one :class:`Region`
+module that runs them inside the same context (entered with ``with``: an exception leaves the
+grad mode and autocast state as they were). A region is one node, so no cut splits it: it is
+stored or recomputed whole. A ``forward()`` that assigns to a module attribute
+(``self.aux_loss = ...``, ``self.steps += 1``) cannot be captured (the captured step would never
+assign it) and is refused, the attribute left as it was.
+
+The metadata run happens under ``torch.no_grad()`` with the RNG state and every buffer restored
+afterwards, so capturing leaves the model exactly as it was.
+
+:func:`segments` cuts the graph at positions of that order: position ``c`` lies between node
+``c - 1`` and node ``c`` (``0 < c < len(nodes)``). Segment ``k`` takes exactly the values live
+across its first cut and returns exactly the values live across its next one: one tensor, or a
+tuple of tensors in the order their producers run (the model's inputs first). The first segment
+takes the model's input(s) the same way, the last returns what the model returns. A value that
+only passes through a segment (a residual skip) comes out as the same tensor object. A cut is
+admissible (:func:`all_cuts`) when every live value is a tensor and none of them (nor any view
+sharing its storage) is overwritten in place after the cut, so every segment's input stays
+intact for a recomputation; :func:`articulation_cuts` are the admissible cuts where exactly one
+tensor is live: every path from the input to the output passes through one node (the dominator
+cuts Rockmate splits a graph at). Running the segments in sequence is the model's forward,
+operation for operation: outputs, gradients and BatchNorm buffers are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import operator
+import threading
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from edgetrain.autograd.storage_counter import storage_key
+from edgetrain.errors import InvalidInput
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_KINDS = {"call_module": "module", "call_function": "function", "call_method": "method"}
+
+
+@dataclass(frozen=True)
+class CapturedNode:
+    """One operation of a captured graph.
+
+    Attributes:
+        name: the fx node's name (unique in the graph).
+        kind: ``"module"`` (a leaf module's call), ``"function"`` or ``"method"`` (of a tensor).
+        target: the module's path in the model (``layer1.0.conv1``), the function's qualified
+            name (``torch.cat``, ``_operator.iadd``) or the method's name (``flatten``).
+        reads: the values it reads (model inputs or earlier nodes), each once, in argument order.
+        attributes: parameters or buffers it reads directly by path (``embed.weight``), not
+            through a leaf module.
+        shape, dtype: of its output when that is a tensor, else None.
+        bytes: the output tensor's size (elements × element size, in bytes); 0 if not a tensor.
+        mutates: the values in ``reads`` it overwrites in place (``relu_``, ``+=``,
+            ``ReLU(inplace=True)``).
+        alias_of: the value in ``reads`` whose storage its output shares (a view, or the
+            in-place result returned), else None.
+        last_use: position of the last node that reads its output; ``len(nodes)`` if the model
+            returns it; its own position if nothing reads it.
+    """
+
+    name: str
+    kind: str
+    target: str
+    reads: tuple[str, ...]
+    attributes: tuple[str, ...]
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    bytes: int
+    mutates: tuple[str, ...]
+    alias_of: str | None
+    last_use: int
+
+    @property
+    def inplace(self) -> bool:
+        """True when the node overwrites one of the values it reads."""
+        return bool(self.mutates)
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A model traced by :func:`capture`.
+
+    Attributes:
+        model: the user's module (the segments share its submodules and parameters).
+        graph_module: the fx trace of ``model`` (also sharing them).
+        inputs: names of the model's inputs (fx placeholders), in call order.
+        input_last_use: for each input, the position of the last node that reads it.
+        input_shapes: shape of each sample input.
+        nodes: the operations in topological (= execution) order; a node's index is its position.
+        outputs: the values the model returns, in order of first appearance in its output.
+        reads: the plain Python attributes (a number, string, bool or None; ``_private`` ones
+            too; not ``training`` nor what ``nn.Module`` itself keeps on every module)
+            ``forward()`` read while traced, as (module, name): fx traced
+            their values into the graph, so a step must be planned again when one changes.
+    """
+
+    model: nn.Module
+    graph_module: fx.GraphModule
+    inputs: tuple[str, ...]
+    input_last_use: tuple[int, ...]
+    input_shapes: tuple[tuple[int, ...], ...]
+    nodes: tuple[CapturedNode, ...]
+    outputs: tuple[str, ...]
+    reads: tuple[tuple[nn.Module, str], ...] = ()
+    _cache: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def node(self, name: str) -> CapturedNode:
+        """The node called ``name`` (KeyError if there is none)."""
+        return self.nodes[self._index()[name]]
+
+    def _index(self) -> dict[str, int]:
+        index = self._cache.get("index")
+        if index is None:
+            index = self._cache["index"] = {n.name: i for i, n in enumerate(self.nodes)}
+        return index
+
+
+def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> Captured:
+    """Trace ``model`` with torch.fx and record every node's output on ``sample``.
+
+    ``sample`` is the model's input (a tensor, or a sequence of tensors for a model with several
+    positional inputs). InvalidInput when the model cannot be traced or does not run on it.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInput(f"capture needs an nn.Module, got {type(model).__name__}")
+    samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
+    defaults = _defaulted_arguments(model, len(samples))
+    before = _snapshot(model)
+    failure: Exception | None = None
+    try:
+        with _tracing() as attribute_reads, torch.enable_grad():
+            graph = _Tracer().trace(model, concrete_args=defaults or None)
+    except Exception as exc:
+        failure = exc
+    finally:
+        stored = _restore(before)
+    if stored:  # the first thing to fix, when tracing also failed (fx on a submodule it made)
+        raise InvalidInput(
+            f"cannot capture {type(model).__name__}: forward() assigns to {stored} (fx records "
+            "calls, not assignments, so the captured step would never update it); return the "
+            "value from forward() instead, or update it outside the model"
+        ) from failure
+    if failure is not None:
+        raise InvalidInput(_trace_error(model, failure)) from failure
+    _drop_specialised_arguments(graph, len(samples))
+    graph_module = fx.GraphModule(model, graph)
+    _fold_regions(graph_module)
+    graph = graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(samples):
+        raise InvalidInput(
+            f"{type(model).__name__}.forward takes {len(placeholders)} inputs but the sample has "
+            f"{len(samples)}; pass one tensor per input of forward()"
+        )
+    records = _record(model, graph_module, samples)
+    compute = [n for n in graph.nodes if n.op in _KINDS]
+    position = {n: i for i, n in enumerate(compute)}
+    output_node = next(n for n in graph.nodes if n.op == "output")
+
+    def last_use(node: fx.Node, own: int) -> int:
+        uses = [len(compute) if u is output_node else position.get(u, own) for u in node.users]
+        return max([own, *uses])
+
+    nodes = []
+    for node in compute:
+        reads = tuple(a.name for a in _value_inputs(node))
+        attributes = tuple(str(a.target) for a in node.all_input_nodes if a.op == "get_attr")
+        out, mutated, alias = records[node]
+        is_tensor = isinstance(out, torch.Tensor)
+        nodes.append(
+            CapturedNode(
+                name=node.name,
+                kind=_KINDS[node.op],
+                target=_target_name(node),
+                reads=reads,
+                attributes=attributes,
+                shape=tuple(out.shape) if is_tensor else None,
+                dtype=str(out.dtype).removeprefix("torch.") if is_tensor else None,
+                bytes=out.numel() * out.element_size() if is_tensor else 0,
+                mutates=mutated,
+                alias_of=alias,
+                last_use=last_use(node, position[node]),
+            )
+        )
+    returned: dict[str, None] = {}
+    for value in output_node.all_input_nodes:
+        if value.op == "placeholder":
+            raise InvalidInput(
+                f"{type(model).__name__}.forward returns its input {value.name!r} itself; "
+                "return only what it computes (the caller has the input)"
+            )
+        if value.op in _KINDS:
+            returned[value.name] = None
+    return Captured(
+        model=model,
+        graph_module=graph_module,
+        inputs=tuple(p.name for p in placeholders),
+        input_last_use=tuple(last_use(p, -1) for p in placeholders),
+        input_shapes=tuple(tuple(s.shape) for s in samples),
+        nodes=tuple(nodes),
+        outputs=tuple(returned),
+        reads=tuple(attribute_reads),
+    )
+
+
+def live_values(captured: Captured, position: int) -> tuple[str, ...]:
+    """The values live across ``position``: produced before it and read at or after it, in the
+    order their producers run (inputs first). Position 0 gives the model's inputs, position
+    ``len(nodes)`` the values it returns."""
+    count = len(captured.nodes)
+    if not 0 <= position <= count:
+        raise InvalidInput(f"position {position} is outside the graph; use 0 to {count}")
+    return _analysis(captured).live[position]
+
+
+def cut_problem(captured: Captured, position: int) -> str | None:
+    """Why a cut at ``position`` is not admissible, or None when it is."""
+    count = len(captured.nodes)
+    if not 0 < position < count:
+        return f"position {position} is not between two nodes (use 1 to {count - 1})"
+    return _analysis(captured).problems[position]
+
+
+@dataclass(frozen=True)
+class _Analysis:
+    live: tuple[tuple[str, ...], ...]  # per position 0..len(nodes)
+    problems: tuple[str | None, ...]  # per position; None = admissible (0 and the end: None)
+
+
+def _analysis(captured: Captured) -> _Analysis:
+    """Live sets and admissibility of every position, in one sweep; computed once per capture."""
+    cached = captured._cache.get("analysis")
+    if isinstance(cached, _Analysis):
+        return cached
+    count = len(captured.nodes)
+    dying: dict[int, list[str]] = {}
+    live: dict[str, None] = {}
+    for name, last in zip(captured.inputs, captured.input_last_use, strict=True):
+        live[name] = None
+        dying.setdefault(max(last, 0), []).append(name)  # an unused input dies at once
+    table = [captured.inputs]
+    base = _bases(captured)
+    last_write = _last_writes(captured, base)
+    problems: list[str | None] = [None]
+    for position in range(1, count):
+        node = captured.nodes[position - 1]
+        live[node.name] = None
+        dying.setdefault(node.last_use, []).append(node.name)
+        for name in dying.pop(position - 1, []):
+            live.pop(name, None)
+        table.append(tuple(live))
+        problems.append(_problem(captured, position, table[-1], base, last_write))
+    table.append(captured.outputs)
+    problems.append(None)
+    result = _Analysis(tuple(table), tuple(problems))
+    captured._cache["analysis"] = result
+    return result
+
+
+def _problem(
+    captured: Captured,
+    position: int,
+    live: tuple[str, ...],
+    base: dict[str, str],
+    last_write: dict[str, int],
+) -> str | None:
+    for name in live:
+        index = captured._index().get(name)
+        node = None if index is None else captured.nodes[index]
+        if node is not None and not node.is_tensor:
+            return f"{name} ({node.target}) is live across it and is not a tensor"
+        writer = last_write.get(base[name])
+        if writer is not None and writer >= position:
+            return (
+                f"{name} is live across it and {captured.nodes[writer].name} "
+                f"({captured.nodes[writer].target}) overwrites its storage in place later"
+            )
+    return None
+
+
+def all_cuts(captured: Captured) -> tuple[int, ...]:
+    """Every admissible cut position (live sets of any size), in order."""
+    problems = _analysis(captured).problems
+    return tuple(c for c in range(1, len(captured.nodes)) if problems[c] is None)
+
+
+def articulation_cuts(captured: Captured) -> tuple[int, ...]:
+    """The admissible cuts across which exactly one tensor is live."""
+    live = _analysis(captured).live
+    return tuple(c for c in all_cuts(captured) if len(live[c]) == 1)
+
+
+ALL_CUTS_UP_TO = 1024
+"""Stages a model may be cut into at every admissible position; beyond that, fewer cuts keep the
+planner's work near a second. A chain of more than
+:data:`~edgetrain.planners.search.FLAT_UP_TO` (256) stages is planned over its blocks
+(:mod:`edgetrain.planners.blocks`), whose work grows with the number of blocks: ResNet-152's 313
+stages (55 blocks) plan in 0.3 s and reach 0.83 × the least memory of the 2-cuts-per-block
+fallback this limit used to send it to (``benchmarks/planning.py``)."""
+
+
+def block_cuts(
+    captured: Captured, per_block: int = 2, *, all_up_to: int = ALL_CUTS_UP_TO
+) -> tuple[int, ...]:
+    """Where edgetrain cuts a captured model into stages: at every admissible position when
+    that makes at most ``all_up_to`` stages; otherwise every articulation cut (between blocks),
+    and inside each block the ``per_block`` admissible cuts with the least live bytes (a cut
+    inside a residual block carries the trunk and the skip). Finer stages let the planner
+    recompute inside blocks (the U-Net at batch 4, 128²: least memory 0.33 × plain autograd cut
+    everywhere, 67 stages; 0.66 × with 2 cuts per block, 16 stages); ``per_block=0`` gives one
+    stage per block."""
+    admissible = all_cuts(captured)
+    if len(admissible) < all_up_to:
+        return admissible
+    between = set(articulation_cuts(captured))
+    sizes = {n.name: n.bytes for n in captured.nodes}
+    chosen = set(between)
+    bounds = [0, *sorted(between), len(captured.nodes)]
+    for start, stop in itertools.pairwise(bounds):
+        inside = [c for c in admissible if start < c < stop]
+        if per_block <= 0 or not inside:
+            continue
+        by_size = sorted(
+            inside, key=lambda c: (sum(sizes.get(v, 0) for v in live_values(captured, c)), c)
+        )
+        chosen.update(by_size[:per_block])
+    return tuple(sorted(chosen))
+
+
+def segments(captured: Captured, cuts: Sequence[int]) -> nn.Sequential:
+    """The model as an ``nn.Sequential`` of fx GraphModules, cut at ``cuts`` (increasing,
+    admissible positions; see :func:`all_cuts`). See the module docstring for the contract."""
+    cuts = list(cuts)
+    for index, cut in enumerate(cuts):
+        if index and cut <= cuts[index - 1]:
+            raise InvalidInput(f"cuts must increase, got {cuts}; sort them and drop repeats")
+        problem = cut_problem(captured, cut)
+        if problem is not None:
+            raise InvalidInput(f"cannot cut at {cut}: {problem}; choose one of all_cuts()")
+    bounds = [0, *cuts, len(captured.nodes)]
+    return nn.Sequential(
+        *(_segment(captured, bounds[k], bounds[k + 1], index=k) for k in range(len(bounds) - 1))
+    )
+
+
+def _segment(captured: Captured, start: int, stop: int, index: int) -> fx.GraphModule:
+    source = captured.graph_module.graph
+    compute = [n for n in source.nodes if n.op in _KINDS]
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    incoming = live_values(captured, start)
+    argument = graph.placeholder("live" if len(incoming) > 1 else incoming[0])
+    if len(incoming) == 1:
+        env[incoming[0]] = argument
+    else:
+        for i, name in enumerate(incoming):
+            env[name] = graph.call_function(operator.getitem, (argument, i))
+    lookup = _copy_nodes(graph, compute[start:stop], env)
+    if stop == len(compute):
+        output_node = next(n for n in source.nodes if n.op == "output")
+        graph.output(fx.map_arg(output_node.args[0], lookup))
+    else:
+        outgoing = [env[name] for name in live_values(captured, stop)]
+        graph.output(outgoing[0] if len(outgoing) == 1 else tuple(outgoing))
+    graph.lint()
+    return fx.GraphModule(captured.graph_module, graph, class_name=f"Segment{index}")
+
+
+def _copy_nodes(
+    graph: fx.Graph, nodes: list[fx.Node], env: dict[str, fx.Node]
+) -> Callable[[fx.Node], fx.Node]:
+    """Copy ``nodes`` into ``graph``, each reading the values ``env`` gives by name (and adding
+    itself there), and the parameters and buffers they read through one ``get_attr`` each.
+    Returns the lookup that maps a source node to its copy, for what reads them after."""
+    attributes: dict[str, fx.Node] = {}
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node.op == "get_attr":
+            target = str(node.target)
+            if target not in attributes:
+                attributes[target] = graph.get_attr(target)
+            return attributes[target]
+        return env[node.name]
+
+    for node in nodes:
+        env[node.name] = graph.node_copy(node, lookup)
+    return lookup
+
+
+class _InplaceProxy(fx.Proxy):
+    """An fx Proxy that records ``a += b`` as ``operator.iadd`` (in place, as eager runs it);
+    fx's own Proxy has no in-place operators, so Python would record ``a = a + b``."""
+
+
+def _inplace_operator(function: Any) -> Any:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", function, (self, other), {})
+
+    return method
+
+
+for _name in ("iadd", "isub", "imul", "itruediv"):
+    setattr(_InplaceProxy, f"__{_name}__", _inplace_operator(getattr(operator, _name)))
+
+
+class _Tracer(fx.Tracer):
+    """``torch.fx.symbolic_trace``'s tracer, keeping augmented assignments in place and noting
+    on each node the grad mode and autocast region it was traced in (see :func:`_context`)."""
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InplaceProxy(node, self)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        node.meta[_CONTEXT] = _context()
+        return node
+
+
+_CONTEXT = "edgetrain_context"
+Context = tuple[bool, tuple[str, torch.dtype, bool] | None]
+"""Where a node runs: grad mode on (True) or off, and the innermost ``torch.autocast`` region
+``forward()`` entered around it (device type, dtype, enabled), or None."""
+_PLAIN = (bool, int, float, str, type(None))
+_MODULE_OWN = frozenset(vars(nn.Module()))  # ``training`` and torch's own bookkeeping
+_TRACE_LOCK = threading.Lock()  # one trace at a time: the class patches below are global
+_TRACING = threading.local()  # in the tracing thread: its autocast regions and attribute reads
+
+
+def _context() -> Context | None:
+    """The current node's :data:`Context`, or None for the default (grad on, no region)."""
+    grad = torch.is_grad_enabled()
+    regions = getattr(_TRACING, "regions", None)
+    region = regions[-1][1] if regions else None
+    return None if grad and region is None else (grad, region)
+
+
+@contextlib.contextmanager
+def _tracing() -> Iterator[dict[tuple[nn.Module, str], None]]:
+    """While tracing in this thread, note the ``torch.autocast`` regions ``forward()`` enters
+    (fx sees only calls; the grad mode is read as it is, the trace running with grad on) and the
+    plain attributes it reads (yielded, in order). Other threads run as usual meanwhile."""
+    cls = torch.amp.autocast_mode.autocast
+    reads: dict[tuple[nn.Module, str], None] = {}
+    with _TRACE_LOCK:
+        enter, leave = cls.__enter__, cls.__exit__
+
+        def entering(self: Any) -> Any:
+            result = enter(self)
+            regions = getattr(_TRACING, "regions", None)
+            if regions is not None:
+                regions.append((id(self), (self.device, self.fast_dtype, bool(self._enabled))))
+            return result
+
+        def leaving(self: Any, *exc: Any) -> Any:
+            regions = getattr(_TRACING, "regions", None)
+            if regions and regions[-1][0] == id(self):
+                regions.pop()
+            return leave(self, *exc)
+
+        def reading(self: nn.Module, name: str) -> Any:
+            value = object.__getattribute__(self, name)
+            if (
+                type(value) in _PLAIN
+                and name not in _MODULE_OWN
+                and getattr(_TRACING, "regions", None) is not None
+                and name in object.__getattribute__(self, "__dict__")
+            ):
+                reads[(self, name)] = None
+            return value
+
+        cls.__enter__, cls.__exit__ = entering, leaving  # type: ignore[method-assign]
+        nn.Module.__getattribute__ = reading  # type: ignore[method-assign]
+        _TRACING.regions = []
+        try:
+            yield reads
+        finally:
+            del _TRACING.regions
+            del nn.Module.__getattribute__
+            cls.__enter__, cls.__exit__ = enter, leave  # type: ignore[method-assign]
+
+
+class Region(nn.Module):
+    """A run of a captured graph's nodes that ``forward()`` ran inside ``torch.no_grad()`` or a
+    ``torch.autocast`` region, as one module: ``body`` (an ``fx.GraphModule`` sharing the
+    model's modules) runs inside the same context, entered with ``with`` so that an exception
+    leaves the grad mode and autocast state as they were. Autocast runs without its cache of
+    weight copies, as the executor runs every stage (a copy lives as long as autograd saves it).
+    """
+
+    def __init__(self, body: fx.GraphModule, grad: bool, autocast: Any) -> None:
+        super().__init__()
+        self.body = body
+        self.grad = grad
+        self.autocast: tuple[str, torch.dtype, bool] | None = autocast
+
+    def forward(self, *args: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            if self.autocast is not None:
+                device, dtype, enabled = self.autocast
+                stack.enter_context(
+                    torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False)
+                )
+            if not self.grad:
+                stack.enter_context(torch.no_grad())
+            return self.body(*args)
+
+    def extra_repr(self) -> str:
+        where = [] if self.grad else ["no_grad"]
+        if self.autocast is not None:
+            device, dtype, enabled = self.autocast
+            where.append(f"autocast({device!r}, {dtype}, enabled={enabled})")
+        return ", ".join(where)
+
+
+def _fold_regions(graph_module: fx.GraphModule) -> None:
+    """Replace each run of consecutive nodes traced in the same non-default :data:`Context` by
+    one call of a :class:`Region` (registered on ``graph_module`` as ``_region<k>``)."""
+    graph = graph_module.graph
+    runs: list[tuple[Context, list[fx.Node]]] = []
+    previous = None  # the last node that is not a get_attr (those are looked up where read)
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            continue
+        state = node.meta.get(_CONTEXT) if node.op in _KINDS else None
+        if state is not None:
+            if runs and runs[-1][0] == state and runs[-1][1][-1] is previous:
+                runs[-1][1].append(node)
+            else:
+                runs.append((state, [node]))
+        previous = node
+    for index, (state, members) in enumerate(runs):
+        _fold(graph_module, f"_region{index}", state, members)
+    graph.lint()
+    graph_module.recompile()
+
+
+def _fold(graph_module: fx.GraphModule, name: str, state: Context, members: list[fx.Node]) -> None:
+    """Fold ``members`` into a call of a :class:`Region` named ``name``: what they read from
+    before the run are its arguments, what later nodes read of them its result (a tuple, taken
+    apart with ``getitem``, when several)."""
+    graph = graph_module.graph
+    inside = set(members)
+    reads = {
+        v: None
+        for m in members
+        for v in m.all_input_nodes
+        if v not in inside and v.op != "get_attr"  # a get_attr is looked up where read
+    }
+    results = [m for m in members if any(u not in inside for u in m.users)]
+    body = fx.Graph()
+    env = {value.name: body.placeholder(value.name) for value in reads}
+    _copy_nodes(body, members, env)
+    outputs = [env[r.name] for r in results]
+    body.output(outputs[0] if len(outputs) == 1 else tuple(outputs) if outputs else None)
+    graph_module.add_submodule(name, Region(fx.GraphModule(graph_module, body), *state))
+    with graph.inserting_before(members[0]):  # in order, before the run (erased below)
+        call = graph.call_module(name, tuple(reads))
+        replacements = [call]
+        if len(results) > 1:
+            replacements = [
+                graph.call_function(operator.getitem, (call, i)) for i in range(len(results))
+            ]
+    for result, replacement in zip(results, replacements, strict=True):
+        for user in [u for u in result.users if u not in inside]:
+            user.replace_input_with(result, replacement)
+    for member in reversed(members):
+        graph.erase_node(member)
+
+
+_Snapshot = list[tuple[str, nn.Module, dict[str, Any], list[dict[str, Any]]]]
+
+
+def _snapshot(model: nn.Module) -> _Snapshot:
+    """Each module's path, itself, its ``vars()`` and its module, parameter and buffer dicts,
+    as shallow copies: what :func:`_restore` puts back."""
+    return [
+        (path, m, dict(vars(m)), [dict(m._modules), dict(m._parameters), dict(m._buffers)])
+        for path, m in model.named_modules()
+    ]
+
+
+def _restore(before: _Snapshot) -> str | None:
+    """Undo what tracing ``forward()`` assigned to the modules ``before`` lists (attributes,
+    submodules, parameters, buffers); returns the first it assigned (``"head.aux_loss"``: a
+    traced value, an fx Proxy; a counter ``self.steps += 1``; a submodule made in forward), or
+    None."""
+    stored = None
+    for path, module, attributes, registries in before:
+        now = [vars(module), module._modules, module._parameters, module._buffers]
+        for current, old in zip(now, [attributes, *registries], strict=True):
+            changed = [n for n, v in current.items() if old.get(n, _MISSING) is not v]
+            changed += [n for n in old if n not in current]
+            if changed and stored is None:
+                stored = f"{path}.{changed[0]}" if path else changed[0]
+            if changed:
+                current.clear()
+                current.update(old)
+    return stored
+
+
+_MISSING = object()
+
+
+def _defaulted_arguments(model: nn.Module, given: int) -> dict[str, Any]:
+    """forward()'s arguments after the first ``given`` that have defaults (``mask=None``): the
+    trace fixes them to their defaults."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    return {
+        p.name: p.default
+        for p in parameters[given:]
+        if p.default is not inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
+def _drop_specialised_arguments(graph: fx.Graph, given: int) -> None:
+    """Remove the placeholders fx keeps for arguments fixed to their defaults, and the checks
+    it adds on them, so the graph takes exactly the sample's inputs."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    extra = set(placeholders[given:])
+    checks = {torch._assert, operator.eq, getattr(fx._symbolic_trace, "_assert_is_none", None)}
+    for node in reversed(list(graph.nodes)):
+        if node.users:
+            continue
+        if node in extra or (
+            node.op == "call_function"
+            and node.target in checks
+            and any(a in extra or a.target is operator.eq for a in node.all_input_nodes)
+        ):
+            graph.erase_node(node)
+
+
+def _value_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if a.op == "placeholder" or a.op in _KINDS]
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op == "call_function":
+        try:
+            return fx.node._get_qualified_name(node.target)  # type: ignore[arg-type]
+        except Exception:  # an unusual callable: its plain name is enough
+            return getattr(node.target, "__name__", str(node.target))
+    return str(node.target)
+
+
+def _bases(captured: Captured) -> dict[str, str]:
+    """Each value's storage owner: itself, or the base of the value it aliases."""
+    base = {name: name for name in captured.inputs}
+    for node in captured.nodes:
+        base[node.name] = base[node.alias_of] if node.alias_of is not None else node.name
+    return base
+
+
+def _last_writes(captured: Captured, base: dict[str, str]) -> dict[str, int]:
+    """For each storage owner, the position of the last node that overwrites it in place."""
+    writes: dict[str, int] = {}
+    for position, node in enumerate(captured.nodes):
+        for name in node.mutates:
+            writes[base[name]] = position
+    return writes
+
+
+Record = tuple[Any, tuple[str, ...], str | None]
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph and notes, per node, its output, what it overwrote, what it aliases."""
+
+    def __init__(self, module: fx.GraphModule) -> None:
+        super().__init__(module)
+        self.records: dict[fx.Node, Record] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op not in _KINDS:
+            return super().run_node(n)
+        reads = [(a.name, self.env[a]) for a in _value_inputs(n)]
+        tensors = [(name, v) for name, v in reads if isinstance(v, torch.Tensor)]
+        versions = [v._version for _, v in tensors]
+        out = super().run_node(n)
+        mutated = tuple(
+            name for (name, v), seen in zip(tensors, versions, strict=True) if v._version != seen
+        )
+        alias = None
+        if isinstance(out, torch.Tensor):
+            key = storage_key(out)
+            alias = next((name for name, v in tensors if storage_key(v) == key), None)
+        self.records[n] = (_shape_only(out), mutated, alias)
+        return out
+
+
+def _shape_only(out: Any) -> Any:
+    """Keep a tensor's metadata, not its data (a meta tensor of the same shape and dtype)."""
+    if isinstance(out, torch.Tensor):
+        return torch.empty(out.shape, dtype=out.dtype, device="meta")
+    return None
+
+
+def _record(
+    model: nn.Module, graph_module: fx.GraphModule, samples: tuple[torch.Tensor, ...]
+) -> dict[fx.Node, Record]:
+    recorder = _Recorder(graph_module)
+    with _restored(model), torch.no_grad():
+        try:
+            recorder.run(*(s.detach() for s in samples))
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InvalidInput(
+                f"{type(model).__name__} does not run on the sample "
+                f"{[tuple(s.shape) for s in samples]}: {first}; give an input the model accepts"
+            ) from exc
+    return recorder.records
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module) -> Iterator[None]:
+    """Restore the RNG state and every buffer (BatchNorm statistics) on exit."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+
+def _trace_error(model: nn.Module, exc: Exception) -> str:
+    """One line: what fx could not trace, where in the user's code, and what to do."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not str(Path(frame.filename).resolve()).startswith(_TORCH_DIR):
+            code = (frame.line or "").strip()
+            where = f" at {Path(frame.filename).name}:{frame.lineno}" + (
+                f" `{code}`" if code else ""
+            )
+            break
+    if "iterated" in text:
+        construct = "a loop over a tensor (or a tensor passed as *args)"
+        fix = "loop over range(n) with n known when the model is built, or use tensor operations"
+    elif "control flow" in text:
+        construct = "a Python if/while on a tensor's value"
+        fix = (
+            "compute both branches and pick with torch.where, decide on a Python attribute "
+            "or argument instead, or move that code into a submodule and mark it a leaf"
+        )
+    else:
+        construct = f"{type(exc).__name__}: {text}"
+        fix = (
+            "make forward() traceable by torch.fx.symbolic_trace (no Python logic on tensor values)"
+        )
+    return f"cannot capture {type(model).__name__}: {construct}{where}; {fix}"

@@ -1,0 +1,1 @@
+"""planners/poet."""

@@ -1,0 +1,1092 @@
+"""Checkpointed: run a Schedule inside autograd, as an ``nn.Module``.
+
+    net = edgetrain.Checkpointed(model, sample_input, memory_budget="512MB")
+    loss = criterion(net(x), target)
+    loss.backward()              # runs the plan's backward phase; gradients land in .grad
+
+Contract (compare ``torch.utils.checkpoint``). What is the same as plain autograd on the same
+inputs and random-number state:
+
+* outputs, input gradients and parameter gradients (bitwise, in practice: the same kernels run
+  on tensors of the same memory layouts, ``channels_last`` included);
+* what the caller's backward asks for: ``loss.backward()`` fills every ``.grad``;
+  ``torch.autograd.grad(loss, x)`` and ``loss.backward(inputs=[x])`` touch no parameter's
+  ``.grad``; ``torch.autograd.grad(loss, params)`` returns the parameters' gradients. Parameter
+  gradients reach autograd once per step, summed over every stage that uses the parameter (tied
+  and reused layers), so tensor hooks and post-accumulate-grad hooks run once, as without
+  checkpointing; frozen parameters get none; a gradient stopped inside a stage (``detach``,
+  ``torch.no_grad()``, a ``no_grad`` block in a captured ``forward()``) leaves the gradients
+  before it ``None``; a ``torch.autocast`` region in a captured ``forward()`` runs as it does
+  there (:mod:`edgetrain.frontend.fx_capture` keeps each region in one stage);
+* random numbers: every stage runs once in the forward pass; a recomputation replays the
+  random-number state the stage saw first (dropout masks are the same), and the caller's stream
+  goes on as usual;
+* buffers: a recomputation runs on copies of the stage's buffers, so BatchNorm running statistics
+  and ``num_batches_tracked`` end exactly as without checkpointing; a stage whose result depends
+  on buffers its forward changes (``spectral_norm``'s power iteration, a moving average the
+  module reads) is recomputed from copies of its buffers as they were before its first run
+  (a snapshot the plan counts: :attr:`~edgetrain.core.chain.Stage.reads_updated_buffers`);
+* autocast: every stage run (recomputations too) is under the autocast state of the forward,
+  without autocast's cache of weight copies (a copy lives as long as autograd saves it, as the
+  profile, made under the same state, counts it);
+* inputs may be a tensor or, for an ``nn.Sequential``, a tuple, list or dict of tensors (only
+  floating-point tensors carry gradients); stages may pass such structures between them; an
+  output the loss does not use leaves its layers' gradients ``None``;
+* a plan is made for the input's shapes and dtypes, which parameters and inputs need a
+  gradient, each module's train/eval mode, the autocast state and, for a captured model, the
+  plain Python attributes its ``forward()`` reads (fx traced their values in): a step that
+  differs in any of them is planned for anew (plans are kept per state, at most
+  :data:`KEPT_PLANS`), or refused with ``on_new_shape="error"``;
+* under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
+  when the plan stores everything (plain autograd's step, which holds no more than predicted);
+  a plan whose every stage belongs to one graph run (:func:`~edgetrain.core.schedule.graph_runs`:
+  stages stored, recomputed for the backward of the stage after them, or checkpointed segments)
+  is plain autograd on that run (:class:`~edgetrain.autograd.replay.GraphRunModule`), its step
+  measured as it runs.
+
+What is refused with one clear error (before any gradient, buffer or RNG state changes):
+
+* a second backward through the same step (``retain_graph``) and double backward
+  (``create_graph=True``, e.g. gradient penalties): run those without checkpointing;
+* an input or parameter changed in place between the forward and the backward, as autograd does;
+* hooks registered on the wrapped model itself (register them on ``Checkpointed`` or on its
+  children), and models torch.fx cannot trace (control flow on tensor values);
+* a saved plan made for another model, batch or input size; a captured model given a tuple,
+  list or dict; a model that returns its own input; a captured model whose ``forward()``
+  assigns to a module attribute (fx records calls, not assignments).
+
+Not yet right (open): with gradients accumulated over micro-batches, a parameter also used
+outside the model in the same step (an L2 penalty, two calls in one step) is added to ``.grad``
+in another order than autograd's (equal up to rounding); forward hooks on children run again in
+each recomputation.
+
+Memory: what the step holds above what it started with (weights, buffers, input, and gradients if
+they exist) is the plan's ``Cost.peak_bytes`` for the sample input's shape, as counted by
+:class:`~edgetrain.autograd.storage_counter.StorageCounter`, in both training loops
+(``zero_grad()`` setting
+gradients to ``None``, PyTorch's default, or keeping them): each parameter gradient leaves its
+stage as soon as autograd computes it, and is added in place to an existing ``.grad`` (kept
+gradients) or held, summed over the stages that use the parameter, for autograd to take at the
+end of the backward (``None`` gradients, and kept gradients of a parameter several stages use:
+autograd sums a parameter's uses before it adds to ``.grad``, so gradients accumulated over
+micro-batches are bitwise plain autograd's). An input of another shape is planned for anew
+(``on_new_shape="replan"``, the default) or refused (``"error"``). The loss the caller computes
+between the forward and the backward is the caller's: what it holds
+(for ``cross_entropy`` about twice the output's bytes, more for a large output such as a language
+model's logits) comes on top; leave room for it with ``reserve_bytes``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from edgetrain import progress
+from edgetrain.autograd.replay import (
+    AutocastState,
+    BufferSnapshot,
+    GraphRunModule,
+    RngState,
+    autocast_label,
+    autocast_state,
+    autocasting,
+    buffer_snapshot,
+    check_backward,
+    check_unchanged,
+    recomputing,
+    rng_state,
+)
+from edgetrain.autograd.stages import (
+    StageGraph,
+    StageParams,
+    differentiable,
+    leaves,
+    run_backward,
+    run_forward,
+    run_forward_with_grad,
+    shapes,
+    signature,
+    stage_params,
+)
+from edgetrain.core.accounting import fixed_training_bytes
+from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.schedule import (
+    Cost,
+    GraphRun,
+    Op,
+    Schedule,
+    graph_runs,
+    merged_schedule,
+    simulate,
+    stores_everything,
+)
+from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
+from edgetrain.frontend.cuts import as_stages
+from edgetrain.frontend.profiling import (
+    graph_step_peaks,
+    merged_chain,
+    profile_chain,
+    with_module_step,
+)
+from edgetrain.planners.optimal import store_all
+from edgetrain.planners.search import plan, plan_for_device
+from edgetrain.runtime.paging import PageStore
+from edgetrain.units import format_bytes, parse_bytes
+
+_NEW_SHAPE = ("replan", "error")
+STAGE_SECONDS = 75e-6
+"""The executor's own cost per stage it runs (Python and autograd: taps, hands, parameter
+leaves, an engine call), in seconds: 60-95 µs measured on this machine by
+``benchmarks/executor_overhead.py --per-stage``. A plan run as one graph pays it once."""
+ONE_GRAPH_TRIES = 2
+"""How many tighter plans :class:`Checkpointed` tries when its plan would run as one graph but,
+so run, holds a little more than its memory budget allows."""
+MERGE_GROWTH = 0.01
+"""Without a memory budget (``max_recompute``, or a given plan), how much a merge of stages
+into one graph may raise the plan's peak (a fraction of it). One graph may hold a little more:
+ViT-Tiny's plan at 1.02 recomputes its LayerNorms and GELUs; as one graph each LayerNorm also
+keeps its mean and deviation, 0.16 % more, for a step about 7 % faster."""
+
+
+class Checkpointed(nn.Module):
+    """Train an ``nn.Sequential`` within a memory budget by running a checkpointing plan.
+
+    Args:
+        model: the model to train: an ``nn.Sequential`` (its entries are the stages) or any
+            module torch.fx can trace (cut between the blocks that a single tensor leaves).
+        sample_input: an input of the shape training will use; profiled on this device.
+        memory_budget: bytes (or "512MB") the step may use for weights, gradients, buffers,
+            the input and activations together; the plan is the fastest that fits.
+        max_recompute: alternatively, the largest recompute factor (time over plain autograd's,
+            >= 1); the plan then uses the least memory that keeps to it.
+        strategy: "optimal" (dynamic program), "revolve" or "sequential".
+        reserve_bytes: memory to leave for other things (optimizer state ...) out of
+            ``memory_budget`` (bytes or a size such as "64MB").
+        chain: a chain to plan on instead of profiling ``model`` (e.g. an analytic one).
+        schedule: a ready plan (e.g. ``Schedule.load(path)``) instead of planning; refused if it
+            was made for another model or input size.
+        on_new_shape: "replan" (profile and plan again for an input of another shape, or when
+            what needs a gradient or a module's train/eval mode changed since planning: a layer
+            unfrozen, ``model.eval()``) or "error". A plan made once is kept for its input and
+            model state: coming back to them runs it again (a given ``schedule`` too; for other
+            inputs and states, plans are made for the memory the given one was made for). The
+            step that plans profiles the model first: its peak is the profile's, which can be
+            above a tight budget (call the model once per input shape before that matters).
+        page_dir: directory for the page files of a plan that pages activations out (``Po k`` /
+            ``Pi k``): the "SD card". Written by a background thread, checksummed, verified when
+            read back, deleted after use (see :mod:`edgetrain.runtime.paging`).
+
+    Attributes:
+        chain: the profiled chain. schedule: the plan. cost: its simulated cost (``peak_bytes``:
+        the most the step holds above what it starts with; seconds; recompute factor).
+    """
+
+    _merge_graph_runs = True  # run each graph run as one stage (False: a diagnostic)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sample_input: Any,
+        *,
+        memory_budget: int | float | str | None = None,
+        max_recompute: float | None = None,
+        strategy: str = "optimal",
+        reserve_bytes: int | float | str = 0,
+        chain: Chain | None = None,
+        schedule: Schedule | None = None,
+        on_new_shape: str = "replan",
+        page_dir: str | Path | None = None,
+    ) -> None:
+        super().__init__()
+        _refuse_hooks(model)
+        if on_new_shape not in _NEW_SHAPE:
+            raise InvalidInput(f"on_new_shape must be one of {', '.join(_NEW_SHAPE)}")
+        self.module = model
+        self.model = as_stages(model, sample_input)
+        self.strategy = strategy
+        self.on_new_shape = on_new_shape
+        self.reserve_bytes = 0 if reserve_bytes in (0, "0") else parse_bytes(reserve_bytes)
+        self._device = None if memory_budget is None else parse_bytes(memory_budget)
+        self._max_recompute = max_recompute
+        self._params = list(self.model.parameters())
+        self._grads_exist: bool | None = None
+        # Plans made so far, by what each was made for (see _state): everything a plan set up,
+        # restored as it was when a step comes back to that state (see _PLANNED).
+        self._plans: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self._key: tuple[Any, ...] = ()  # what the current plan was made for (_state)
+        self._unplanned = False  # a new plan failed half way: plan again at the next step
+        self._given_bytes = 0  # activation bytes a given schedule was made for (see _plan)
+        self.page_dir = None if page_dir is None else Path(page_dir)
+        if self.page_dir is not None:
+            PageStore(self.page_dir).close()  # refuse an unusable directory now, not mid-step
+        self._plan(sample_input, chain, schedule)
+        if self.cost.pages_out and self.page_dir is None:
+            raise InvalidInput(
+                "this plan pages activations out to files; give page_dir= a writable directory"
+            )
+
+    # -- planning ----------------------------------------------------------------------------------
+
+    def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
+        """Plan (or adopt ``schedule``) for ``sample``, and remember the plan for its state."""
+        self._make_plan(sample, chain, schedule)
+        self._plans[self._key] = {name: getattr(self, name) for name in _PLANNED}
+        while len(self._plans) > KEPT_PLANS:  # the oldest first; the one just made stays
+            del self._plans[next(iter(self._plans))]
+
+    def _make_plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
+        if chain is None:
+            chain = profile_chain(self.model, sample, autocast=autocast_state())
+        elif chain.autocast != autocast_label(autocast_state()):
+            raise InvalidInput(_autocast_mismatch(chain.autocast, autocast_label(autocast_state())))
+        if self.model is not self.module:
+            # The store-all plan runs the module itself: its own step's peak counts too.
+            chain = with_module_step(chain, self.module, sample)
+        self.chain = chain
+        self._signature = signature(sample)
+        self._key = self._state(sample)
+        # A run's merged stage depends on its stages and the sample only: sized once for every
+        # plan tried here (see the tighter plan below).
+        self._sized: dict[GraphRun, Stage] = {}
+        if schedule is not None:
+            _check_made_for(schedule, self.chain)
+            self._adopt(schedule, sample)
+            if self._device is None and self._max_recompute is None and not self._given_bytes:
+                # Another input or model state is planned for the memory this plan was made
+                # for (its planner's budget, else its own peak), not for storing everything.
+                made_for = schedule.params.get("budget_bytes")
+                self._given_bytes = (
+                    made_for if isinstance(made_for, int) else self._costs[False].peak_bytes
+                )
+            return
+        planned = self._planned(self._device)
+        self._adopt(planned, sample)
+        excess = self._one_graph_excess
+        if self._device is None or excess is None:
+            return
+        # The plan is one graph run end to end but, as one graph, holds ``excess`` bytes more
+        # than the budget allows (a LayerNorm's statistics: the DP fills the budget): the plan
+        # for a budget less by that much may run as one graph, without the executor's cost per
+        # stage. Kept when its time and that cost come to less; else the first plan is rebuilt.
+        first = self.cost.seconds + STAGE_SECONDS * self._exec_length
+        device = self._device
+        for _ in range(ONE_GRAPH_TRIES):
+            # Less by at least 0.5 % of the room for activations: the planner's budgets are
+            # discrete, and the tighter plan may fill its own as closely.
+            device -= max(2 * excess, int(0.005 * (device - self.fixed_bytes)))
+            try:
+                tighter = self._planned(device)
+            except InfeasibleBudget:
+                break
+            self._adopt(tighter, sample)
+            if self._one_graph or self._one_graph_excess is None:
+                break
+            excess = self._one_graph_excess
+        if not self._one_graph or self.cost.seconds + STAGE_SECONDS > first:
+            self._adopt(planned, sample)
+
+    def _state(self, x: Any) -> tuple[Any, ...]:
+        """What a plan is made for besides the model: the input's shapes and dtypes, which
+        input tensors and parameters need a gradient, each module's train/eval mode (the chain
+        records what needs a gradient, and a Dropout in eval mode was profiled as the
+        identity), the autocast state (under ``torch.autocast`` the stages are profiled
+        under it: other dtypes, other sizes, the weights' copies), and for a captured model
+        the plain Python attributes its ``forward()`` read while traced
+        (:attr:`~edgetrain.frontend.fx_capture.Captured.reads`: fx traced their values in, so a
+        temperature
+        annealed after planning would otherwise stay the old one; an attribute forward() does
+        not read, a step counter the loop keeps on the model, plans nothing again)."""
+        return (
+            shapes(x),
+            tuple(t.requires_grad for t in leaves(x)),
+            tuple(p.requires_grad for p in self._params),
+            tuple(m.training for m in self.module.modules()),
+            tuple(autocast_state()),
+            tuple(getattr(m, name, None) for m, name in getattr(self.model, "traced_reads", ())),
+        )
+
+    def _planned(self, device: int | None) -> Schedule:
+        """The planner's plan for a memory budget of ``device`` bytes (None: none)."""
+        # Shown only when planning takes more than a couple of seconds (long chains).
+        with progress.task(f"planning {self.chain.length} stages of {self.chain.name}"):
+            if device is None and self._given_bytes:
+                return plan(
+                    self.chain,
+                    self.strategy,
+                    memory=self._given_bytes,
+                    grads_exist=self.grads_exist,
+                )
+            return plan_for_device(
+                self.chain,
+                self.strategy,
+                device_bytes=device,
+                fixed_bytes=fixed_training_bytes(self.chain) + self.reserve_bytes,
+                recompute=self._max_recompute,
+                grads_exist=self.grads_exist,
+            )
+
+    def _adopt(self, schedule: Schedule, sample: Any) -> None:
+        """Make ``schedule`` the plan: its costs, the stages as they run (runs merged)."""
+        self.schedule = schedule
+        try:
+            self._costs = {
+                exist: simulate(self.chain, schedule, grads_exist=exist) for exist in (False, True)
+            }
+        except InvalidSchedule as exc:
+            raise InvalidSchedule(f"the plan does not fit this model: {exc}") from exc
+        if self._device is not None:
+            limit = self._device - self.reserve_bytes
+            worst = self.fixed_bytes + self._costs[True].peak_bytes
+            if worst > limit:
+                raise InfeasibleBudget(
+                    f"the given plan needs {format_bytes(worst)}, more than "
+                    f"the budget {format_bytes(limit)}; re-plan for this budget",
+                    worst,
+                )
+        self._stages = _stage_modules(self.model, self.chain)
+        # Stages whose result depends on buffers their forward changes (spectral_norm): a run
+        # again starts from a snapshot of their buffers taken before the first run.
+        self._snapshotted = {
+            k for k, stage in enumerate(self.chain.stages) if stage.reads_updated_buffers
+        }
+        # The store-all plan runs as plain autograd when its peak was measured so (the chain's
+        # autograd_peak_bytes, which simulate() gives it); otherwise stage by stage, as counted.
+        self._stores_everything = (
+            stores_everything(schedule) and self.chain.autograd_peak_bytes is not None
+        )
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        fine = [stage_params(m, index_of) for m in self._stages]
+        # What every step runs, decoded once: the stages as they run (a run of the plan's that
+        # can run as one graph, one stage: see graph_runs), the operations of each phase, and
+        # the stages run more than once (only their random-number state is kept for a replay).
+        self._one_graph = False  # the plan runs as one graph run by plain autograd (_merge)
+        self._one_graph_excess: int | None = None  # bytes over, when it could but does not fit
+        merging = self._merge_graph_runs and not self._stores_everything
+        runs = list(graph_runs(schedule)) if merging else []
+        chosen, self._exec_first, executed = self._merge(
+            runs, schedule, sample, lambda run: _own_params(fine, run)
+        )
+        self._exec_stages = _modules(self._stages, chosen, self._snapshotted)
+        self._exec_length = executed.length
+        self._stage_params = [
+            fine[k] if module is self._stages[k] else stage_params(module, index_of)
+            for k, module in zip(self._exec_first, self._exec_stages, strict=True)
+        ]
+        # Parameters that more than one stage as run uses (a tied weight): their gradients are
+        # summed over the stages before autograd adds them to .grad (see _Run.receive).
+        users = Counter(i for stage in self._stage_params for i, _ in stage.params)
+        self._shared_params = {i for i, count in users.items() if count > 1}
+        ops = list(executed)
+        self._forward_ops = ops[: executed.forward_phase_end]
+        self._backward_ops = ops[executed.forward_phase_end :]
+        forwards = Counter(k for kind, k in ops if kind.is_forward)
+        self._rerun = {k for k, count in forwards.items() if count > 1}
+        self._runs = {k: forwards[k] for k in self._rerun}
+        # A recomputation runs on copies of the buffers of these modules (see recomputing): those
+        # the chain counts (Stage.copied_buffer_bytes, from buffer_copy_bytes).
+        self._submodules = {k: list(self._exec_stages[k].modules()) for k in self._rerun}
+        bounds = [*self._exec_first, self.chain.length]
+        self._snapshots = {
+            k
+            for k in self._rerun
+            if any(j in self._snapshotted for j in range(bounds[k], bounds[k + 1]))
+        }
+        self._needs: dict[int, list[bool]] = {}  # per stage, filled as the stages first run
+
+    def _merge(
+        self,
+        runs: list[GraphRun],
+        schedule: Schedule,
+        sample: Any,
+        owns: Callable[[GraphRun], bool],
+    ) -> tuple[list[GraphRun], list[int], Schedule]:
+        """The runs to merge, the chain's stage each executed stage begins with, and the plan on
+        the executed stages. Each run of :func:`graph_runs` is sized as it runs (one graph: it
+        may hold more or less than its stages one by one; a parameter used twice in a run, for
+        one, has its first gradient held by autograd until the second comes when the loop keeps
+        gradients) and merged when the plan, so run, still fits in either training loop: within
+        ``memory_budget`` when one is given, else within :data:`MERGE_GROWTH` of the plan's own
+        peak and within the budget a given plan was made for. The plan's :attr:`cost` is then
+        that of the stages as they run. Only runs that ``owns`` (no stage outside uses their
+        parameters: see :func:`_own_params`) are merged."""
+        runs = [run for run in runs if owns(run) or run.rebuilds]
+        if not runs:
+            return [], *merged_schedule(schedule, [])
+        as_one = self._sized  # each run's stage, sized as it runs (kept across plans: _plan)
+
+        def size(candidates: list[GraphRun]) -> None:
+            candidates = [run for run in candidates if run not in as_one]
+            if not candidates:
+                return
+            first, _ = merged_schedule(schedule, candidates)
+            modules = _modules(self._stages, candidates, self._snapshotted)
+            with autocasting(autocast_state()):  # as the step runs them (see autocasting)
+                sized = merged_chain(self.chain, modules, first, sample)
+            if sized is not None:
+                by_first = dict(zip(first, sized.stages, strict=True))
+                as_one.update({run: by_first[run.first] for run in candidates})
+
+        allowed = {e: int(c.peak_bytes * (1 + MERGE_GROWTH)) for e, c in self._costs.items()}
+        planned_for = schedule.params.get("budget_bytes")  # the planner's, for a given plan
+        for exist, cost in self._costs.items():
+            if self._device is not None:
+                # What a step starts with in this loop (see fixed_bytes), and the reserve.
+                grads = 0 if exist else self.chain.gradient_bytes
+                fixed = fixed_training_bytes(self.chain) - grads + self.reserve_bytes
+                allowed[exist] = max(cost.peak_bytes, self._device - fixed)
+            elif isinstance(planned_for, int):
+                allowed[exist] = min(allowed[exist], max(cost.peak_bytes, planned_for))
+
+        def costs(chosen: list[GraphRun]) -> dict[bool, Cost]:
+            """The plan's cost with ``chosen`` merged: its peak as it runs; its time, steps and
+            recompute factor the plan's (a rebuild is the plan's recomputation)."""
+            starts, plan = merged_schedule(schedule, chosen)
+            merged = {run.first: as_one[run] for run in chosen}
+            stages = tuple(merged.get(k, self.chain.stages[k]) for k in starts)
+            chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
+            return {
+                exist: replace(fine, peak_bytes=simulate(chain, plan, grads_exist=exist).peak_bytes)
+                for exist, fine in self._costs.items()
+            }
+
+        def over(cost: dict[bool, Cost]) -> int:
+            """How far the worse of the two loops is above what it allows (bytes)."""
+            return max(c.peak_bytes - allowed[e] for e, c in cost.items())
+
+        def fits(chosen: list[GraphRun]) -> bool:
+            return over(costs(chosen)) <= 0
+
+        def fit(run: GraphRun) -> bool:
+            return run in as_one and fits([run])
+
+        whole = [run for run in runs if owns(run)]
+        size(whole)
+        chosen = [run for run in whole if fit(run)]
+        # A run that does not fit whole: without the pairs and segments that do not fit alone
+        # (one graph may hold more of a pair: a Dropout's mask), else as stored parts.
+        rest = [run for run in runs if run.rebuilds and run not in chosen]
+        pairs = [pair for run in rest for pair in run.pairs()]
+        size(pairs)
+        pieces = [
+            piece
+            for run in rest
+            for piece in run.without({p.first for p in run.pairs() if not fit(p)})
+            if owns(piece)
+        ]
+        size(pieces)  # each size() profiles the whole model once: one per kind of candidate
+        chosen += [piece for piece in pieces if fit(piece)]
+        parts = [
+            part
+            for piece in pieces
+            if not fit(piece)
+            for part in piece.without(piece.rebuilds)
+            if owns(part)
+        ]
+        size(parts)
+        chosen += [part for part in parts if fit(part)]
+        chosen.sort(key=lambda run: run.first)
+        while chosen and not fits(chosen):  # each fits alone, not together: drop the last
+            chosen.pop()
+        if chosen:
+            self._costs = costs(chosen)
+        first, plan = merged_schedule(schedule, chosen)
+        spans = [(run.first, run.last) for run in chosen]
+        ends = [(run.first, run.last) for run in whole]
+        if ends == [(0, self.chain.length - 1)] and whole[0].rebuilds and whole[0] in as_one:
+            # How much more than allowed the whole model as one graph holds (see _plan).
+            self._one_graph_excess = over(costs([whole[0]]))
+        if spans == [(0, self.chain.length - 1)] and chosen[0].rebuilds:
+            # One graph for the whole model: plain autograd runs it (as a store-all plan runs
+            # the module), its step measured as it runs; if that fits too.
+            peaks = graph_step_peaks(_modules(self._stages, chosen, self._snapshotted)[0], sample)
+            if peaks is not None:
+                one = replace(self.chain, stages=(as_one[chosen[0]],), autograd_peak_bytes=peaks)
+                direct = {
+                    e: replace(c, peak_bytes=simulate(one, plan, grads_exist=e).peak_bytes)
+                    for e, c in self._costs.items()
+                }
+                self._one_graph_excess = over(direct)
+                if self._one_graph_excess <= 0:
+                    self._costs, self._one_graph = direct, True
+        if self._one_graph_excess is not None and self._one_graph_excess <= 0:
+            self._one_graph_excess = None
+        return chosen, first, plan
+
+    @property
+    def runs_as(self) -> str:
+        """How a step runs: "the module itself" (a plan that stores everything), "one graph"
+        (every stage in one graph run, :class:`~edgetrain.autograd.replay.GraphRunModule`), or "N
+        stages" (the executor's, some of them runs merged)."""
+        if self._stores_everything:
+            return "the module itself"
+        if self._one_graph:
+            return "one graph"
+        return f"{self._exec_length} stages"
+
+    @property
+    def grads_exist(self) -> bool:
+        """Whether the training loop keeps gradients between steps: whether the last step found
+        them all (and no hook on them); before the first step, whether they exist now."""
+        if self._grads_exist is None:
+            return _kept(p for p in self._params if p.requires_grad)
+        return self._grads_exist
+
+    @property
+    def cost(self) -> Cost:
+        """The plan's simulated cost in this training loop (see :attr:`grads_exist`)."""
+        return self._costs[self.grads_exist]
+
+    @property
+    def fixed_bytes(self) -> int:
+        """Weights, buffers and the input, and the gradients when the loop keeps them: what a
+        step starts with."""
+        grads = self.chain.gradient_bytes if self.grads_exist else 0
+        return fixed_training_bytes(self.chain) - self.chain.gradient_bytes + grads
+
+    @property
+    def plain_cost(self) -> Cost:
+        """Plain autograd's step as a plan (everything stored), on the same basis as ``cost``."""
+        return simulate(self.chain, store_all(self.chain), grads_exist=self.grads_exist)
+
+    @property
+    def plain_peak_bytes(self) -> int:
+        """Predicted peak of the whole step under plain autograd: fixed + its activation peak."""
+        return self.fixed_bytes + self.plain_cost.peak_bytes
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """Predicted peak of the whole step: :attr:`fixed_bytes` + the plan's ``peak_bytes``."""
+        return self.fixed_bytes + self.cost.peak_bytes
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def forward(self, x: Any) -> Any:
+        _refuse_hooks(self.module)
+        trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
+        params = [self._params[i] for i in trainable]
+        inputs = leaves(x)
+        if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or params):
+            return self.module(x)
+        key = self._state(x)
+        if key != self._key or self._unplanned:
+            self._plan_for(x, key)
+            return self.forward(x)  # the step, on the plan (and parameter list) for this state
+        self._grads_exist = _kept(params)  # the loop this step runs in
+        if self._stores_everything:
+            # Every stage once with its graph, nothing recomputed: plain autograd on the module,
+            # whose step's peak was measured (Chain.autograd_peak_bytes); no executor overhead.
+            return self.module(x)
+        if self._one_graph:
+            # The whole plan one graph that rebuilds the outputs it recomputes (GraphRunModule):
+            # plain autograd on it, its step's peak measured as it runs; the inputs and
+            # parameters watched as the executor watches them (a rebuild reads them again).
+            watched = [(t, t._version) for t in (*inputs, *params)]
+            flat, spec = tree_flatten(self._exec_stages[0](x))
+            grads = [
+                i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            outs = _Watch.apply(watched, *(flat[i] for i in grads))
+            for i, out in zip(grads, outs, strict=True):
+                flat[i] = out
+            return tree_unflatten(flat, spec)
+        run = _Run(self, x, trainable)
+        views = [t.view_as(t) if t.requires_grad else t for t in inputs]
+        outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
+        return run.output(outs)
+
+    def _plan_for(self, x: Any, key: tuple[Any, ...]) -> None:
+        """Make the plan for the state ``key`` of a step on ``x`` (see :meth:`_state`) the
+        current one: restored as it was if planned for before, else planned now (or refused
+        with ``on_new_shape="error"``)."""
+        shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
+        if self.on_new_shape == "error":
+            raise InvalidInput(
+                f"Checkpointed was planned for another state than this step's "
+                f"({_change(self._key, key, shapes_now)}); plan for it (or pass "
+                "on_new_shape='replan')"
+            )
+        known = self._plans.get(key)
+        if known is not None:  # a state planned for before: as it was then
+            for name, value in known.items():
+                setattr(self, name, value)
+            self._unplanned = False
+            return
+        if self.model is not self.module:
+            self.model = as_stages(self.module, x)
+            self._params = list(self.model.parameters())
+        planned, change = self._key, _change(self._key, key, shapes_now)
+        self._unplanned = True  # until this plan is made: half planned, every call plans
+        try:
+            self._plan(x, None, None)
+        except InfeasibleBudget as exc:
+            self._key = planned
+            raise InfeasibleBudget(f"planning again for {change}: {exc}", exc.smallest) from exc
+        self._unplanned = False
+
+    def extra_repr(self) -> str:
+        return (
+            f"strategy={self.schedule.strategy!r}, stages={self.chain.length}, "
+            f"peak_bytes={self.cost.peak_bytes}, recompute_factor={self.cost.recompute_factor:.3f}"
+        )
+
+
+KEPT_PLANS = 16
+"""Plans :class:`Checkpointed` keeps for states it may come back to (a value ``forward()`` reads
+that changes every step plans every step; pass such a value as a tensor instead)."""
+
+
+def _kept(params: Any) -> bool:
+    """Whether gradients can be added to in place: they exist and no hook must see them."""
+    return all(
+        p.grad is not None and not p._backward_hooks and not p._post_accumulate_grad_hooks
+        for p in params
+    )
+
+
+def _refuse_hooks(model: nn.Module) -> None:
+    hooks = (
+        model._forward_hooks,
+        model._forward_pre_hooks,
+        model._backward_hooks,
+        model._backward_pre_hooks,
+    )
+    if any(hooks):
+        raise InvalidInput(
+            "the wrapped nn.Sequential has hooks of its own, which Checkpointed would not run; "
+            "register them on the Checkpointed module or on the model's children instead"
+        )
+
+
+def _check_made_for(schedule: Schedule, chain: Chain) -> None:
+    made_for = schedule.params.get("made_for")
+    if not isinstance(made_for, dict):
+        return  # a plan written by hand: simulate() checks that it runs on this chain
+    if made_for.get("chain") != chain.fingerprint():
+        raise InvalidSchedule(
+            f"this plan was made for {made_for.get('model') or 'another model'} with an input of "
+            f"{made_for.get('input_bytes')} bytes, not for this model with {chain.input_bytes} "
+            "(another model, batch, image size or dtype); re-plan it for this one"
+        )
+
+
+def _stage_modules(model: nn.Sequential, chain: Chain) -> list[nn.Module]:
+    children = [m for m in model._modules.values() if m is not None]
+    if sum(stage.span for stage in chain.stages) != len(children):
+        raise InvalidInput(
+            f"the chain covers {sum(s.span for s in chain.stages)} children but the model has "
+            f"{len(children)}; profile this model again"
+        )
+    modules: list[nn.Module] = []
+    start = 0
+    for stage in chain.stages:
+        part = children[start : start + stage.span]
+        modules.append(part[0] if stage.span == 1 else nn.Sequential(*part))
+        start += stage.span
+    return modules
+
+
+def _own_params(params: list[StageParams], run: GraphRun) -> bool:
+    """Whether no stage outside ``run`` uses a trainable parameter of its stages. Autograd sums
+    a parameter's gradients from the uses inside one graph before handing them on; with a use
+    outside the run too, the sum would be taken in another order than plain autograd's (which
+    sums them all, then adds to ``.grad``), and the gradient would differ in its last bits."""
+    inside = {index for stage in params[run.first : run.last + 1] for index, _ in stage.params}
+    return not any(
+        index in inside
+        for k, stage in enumerate(params)
+        if not run.first <= k <= run.last
+        for index, _ in stage.params
+    )
+
+
+def _modules(
+    stages: list[nn.Module], runs: list[GraphRun], snapshotted: set[int]
+) -> list[nn.Module]:
+    """The stages as the executor runs them: each of ``runs`` one stage (a
+    :class:`~edgetrain.autograd.replay.GraphRunModule`; of its stages, those in ``snapshotted`` are
+    rebuilt from a snapshot of their buffers), the others as they are (see
+    :func:`~edgetrain.core.schedule.merged_schedule`)."""
+    merged = {run.first: run for run in runs}
+    modules: list[nn.Module] = []
+    k = 0
+    while k < len(stages):
+        run = merged.get(k)
+        if run is None:
+            modules.append(stages[k])
+            k += 1
+            continue
+        recomputed = frozenset(j - run.first for j in run.recomputed)
+        segments = frozenset((i - run.first, j - run.first) for i, j in run.checkpointed)
+        snapshots = frozenset(j - run.first for j in snapshotted if run.first <= j <= run.last)
+        modules.append(
+            GraphRunModule(stages[run.first : run.last + 1], recomputed, segments, snapshots)
+        )
+        k = run.last + 1
+    return modules
+
+
+@dataclass
+class _Run:
+    """The state of one training step: exactly what the plan holds between operations."""
+
+    net: Checkpointed
+    sample: Any
+    trainable: list[int]  # indices of the parameters that require grad, in order
+    plain: dict[int, Any] = field(default_factory=dict)
+    graphs: dict[int, StageGraph] = field(default_factory=dict)
+    grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    param_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    rng: dict[int, RngState] = field(default_factory=dict)
+    runs: Counter[int] = field(default_factory=Counter)  # runs so far of stages run again
+    snapshots: dict[int, BufferSnapshot] = field(default_factory=dict)
+    wanted_params: set[int] = field(default_factory=set)
+    in_place: dict[int, torch.Tensor] = field(default_factory=dict)  # index -> its .grad
+    want_input: bool = True
+    autocast: AutocastState = field(default_factory=list)
+    out_spec: Any = None
+    out_flat: list[Any] = field(default_factory=list)
+    done: bool = False
+    pages: PageStore | None = None
+    writing: Any = None  # a paged-out value, held until the operation after its page-out ends
+
+    def output(self, outs: tuple[torch.Tensor, ...]) -> Any:
+        """The caller's output: the function's tensors in the structure the model returned."""
+        got = iter(outs)
+        flat = [next(got) if isinstance(t, torch.Tensor) else t for t in self.out_flat]
+        self.out_flat = []
+        return tree_unflatten(flat, self.out_spec)
+
+    def execute(self, ops: list[tuple[Op, int]]) -> None:
+        for at, (kind, k) in enumerate(ops):
+            # A page-out's write overlaps the next operation; its memory goes when that ends.
+            written, self.writing = self.writing, None
+            if self.pages is not None and at + 1 < len(ops) and ops[at + 1][0] == Op.PAGE_IN:
+                self.pages.prefetch(str(ops[at + 1][1]))  # the kernel reads while this op runs
+            if kind is Op.DISCARD:
+                del self.plain[k]
+            elif kind is Op.BACKWARD:
+                self._backward(k)
+            elif kind is Op.PAGE_OUT:
+                self.writing = (k, self.plain.pop(k))
+                self._pages().put(str(k), tree_map(_detach, self.writing[1]))
+            elif kind is Op.PAGE_IN:
+                self.plain[k] = self._pages().take(str(k))
+            else:
+                self._forward(kind, k)
+            if written is not None:
+                # The kernel has the bytes (the fsync goes on in the background): drop ours.
+                self._pages().wait_written(str(written[0]))
+                del written
+
+    def _pages(self) -> PageStore:
+        if self.pages is None:
+            assert self.net.page_dir is not None
+            self.pages = _page_store(self.net, self.net.page_dir)
+        return self.pages
+
+    def close_pages(self) -> None:
+        """Delete the step's page files (after its backward, or when it is abandoned)."""
+        self.writing = None
+        if self.pages is not None:
+            self.pages.clear()
+            if self.pages.failed:
+                _STORES.pop(self.net, None)
+                self.pages.close()
+            self.pages = None
+
+    def _forward(self, kind: Op, k: int) -> None:
+        x = self.plain[k]
+        if k in self.rng or k in self.net._rerun or self.autocast:
+            with self._replay(k), self._autocast():
+                out = self._run_stage(kind, k, x)
+        else:  # the common case: nothing to remember or replay, no autocast to enter
+            out = self._run_stage(kind, k, x)
+        del x
+        self.plain[k + 1] = out
+        del out
+        if kind is not Op.FORWARD_CHECKPOINT and k > 0:
+            del self.plain[k]
+
+    def _run_stage(self, kind: Op, k: int, x: Any) -> Any:
+        module = self.net._exec_stages[k]
+        if not kind.builds_graph:
+            return run_forward(module, x, stage=k)
+        out, self.graphs[k] = run_forward_with_grad(
+            module,
+            x,
+            needs_input_grad=self._needs(k, x),
+            params=self.net._stage_params[k],
+            sink=self.receive,
+            stage=k,
+            release=kind is Op.FORWARD_RELEASE,
+        )
+        return out
+
+    def _needs(self, k: int, x: Any) -> list[bool]:
+        """Which of stage k's input tensors need a gradient: the model input's as given; for
+        later stages what the chain records, known once per plan (the input's shapes and dtypes
+        are the plan's, and so are those of every activation)."""
+        if k == 0:
+            return [t.requires_grad for t in leaves(self.sample)]
+        needs = self.net._needs.get(k)
+        if needs is None:
+            wanted = self.net.chain.requires_grad(self.net._exec_first[k])
+            needs = self.net._needs[k] = [wanted and differentiable(t) for t in leaves(x)]
+        return needs
+
+    def _backward(self, k: int) -> None:
+        graph = self.graphs.pop(k)
+        grad_out = self.grads.pop(k + 1)
+        if k == 0 and not self.want_input:
+            graph.inputs = [None] * len(graph.inputs)
+        # A graph built by Fr k reads a[k] again, which the plan recomputed; B k drops it.
+        rebuilt = None if graph.release is None else self.plain.pop(k) if k else self.plain[0]
+        input_grads = run_backward(
+            graph, grad_out, params=bool(self.wanted_params), rebuilt=rebuilt
+        )
+        del graph, grad_out, rebuilt
+        self.grads[k] = input_grads
+
+    def receive(self, index: int, grad: torch.Tensor) -> None:
+        """A parameter's gradient from one stage, as autograd computes it: added in place to
+        its ``.grad`` when the loop keeps gradients (as autograd would) and no other stage uses
+        the parameter, else kept, summed over the stages that use it, for autograd to take
+        (and add to ``.grad``) at the end of the step."""
+        if index not in self.wanted_params:
+            return
+        if index in self.in_place:
+            with torch.no_grad():
+                self.in_place[index].add_(grad)
+            return
+        known = self.param_grads.get(index)
+        # Out of place: the first gradient may alias another that is still in use.
+        self.param_grads[index] = grad if known is None else known + grad
+
+    def _replay(self, k: int) -> AbstractContextManager[None]:
+        """First run of stage k: remember its RNG state (if the plan runs it again) and, for a
+        stage whose result depends on buffers it changes, its buffers. Later runs: replay them,
+        keep the model's buffers; the snapshot goes with the last run."""
+        net = self.net
+        if k not in net._rerun:
+            return nullcontext()
+        self.runs[k] += 1
+        if k not in self.rng:
+            self.rng[k] = rng_state()
+            if k in net._snapshots:
+                self.snapshots[k] = buffer_snapshot(net._submodules[k])
+            return nullcontext()
+        last = self.runs[k] == net._runs[k]
+        snapshot = self.snapshots.pop(k, None) if last else self.snapshots.get(k)
+        return recomputing(self.rng[k], net._submodules[k], snapshot)
+
+    def _autocast(self) -> AbstractContextManager[None]:
+        return autocasting(self.autocast) if self.autocast else nullcontext()
+
+
+_PLANNED = (
+    "model",
+    "_params",
+    "chain",
+    "schedule",
+    "_signature",
+    "_key",
+    "_sized",
+    "_costs",
+    "_stages",
+    "_stores_everything",
+    "_one_graph",
+    "_one_graph_excess",
+    "_exec_stages",
+    "_exec_first",
+    "_exec_length",
+    "_stage_params",
+    "_shared_params",
+    "_forward_ops",
+    "_backward_ops",
+    "_rerun",
+    "_runs",
+    "_snapshotted",
+    "_snapshots",
+    "_submodules",
+    "_needs",
+)
+"""What :meth:`Checkpointed._plan` sets up for a state (see ``Checkpointed._plans``)."""
+
+
+def _autocast_mismatch(measured: tuple[str, ...], now: tuple[str, ...]) -> str:
+    """Why a given chain cannot plan this step: it was measured in another autocast state."""
+
+    def state(label: tuple[str, ...]) -> str:
+        return f"under torch.autocast({', '.join(label)})" if label else "without torch.autocast"
+
+    return (
+        f"chain= was measured {state(measured)} but Checkpointed is built {state(now)}, where "
+        "the step holds other dtypes and sizes; build it in the state the chain was measured "
+        "in (a step in another autocast state then plans for that state), or pass no chain="
+    )
+
+
+def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
+    """What differs between two :meth:`Checkpointed._state` keys, in words (``shapes``: the
+    input's then and now)."""
+    changes = [
+        what
+        for what, a, b in zip(
+            (
+                f"an input of {shapes}",
+                "another input needing a gradient",
+                "other parameters needing gradients (frozen or unfrozen layers)",
+                "another train/eval mode",
+                "another torch.autocast state",
+                "another value of a module attribute (fx traced the old one into the stages)",
+            ),
+            planned,
+            now,
+            strict=True,
+        )
+        if a != b
+    ]
+    return ", ".join(changes)
+
+
+def _detach(value: Any) -> Any:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _accumulates(view_node: Any) -> bool:
+    """Whether the caller's backward writes this parameter's ``.grad`` (``loss.backward()``),
+    rather than returning its gradient (``torch.autograd.grad``) or skipping it."""
+    if view_node is None:
+        return False
+    accumulator = view_node.next_functions[0][0]
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:  # autograd.grad(): the gradient is returned, not accumulated
+        return False
+
+
+class _Watch(torch.autograd.Function):
+    """The identity on a step's output tensors; its backward, the first of the step's, refuses
+    to go on (before any gradient is made) when an input or parameter was changed in place since
+    the forward, on a second backward and on double backward, as :class:`_ScheduleFunction`
+    does: the graph's rebuilds read the inputs and parameters again, once, without grad."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, watched: list[tuple[torch.Tensor, int]], *outs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.watched = watched
+        ctx.done = False
+        # An output the loss does not use hands back None, not zeros: its parameters' gradients
+        # stay None, as plain autograd leaves them.
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        check_backward(ctx.done)
+        check_unchanged(ctx.watched)
+        ctx.watched, ctx.done = [], True
+        return (None, *grads)
+
+
+class _ScheduleFunction(torch.autograd.Function):
+    """Forward: the plan's forward phase. Backward: the rest of the plan.
+
+    Its inputs are the input's tensors and the trainable parameters (as views, so that the
+    backward can ask autograd which of them the caller's backward needs); its outputs the
+    model's output tensors.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, run: _Run, count: int, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        net = run.net
+        flat, spec = tree_flatten(run.sample)
+        given = iter(tensors[:count])
+        run.plain[0] = tree_unflatten(
+            [next(given).detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
+        )
+        run.autocast = autocast_state()
+        run.execute(net._forward_ops)
+        out = run.plain.pop(net._exec_length)  # the caller's from now on
+        run.out_flat, run.out_spec = tree_flatten(out)
+        del out
+        ctx.run = run
+        ctx.backward_ops = net._backward_ops
+        ctx.count = count
+        ctx.watched = [(t, t._version) for t in tensors]
+        ctx.set_materialize_grads(False)
+        results = tuple(t.detach() for t in run.out_flat if isinstance(t, torch.Tensor))
+        ctx.mark_non_differentiable(*(t for t in results if not differentiable(t)))
+        return results
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
+        run: _Run = ctx.run
+        check_backward(run.done)
+        check_unchanged(ctx.watched)
+        count = ctx.count
+        nexts = ctx.next_functions  # a new tuple at every access
+        needed = [
+            node is not None and torch._C._will_engine_execute_node(node) for node, _ in nexts
+        ]
+        run.want_input = any(needed[:count])
+        params = run.net._params
+        run.wanted_params = {
+            i for i, want in zip(run.trainable, needed[count:], strict=True) if want
+        }
+        # Gradients that exist, watched by no hook, which the caller's backward accumulates:
+        # add to them in place as plain autograd does, and hand autograd nothing for them. But
+        # a parameter several stages use: autograd sums its gradients from every use, then
+        # adds the sum to .grad; so the executor sums them and hands autograd the sum.
+        kept = {
+            i: params[i].grad
+            for j, i in enumerate(run.trainable)
+            if i in run.wanted_params
+            and params[i].grad is not None
+            and _kept([params[i]])
+            and _accumulates(nexts[count + j][0])
+        }
+        run.net._grads_exist = len(kept) == len(run.wanted_params)
+        shared = run.net._shared_params
+        run.in_place = {i: grad for i, grad in kept.items() if i not in shared}
+        run.grads[run.net._exec_length] = list(grad_outputs)
+        del grad_outputs
+        run.execute(ctx.backward_ops)
+        input_grads = run.grads.pop(0, None) or [None] * count
+        results = [run.param_grads.pop(i, None) for i in run.trainable]
+        run.in_place.clear()
+        run.plain.clear()
+        run.graphs.clear()
+        run.grads.clear()
+        run.param_grads.clear()
+        run.close_pages()
+        run.done = True
+        ctx.watched = []
+        return (None, None, *input_grads, *results)
+
+
+_STORES: weakref.WeakKeyDictionary[Checkpointed, PageStore] = weakref.WeakKeyDictionary()
+
+
+def _page_store(net: Checkpointed, directory: Path) -> PageStore:
+    """The page store of ``net``, kept from step to step (its threads start once), emptied of
+    the pages a step abandoned; closed when ``net`` is garbage collected."""
+    store = _STORES.get(net)
+    if store is None or store.directory != directory:
+        store = PageStore(directory)
+        _STORES[net] = store
+        weakref.finalize(net, store.close)
+    store.clear()
+    return store

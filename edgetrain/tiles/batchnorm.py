@@ -1,0 +1,134 @@
+"""Batch norm in train mode over tiles with the statistics of the whole batch (torch).
+
+Each rank holds a region of the feature map: the pixels it *owns* (a partition of the map over
+the ranks) plus halo pixels that other ranks own. The function is exact by construction:
+
+Forward. Each rank computes, over its owned pixels only, the count, mean and sum of squared
+deviations per channel; an all-gather and Chan's pairwise combination (in rank order, so every
+rank gets bit-identical numbers) give the global mean and biased variance. The whole local
+region, halo included, is normalised with them.
+
+Backward. Every rank's copy of ``y = (x - mean) * invstd * w + b`` contributes to the loss, and the
+mean and variance depend on the *owned* copies only. With ``g`` the gradient of the rank's copy
+of ``y`` and ``x̂ = (x - mean) * invstd``::
+
+    dx = w * invstd * (g - [owned] (Σ g + x̂ Σ g x̂) / N)
+
+where the sums run over every rank's whole local region (all-reduced) and the correction applies
+only to owned pixels. The weight and bias gradients returned are this rank's local sums; the
+weight-gradient all-reduce after backward adds them up. Both exchanges are a few hundred bytes
+per layer (:meth:`Comm.gather_small`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from edgetrain.tiles.comm import Comm
+
+_DIMS = (0, 2, 3)
+
+
+def _channel(t: torch.Tensor) -> torch.Tensor:
+    return t.view(1, -1, 1, 1)
+
+
+class _GlobalBatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        owned: tuple[slice, slice],
+        eps: float,
+        comm: Comm,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mine = x[:, :, owned[0], owned[1]]
+        channels = x.shape[1]
+        count = mine.numel() // channels
+        if count:
+            # batch norm's own statistics kernel: mean and biased variance in one pass
+            mean, var = torch.ops.aten.batch_norm_update_stats(mine, None, None, 0.0)
+            m2 = var * count
+        else:
+            mean = m2 = x.new_zeros(channels)
+        packed = torch.stack([mean.new_full((channels,), float(count)), mean, m2])
+        total = x.new_zeros(channels)
+        g_mean = x.new_zeros(channels)
+        g_m2 = x.new_zeros(channels)
+        for part in comm.gather_small(packed):  # Chan et al.: combine (n, mean, M2) pairwise
+            n_b, mean_b, m2_b = part[0], part[1], part[2]
+            new_total = total + n_b
+            delta = mean_b - g_mean
+            safe = torch.where(new_total > 0, new_total, torch.ones_like(new_total))
+            g_mean = g_mean + delta * n_b / safe
+            g_m2 = g_m2 + m2_b + delta.square() * total * n_b / safe
+            total = new_total
+        var = g_m2 / total
+        # Normalising with given statistics is batch norm's inference kernel: one fused pass.
+        y = functional.batch_norm(x, g_mean, var, weight, bias, False, 0.0, eps)
+        ctx.save_for_backward(x, weight, g_mean, var)
+        ctx.owned, ctx.eps, ctx.comm = owned, eps, comm
+        ctx.count = float(total[0].item())
+        ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
+        unbiased = g_m2 / (total - 1).clamp(min=1)
+        ctx.mark_non_differentiable(g_mean, unbiased)
+        return y, g_mean, unbiased
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor, _mean: torch.Tensor, _var: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, weight, mean, var = ctx.saved_tensors
+        # The inference-mode backward kernel gives, in one pass, g * invstd * w (the direct
+        # part of dx), the sum of g * x̂ (the weight gradient) and the sum of g (the bias's).
+        dx, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
+            grad, x, weight, mean, var, None, None, False, ctx.eps, [True, True, True]
+        )
+        parts = ctx.comm.gather_small(torch.stack([sum_g, sum_gx]))
+        sums = parts[0].clone()
+        for part in parts[1:]:  # in rank order: the same sums, bit for bit, on every rank
+            sums += part
+        # Owned pixels also move the mean and variance: subtract (Σg + x̂ Σgx̂) · w·invstd / N,
+        # which is k1 * x + k0 per channel with x̂ = (x - mean) * invstd.
+        invstd = torch.rsqrt(var + ctx.eps)
+        scale = invstd * weight if weight is not None else invstd
+        k1 = scale * sums[1] * invstd / ctx.count
+        k0 = scale * sums[0] / ctx.count - k1 * mean
+        rows, cols = ctx.owned
+        mine = dx[:, :, rows, cols]
+        mine.sub_(_channel(k0)).addcmul_(x[:, :, rows, cols], _channel(k1), value=-1.0)
+        grad_weight = sum_gx if ctx.has_weight else None
+        grad_bias = sum_g if ctx.has_bias else None
+        return dx, grad_weight, grad_bias, None, None, None
+
+
+def global_batch_norm(
+    x: torch.Tensor, bn: nn.BatchNorm2d, owned: tuple[slice, slice], comm: Comm
+) -> torch.Tensor:
+    """Apply ``bn`` to a local region ``x`` of which ``owned`` (slices into ``x``) is this rank's.
+
+    In train mode (or without running statistics) the statistics are those of the whole map
+    over all ranks, and the running statistics are updated from them exactly as
+    ``nn.BatchNorm2d`` does, identically on every rank. In eval mode it is element-wise.
+    """
+    if not bn.training and bn.track_running_stats:
+        return nn.functional.batch_norm(
+            x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps
+        )
+    y, mean, unbiased = _GlobalBatchNorm.apply(x, bn.weight, bn.bias, owned, bn.eps, comm)
+    if bn.training and bn.track_running_stats:
+        assert bn.running_mean is not None and bn.running_var is not None
+        assert bn.num_batches_tracked is not None
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            tracked = float(bn.num_batches_tracked)
+            momentum = 1.0 / tracked if bn.momentum is None else bn.momentum
+            bn.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+            bn.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+    return y  # type: ignore[no-any-return]

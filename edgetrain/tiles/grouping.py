@@ -1,0 +1,282 @@
+"""Layer grouping: a cost model of one tile-parallel training step and the best grouping (pure).
+
+Fusing many layers into one group saves communication (one halo exchange per group, at its
+input) but costs redundant computation (the halo grows with every window it is traced through).
+The cost model prices a group as
+
+* compute: the slowest rank's multiply-accumulates (halo included) × (1 + backward factor) /
+  the device's rate (``Device.macs_per_second``);
+* halo: forward halos plus the same bytes back as gradient halos. On a switch every device has its
+  own full-duplex link, so an exchange takes the largest bytes any rank sends or receives over
+  the bandwidth; on a shared medium (Wi-Fi) all transfers queue on one channel. Each message adds
+  the link latency;
+* batch norm: two small collectives per batch-norm layer (statistics forward, gradient sums
+  backward), each ``ceil(log2 P)`` latencies plus its bytes.
+
+The step adds one all-reduce of the weight gradients (ring: ``2 (P-1)/P`` of the gradient bytes
+per device) which does not depend on the grouping. Because a group's cost depends only on its
+own first and last layer (its input is always cut by the same grid), the total is a sum over
+groups and a dynamic program over group boundaries finds the cheapest grouping in ``O(L^2)``
+group evaluations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil, log2
+
+from edgetrain.devices.cluster import Cluster, Link
+from edgetrain.tiles.tiling import (
+    Grid,
+    Grouping,
+    GroupPlan,
+    Network,
+    TilePlan,
+    Transfer,
+    check_grouping,
+    parse_groups,
+    plan_group,
+)
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """Predicted seconds of one group in one training step (forward + backward)."""
+
+    first: int
+    last: int
+    compute_seconds: float
+    halo_seconds: float
+    batchnorm_seconds: float
+    halo_bytes: int
+    """Bytes of forward halos plus backward gradient halos, summed over all ranks."""
+    macs: int
+    """Forward multiply-accumulates over all ranks, halo recomputation included."""
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_seconds + self.halo_seconds + self.batchnorm_seconds
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Predicted time of one training step of a grouping on a cluster.
+
+    ``untiled_macs`` is the network's forward work without any halo, so
+    ``macs / untiled_macs - 1`` is the redundant computation.
+    """
+
+    grouping: Grouping
+    groups: tuple[GroupCost, ...]
+    allreduce_seconds: float
+    untiled_macs: int
+
+    @property
+    def seconds(self) -> float:
+        """Predicted seconds per training step."""
+        return sum(g.seconds for g in self.groups) + self.allreduce_seconds
+
+    @property
+    def compute_seconds(self) -> float:
+        return sum(g.compute_seconds for g in self.groups)
+
+    @property
+    def communication_seconds(self) -> float:
+        """Halo exchanges, batch-norm collectives and the weight-gradient all-reduce."""
+        return self.seconds - self.compute_seconds
+
+    @property
+    def halo_bytes(self) -> int:
+        return sum(g.halo_bytes for g in self.groups)
+
+    @property
+    def macs(self) -> int:
+        return sum(g.macs for g in self.groups)
+
+    @property
+    def redundancy(self) -> float:
+        """Forward work over the untiled network's (1.0 = no recomputation)."""
+        return self.macs / self.untiled_macs if self.untiled_macs else 1.0
+
+
+def exchange_seconds(transfers: tuple[Transfer, ...], bytes_of: list[int], link: Link) -> float:
+    """Seconds for one exchange in which ``transfers[i]`` carries ``bytes_of[i]`` bytes."""
+    if not transfers:
+        return 0.0
+    ranks = 1 + max(max(t.src, t.dst) for t in transfers)
+    sent, received, messages = [0] * ranks, [0] * ranks, [0] * ranks
+    for transfer, size in zip(transfers, bytes_of, strict=True):
+        sent[transfer.src] += size
+        received[transfer.dst] += size
+        messages[transfer.src] += 1
+    if link.shared_medium:
+        return (
+            sum(bytes_of) / link.bandwidth_bytes_per_second + len(transfers) * link.latency_seconds
+        )
+    busiest = max(max(s, r) for s, r in zip(sent, received, strict=True))
+    return busiest / link.bandwidth_bytes_per_second + max(messages) * link.latency_seconds
+
+
+def allreduce_seconds(size_bytes: int, ranks: int, link: Link) -> float:
+    """A ring all-reduce of ``size_bytes`` on every rank: ``2 (P-1)`` steps of ``1/P`` each."""
+    if ranks <= 1:
+        return 0.0
+    per_rank = 2 * (ranks - 1) / ranks * size_bytes
+    wire = per_rank * ranks if link.shared_medium else per_rank
+    return wire / link.bandwidth_bytes_per_second + 2 * (ranks - 1) * link.latency_seconds
+
+
+def small_collective_seconds(size_bytes: int, ranks: int, link: Link) -> float:
+    """A latency-bound collective (tree): ``ceil(log2 P)`` rounds of ``size_bytes``."""
+    if ranks <= 1:
+        return 0.0
+    rounds = ceil(log2(ranks))
+    wire = size_bytes * (ranks if link.shared_medium else 1)
+    return rounds * (link.latency_seconds + wire / link.bandwidth_bytes_per_second)
+
+
+def group_cost(
+    net: Network,
+    group: GroupPlan,
+    cluster: Cluster,
+    batch: int,
+    element_bytes: int,
+) -> GroupCost:
+    """Predicted cost of one group (see the module docstring)."""
+    ranks = group.grid.size
+    device, link = cluster.device, cluster.link
+    per_rank = [
+        sum(
+            net.layers[index].macs_per_pixel * group.computed(j + 1, rank).area
+            for j, index in enumerate(group.layers)
+        )
+        * batch
+        for rank in range(ranks)
+    ]
+    compute = max(per_rank) * (1.0 + device.backward_factor) / device.macs_per_second
+    transfers = group.transfers()
+    channels = net.layers[group.first].in_channels
+    sizes = [t.region.area * channels * batch * element_bytes for t in transfers]
+    halo = 2 * exchange_seconds(transfers, sizes, link)
+    batchnorm = 0.0
+    for index in group.layers:
+        layer = net.layers[index]
+        if layer.batchnorm:
+            # forward: all-gather of count, mean, M2; backward: all-reduce of two sums.
+            batchnorm += small_collective_seconds(
+                3 * layer.out_channels * element_bytes, ranks, link
+            )
+            batchnorm += small_collective_seconds(
+                2 * layer.out_channels * element_bytes, ranks, link
+            )
+    return GroupCost(
+        group.first, group.last, compute, halo, batchnorm, 2 * sum(sizes), sum(per_rank)
+    )
+
+
+def step_cost(
+    net: Network,
+    grid: Grid,
+    grouping: Grouping,
+    cluster: Cluster,
+    batch: int = 1,
+    element_bytes: int = 4,
+) -> StepCost:
+    """Predicted cost of one training step of ``grouping`` (``grid.size`` devices)."""
+    check_grouping(grouping, len(net.layers))
+    groups = tuple(
+        group_cost(net, plan_group(net, grid, a, b), cluster, batch, element_bytes)
+        for a, b in grouping
+    )
+    return StepCost(
+        grouping,
+        groups,
+        allreduce_seconds(net.parameters * element_bytes, grid.size, cluster.link),
+        net.macs() * batch,
+    )
+
+
+def plan_cost(plan: TilePlan, cluster: Cluster, batch: int = 1, element_bytes: int = 4) -> StepCost:
+    """:func:`step_cost` of an existing plan."""
+    return step_cost(plan.network, plan.grid, plan.grouping, cluster, batch, element_bytes)
+
+
+def optimise(
+    net: Network,
+    grid: Grid,
+    cluster: Cluster,
+    batch: int = 1,
+    element_bytes: int = 4,
+) -> StepCost:
+    """The grouping with the least predicted step time (dynamic program over boundaries).
+
+    ``best[j]`` is the cheapest way to run layers ``0..j-1``; a last group ``i..j-1`` extends
+    ``best[i]``. Ties (within a relative 1e-9) go to fewer groups.
+    """
+    n = len(net.layers)
+    cost: dict[tuple[int, int], GroupCost] = {}
+    best: list[tuple[float, int, Grouping]] = [(0.0, 0, ())]
+    for j in range(1, n + 1):
+        options = []
+        for i in range(j):
+            key = (i, j - 1)
+            if key not in cost:
+                cost[key] = group_cost(
+                    net, plan_group(net, grid, i, j - 1), cluster, batch, element_bytes
+                )
+            seconds, count, groups = best[i]
+            options.append((seconds + cost[key].seconds, count + 1, (*groups, key)))
+        least = min(o[0] for o in options)
+        # Equal costs (within rounding) go to the grouping with fewer groups.
+        best.append(min((o for o in options if o[0] <= least * (1 + 1e-9)), key=lambda o: o[1]))
+    grouping = best[n][2]
+    return StepCost(
+        grouping,
+        tuple(cost[g] for g in grouping),
+        allreduce_seconds(net.parameters * element_bytes, grid.size, cluster.link),
+        net.macs() * batch,
+    )
+
+
+def single_core_seconds(net: Network, cluster: Cluster, batch: int = 1) -> float:
+    """One training step of the untiled network on one core of one device (the paper's base)."""
+    device = cluster.device
+    return net.macs() * batch * (1.0 + device.backward_factor) / device.core_macs_per_second
+
+
+GRIDS: dict[int, Grid] = {
+    1: Grid(1, 1),
+    2: Grid(1, 2),
+    3: Grid(1, 3),
+    4: Grid(2, 2),
+    5: Grid(1, 5),
+    6: Grid(2, 3),
+    8: Grid(2, 4),
+    9: Grid(3, 3),
+}
+"""The grid used for a given number of devices (as square as the count allows)."""
+
+
+def grid_for(devices: int) -> Grid:
+    """A grid of ``devices`` tiles, as square as possible (rows <= columns)."""
+    if devices in GRIDS:
+        return GRIDS[devices]
+    rows = max(r for r in range(1, int(devices**0.5) + 1) if devices % r == 0)
+    return Grid(rows, devices // rows)
+
+
+def choose_grouping(
+    spec: str,
+    net: Network,
+    grid: Grid,
+    cluster: Cluster,
+    batch: int = 1,
+    element_bytes: int = 4,
+) -> Grouping:
+    """``"auto"``: the grouping :func:`optimise` finds for ``cluster``; else as written."""
+    if spec.strip().lower() == "auto":
+        return optimise(net, grid, cluster, batch, element_bytes).grouping
+    grouping = parse_groups(spec, len(net.layers))
+    for first, last in grouping:
+        plan_group(net, grid, first, last)  # raises InvalidInput for a grid the maps cannot hold
+    return grouping

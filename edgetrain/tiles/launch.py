@@ -1,0 +1,189 @@
+"""Start local workers as processes, watch them, and stop them all if one fails (torch).
+
+Workers meet through a file store in a temporary directory and bind their gloo sockets to the
+given address (loopback by default): nothing listens on another interface. The launcher watches
+every child: when one dies (a signal, an exception, an early exit), reports an error, or no rank
+makes progress for ``progress_timeout`` seconds, the others are terminated (then killed) and
+:class:`WorkerFailed` is raised with one line naming the rank and the cause. Surviving workers
+blocked on the dead one fail by themselves too: every gloo operation has ``timeout`` seconds.
+
+Across boards use ``torchrun`` instead (see :mod:`edgetrain.tiles.worker` and
+docs/tiles.md).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import queue as queues
+import signal
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from edgetrain.errors import EdgetrainError
+from edgetrain.tiles.worker import RankResult, TileJob, serve
+
+
+class WorkerFailed(EdgetrainError):
+    """A worker died, failed or hung; the others were stopped."""
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def run_local(
+    jobs: Sequence[TileJob],
+    *,
+    address: str = "127.0.0.1",
+    threads: int = 1,
+    timeout: float = 120.0,
+    progress_timeout: float | None = None,
+) -> list[list[RankResult]]:
+    """Run ``jobs`` (same grid size) on local worker processes; results per job, per rank.
+
+    ``timeout`` bounds every gloo operation in seconds; ``progress_timeout`` (default: twice
+    ``timeout`` plus a minute for start-up) bounds the time between two steps of any rank.
+    """
+    if not jobs:
+        return []
+    world = jobs[0].grid.size
+    if any(job.grid.size != world for job in jobs):
+        raise AssertionError("all jobs of one launch need the same number of ranks")
+    limit = progress_timeout if progress_timeout is not None else 2 * timeout + 60.0
+    context = multiprocessing.get_context("spawn")
+    inbox: Any = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="edgetrain-tiles-") as tmp:
+        store = str(Path(tmp) / "store")
+        # The jobs go through a file in our private directory, pickled by value: faster than
+        # multiprocessing's shared-memory tensors for many children, no rank can touch another's
+        # weights, and a child that dies before reading cannot block start() on a full pipe.
+        blob = str(Path(tmp) / "jobs.pickle")
+        Path(blob).write_bytes(pickle.dumps(list(jobs)))
+        processes = [
+            context.Process(
+                target=serve,
+                args=(rank, world, store, address, timeout, threads, blob, inbox),
+                name=f"edgetrain-tile-{rank}",
+                daemon=True,
+            )
+            for rank in range(world)
+        ]
+        for process in processes:
+            process.start()
+        try:
+            return _watch(processes, inbox, len(jobs), limit)
+        finally:
+            _stop(processes)
+            inbox.close()
+            inbox.cancel_join_thread()
+
+
+def _watch(processes: list[Any], inbox: Any, jobs: int, limit: float) -> list[list[RankResult]]:
+    world = len(processes)
+    results: list[list[RankResult | None]] = [[None] * world for _ in range(jobs)]
+    done: set[int] = set()
+    errors: dict[int, str] = {}
+    last_progress = time.monotonic()
+    while len(done) < world:
+        try:
+            kind, rank, index, payload = inbox.get(timeout=0.1)
+        except queues.Empty:
+            kind = None
+        if kind is not None:
+            last_progress = time.monotonic()
+            if kind == "result":
+                results[index][rank] = payload
+            elif kind == "done":
+                done.add(rank)
+            elif kind == "error":
+                errors[rank] = payload
+        dead = {
+            rank: p.exitcode
+            for rank, p in enumerate(processes)
+            if p.exitcode is not None and rank not in done
+        }
+        if errors or any(code != 0 for code in dead.values()):
+            _fail(processes, inbox, errors, dead)
+        if dead and time.monotonic() - last_progress > 5.0:
+            # exited cleanly without saying done (its last messages had 5 s to arrive)
+            _fail(processes, inbox, errors, dead)
+        if time.monotonic() - last_progress > limit:
+            _stop(processes)
+            raise WorkerFailed(
+                f"no worker made progress for {limit:.0f} s (hung?); stopped all {world}; "
+                "raise --timeout for very slow steps"
+            )
+    return [[r for r in per_job if r is not None] for per_job in results]
+
+
+def _fail(processes: list[Any], inbox: Any, errors: dict[int, str], dead: dict[int, Any]) -> None:
+    """Collect what else arrives for a moment, stop everyone, and raise the root cause."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        try:
+            kind, rank, _, payload = inbox.get(timeout=0.1)
+        except queues.Empty:
+            continue
+        if kind == "error":
+            errors[rank] = payload
+    for rank, p in enumerate(processes):
+        if p.exitcode is not None and p.exitcode != 0:
+            dead[rank] = p.exitcode
+    _stop(processes)
+    others = len(processes) - 1
+    # A rank that died without a word is the cause; the others only lost their peer.
+    silent = sorted(r for r, code in dead.items() if r not in errors and code != 0)
+    if silent:
+        rank = silent[0]
+        raise WorkerFailed(
+            f"worker rank {rank} {_describe_exit(dead[rank])}; stopped the other {others}"
+        )
+    if not errors:
+        rank = min(dead) if dead else 0
+        raise WorkerFailed(
+            f"worker rank {rank} exited before finishing its steps; stopped the other {others}"
+        )
+    cause = _root_error(errors)
+    if cause is not None:
+        raise WorkerFailed(
+            f"worker rank {cause} failed: {errors[cause]}; stopped the other {others}"
+        )
+    # Only lost or timed-out peers were reported: the ranks that said nothing are stuck.
+    quiet = [r for r in range(len(processes)) if r not in errors]
+    first = min(errors)
+    raise WorkerFailed(
+        f"worker rank {','.join(map(str, quiet)) or '?'} stopped responding (hung?); rank {first} "
+        f"reported {errors[first]}; stopped all {len(processes)}"
+    )
+
+
+def _root_error(errors: dict[int, str]) -> int | None:
+    """The first rank whose error is not just a lost or timed-out peer, if any."""
+    symptoms = ("Connection closed by peer", "Timed out", "timed out", "Connection reset")
+    for rank in sorted(errors):
+        if not any(s in errors[rank] for s in symptoms):
+            return rank
+    return None
+
+
+def _stop(processes: list[Any]) -> None:
+    """Terminate, then kill, the workers this launcher started."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=3.0)

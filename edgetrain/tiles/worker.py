@@ -1,0 +1,424 @@
+"""A worker: one rank training its tiles for a few steps, and the ``torchrun`` entry point (torch).
+
+A training step on a rank: read the image region of its first group from the data (every board
+holds the data set), run its tile through every group (:class:`TiledNetwork`), compute the loss
+on its own tile of the output, back-propagate through its local graph (gradient halos flow to
+the neighbours), all-reduce (sum) the weight gradients, and apply the same SGD update as every
+other rank — so weights stay identical without any coordinator.
+
+The loss is the mean squared error against a target map: a sum over output positions divided by
+the number of elements, so each rank's share over its tile adds up (all-reduce) to the loss of
+the whole batch. YOLOv2's region loss is likewise a sum over grid cells; a loss that is not
+(one needing the whole map) would need an all-gather of the output and a replicated tail.
+
+Run across boards with torchrun (one process per board)::
+
+    torchrun --nnodes 4 --nproc-per-node 1 --node-rank K --master-addr 192.168.1.10 \\
+        --master-port 29500 -m edgetrain.tiles.worker --model yolov2-16 --grid 2x2 \\
+        --image 416 --groups auto --steps 10 --bind 192.168.1.1K
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import pickle
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.tiles.comm import Comm, listening_addresses
+from edgetrain.tiles.layers import describe
+from edgetrain.tiles.tiled import TiledNetwork, region_slices
+from edgetrain.tiles.tiling import Grid, Grouping, Network, Region, TilePlan, plan
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class TileJob:
+    """Training steps to run on every rank of a ``grid``.
+
+    Attributes:
+        model: the model with its initial weights (every rank gets the same copy).
+        image: ``(height, width)`` of the synthetic images, in pixels.
+        batch: images per step.
+        grid: the tile grid; its size is the number of ranks.
+        grouping: the fused layer groups.
+        steps: training steps.
+        dtype: ``"float32"`` or ``"float64"``.
+        seed: seed of the synthetic data.
+        lr: SGD learning rate.
+        collect: return the last step's output tile, input gradient, weight gradients and the
+            final weights (for :mod:`edgetrain.tiles.check`).
+        fault: testing only: ``(kind, rank, step)`` makes that rank ``"die"`` (SIGKILL),
+            ``"hang"`` or ``"raise"`` at the start of that step.
+        reference: every rank trains the whole, untiled model on its own (no communication
+            but a barrier before each step): the single-process baseline on a 1x1 grid, and on
+            larger grids that many independent copies at once (the machine's parallel ceiling).
+        measure_memory: count live tensor storages for ``peak_bytes`` (a dispatch mode; its
+            first use imports about a second's worth of torch modules).
+    """
+
+    model: nn.Sequential
+    image: tuple[int, int]
+    batch: int
+    grid: Grid
+    grouping: Grouping
+    steps: int = 1
+    dtype: str = "float32"
+    seed: int = 0
+    lr: float = 0.01
+    collect: bool = False
+    fault: tuple[str, int, int] | None = None
+    reference: bool = False
+    measure_memory: bool = True
+
+    @property
+    def channels(self) -> int:
+        first = next(m for m in self.model.modules() if isinstance(m, nn.Conv2d))
+        return first.in_channels
+
+    def network(self) -> Network:
+        """The model's geometry on this job's images; InvalidInput if they or the batch do not
+        fit it (the same sizes and batches the untiled model accepts)."""
+        net = describe(self.model, self.channels, *self.image)
+        net.check_batch(self.batch)
+        return net
+
+    def plan(self) -> TilePlan:
+        return plan(self.network(), self.grid, self.grouping)
+
+
+@dataclass
+class RankResult:
+    """What one rank measured (and, with ``collect``, returned) for one job.
+
+    Tensors travel as numpy arrays so that they pickle by value between processes.
+    """
+
+    rank: int
+    step_seconds: list[float]
+    peak_bytes: int
+    halo_bytes: int
+    halo_messages: int
+    collective_bytes: int
+    losses: list[float]
+    listening: list[str]
+    output_region: Region
+    input_region: Region
+    checksum: float
+    output: np.ndarray | None = None
+    input_grad: np.ndarray | None = None
+    grads: dict[str, np.ndarray] = field(default_factory=dict)
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Halo bytes plus this rank's collective payload."""
+        return self.halo_bytes + self.collective_bytes
+
+    @property
+    def median_step_seconds(self) -> float:
+        # the first step pays for allocation and warm-up; leave it out when there are others
+        times = self.step_seconds[1:] or self.step_seconds
+        return statistics.median(times)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "peak_bytes": self.peak_bytes,
+            "step_seconds": self.median_step_seconds,
+            "bytes_sent": self.bytes_sent,
+            "halo_bytes": self.halo_bytes,
+            "collective_bytes": self.collective_bytes,
+            "loss": self.losses[-1] if self.losses else None,
+        }
+
+
+def synthetic_batch(
+    step: int,
+    seed: int,
+    batch: int,
+    channels: int,
+    image: tuple[int, int],
+    output: tuple[int, int, int],
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (image, target) on every rank and in the single-process reference."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.randn(batch, channels, *image, generator=generator, dtype=torch.float64)
+    y = torch.randn(batch, *output, generator=generator, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def squared_error(out: torch.Tensor, target: torch.Tensor, count: int) -> torch.Tensor:
+    """Sum of squared errors over ``out``'s positions divided by the whole map's ``count``."""
+    return (out - target).square().sum() / count
+
+
+class GradientSync:
+    """Sum every parameter's gradient over the ranks while backward is still running.
+
+    A hook on each parameter starts an asynchronous all-reduce of its gradient as soon as
+    autograd has accumulated it (the last layers' first), so the transfer overlaps with the
+    backward pass of the earlier layers; :meth:`wait` finishes them all. Every rank runs the same
+    graph, so the hooks fire, and the collectives start, in the same order everywhere.
+    """
+
+    def __init__(self, parameters: list[nn.Parameter], comm: Comm) -> None:
+        self.comm = comm
+        self.pending: list[Any] = []
+        self.handles = [p.register_post_accumulate_grad_hook(self._start) for p in parameters]
+
+    def _start(self, parameter: torch.Tensor) -> None:
+        assert parameter.grad is not None
+        work = self.comm.all_reduce_start(parameter.grad)
+        if work is not None:
+            self.pending.append(work)
+
+    def wait(self) -> None:
+        """Block until every gradient started so far is summed."""
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+
+    def close(self) -> None:
+        self.wait()
+        for handle in self.handles:
+            handle.remove()
+
+
+def sgd_step(parameters: list[nn.Parameter], lr: float) -> None:
+    """Plain SGD, ``p -= lr * grad``: the same arithmetic on every rank and in the reference."""
+    with torch.no_grad():
+        for parameter in parameters:
+            if parameter.grad is not None:
+                parameter.add_(parameter.grad, alpha=-lr)
+
+
+def _inject(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:
+    if fault is None or fault[1] != rank or fault[2] != step:
+        return
+    if fault[0] == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault[0] == "hang":
+        time.sleep(3600)
+    raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy().copy()
+
+
+def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
+    """Run ``job``'s training steps as rank ``comm.rank``."""
+    dtype = DTYPES[job.dtype]
+    # A private copy: a model handed to a spawned process shares its storages with the parent
+    # (torch pickles tensors through shared memory), and every rank updates its own weights.
+    model = copy.deepcopy(job.model).to(dtype)
+    model.train()
+    net = job.network()
+    out_h, out_w = net.sizes[-1]
+    out_shape = (net.layers[-1].out_channels, out_h, out_w)
+    clock = comm  # steps start together on every rank
+    if job.reference:
+        comm = Comm.solo()  # every rank trains the whole model alone
+        tiled = None
+        in_region = Region(0, job.image[0], 0, job.image[1])
+        out_region = Region(0, out_h, 0, out_w)
+    else:
+        tiled = TiledNetwork(model, plan(net, job.grid, job.grouping), comm)
+        in_region, out_region = tiled.input_region, tiled.output_region
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    sync = GradientSync(parameters, comm)
+    start = comm.traffic.halo_bytes, comm.traffic.halo_messages, comm.traffic.collective_bytes
+    times: list[float] = []
+    losses: list[float] = []
+    peak = 0
+    output = input_grad = None
+    for step in range(job.steps):
+        _inject(job.fault, clock.rank, step)
+        image, target = synthetic_batch(
+            step, job.seed, job.batch, job.channels, job.image, out_shape, dtype
+        )
+        for parameter in parameters:
+            parameter.grad = None
+        clock.barrier()  # start together, so a step's time is not another rank's lag
+        began = time.perf_counter()
+        meter = StorageCounter() if job.measure_memory else contextlib.nullcontext()
+        with meter:
+            x = image[region_slices(in_region)].contiguous()
+            if job.collect:
+                x.requires_grad_()
+            out = tiled(x) if tiled is not None else model(x)
+            loss = squared_error(out, target[region_slices(out_region)], target.numel())
+            loss.backward()
+            sync.wait()  # the weight-gradient all-reduce, started during backward
+            sgd_step(parameters, job.lr)
+            total = comm.all_reduce_(loss.detach().reshape(1).clone())
+        times.append(time.perf_counter() - began)
+        if isinstance(meter, StorageCounter):
+            peak = max(peak, meter.peak_bytes)
+        losses.append(float(total.item()))
+        if job.collect and step == job.steps - 1:
+            output, input_grad = _numpy(out), _numpy(x.grad) if x.grad is not None else None
+        del out, loss, x
+        if progress is not None:
+            progress(step)
+    sync.close()
+    result = RankResult(
+        rank=clock.rank,
+        step_seconds=times,
+        peak_bytes=peak,
+        halo_bytes=comm.traffic.halo_bytes - start[0],
+        halo_messages=comm.traffic.halo_messages - start[1],
+        collective_bytes=comm.traffic.collective_bytes - start[2],
+        losses=losses,
+        listening=listening_addresses(),
+        output_region=out_region,
+        input_region=in_region,
+        checksum=float(sum(p.double().sum().item() for p in model.state_dict().values())),
+        output=output,
+        input_grad=input_grad,
+    )
+    if job.collect and clock.rank == 0:
+        result.grads = {
+            n: _numpy(p.grad) for n, p in model.named_parameters() if p.grad is not None
+        }
+        result.state = {n: _numpy(t) for n, t in model.state_dict().items()}
+    return result
+
+
+def _pin(rank: int, world: int, threads: int) -> None:
+    """Give each local worker its own cores when there are enough (Linux): a rank that migrates
+    between cores makes every other rank wait for it at the next exchange."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if cores and world * threads <= len(cores):
+        os.sched_setaffinity(0, set(cores[rank * threads : (rank + 1) * threads]))
+
+
+def serve(
+    rank: int,
+    world: int,
+    store_path: str,
+    address: str,
+    timeout_seconds: float,
+    threads: int,
+    jobs_path: str,
+    queue: Any,
+) -> None:
+    """Process entry of a local worker: run the pickled jobs and report on ``queue``.
+
+    ``jobs_path`` holds ``pickle.dumps(list_of_jobs)``, written by the launcher (our parent
+    process) into its private temporary directory.
+    """
+    try:
+        torch.set_num_threads(threads)
+        _pin(rank, world, threads)
+        jobs: list[TileJob] = pickle.loads(Path(jobs_path).read_bytes())
+        if world > 1:
+            comm = Comm.from_file(store_path, rank, world, address, timeout_seconds)
+        else:
+            comm = Comm.solo()
+        queue.put(("ready", rank, None, listening_addresses()))
+        for index, job in enumerate(jobs):
+            result = run_job(job, comm, lambda step, i=index: queue.put(("step", rank, i, step)))
+            queue.put(("result", rank, index, result))
+        queue.put(("done", rank, None, None))
+        queue.close()
+        queue.join_thread()
+    except BaseException as exc:  # report, then leave: the launcher stops the others
+        lines = str(exc).strip().splitlines() or [""]
+        queue.put(("error", rank, None, f"{type(exc).__name__}: {lines[0][:300]}"))
+        queue.close()
+        queue.join_thread()
+        os._exit(1)
+
+
+# --- torchrun ------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m edgetrain.tiles.worker``: one rank started by ``torchrun``.
+
+    Rank 0 prints one JSON document with every rank's measurements.
+    """
+    from edgetrain.devices import load
+    from edgetrain.errors import EdgetrainError
+    from edgetrain.models import build
+    from edgetrain.tiles.grouping import choose_grouping
+    from edgetrain.tiles.supported import TILE_MODELS, tile_model
+    from edgetrain.tiles.tiling import format_grouping, parse_grid, parse_image
+
+    parser = argparse.ArgumentParser(prog="python -m edgetrain.tiles.worker")
+    parser.add_argument("--model", default="yolov2-16", help=f"one of {', '.join(TILE_MODELS)}")
+    parser.add_argument("--grid", default="2x2")
+    parser.add_argument("--image", default="416", help="416, or height x width (480x640)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--groups", default="auto")
+    parser.add_argument("--profile", default="pi3-ethernet")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per operation")
+    parser.add_argument("--bind", default=None, help="address gloo binds to (default: gloo's)")
+    args = parser.parse_args(argv)
+    try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        image = parse_image(args.image)
+        grid = parse_grid(args.grid)
+        name = tile_model(args.model)
+        comm, store = Comm.from_torchrun(args.bind, args.timeout)
+        if grid.size != comm.size:
+            raise EdgetrainError(
+                f"grid {grid} needs {grid.size} ranks but torchrun started {comm.size}; "
+                "make --nnodes x --nproc-per-node equal rows x columns"
+            )
+        torch.manual_seed(args.seed)
+        model = build(name)
+        for tensor in model.state_dict().values():  # every board starts from rank 0's weights
+            comm.broadcast_(tensor)
+        net = describe(model, 3, *image)
+        net.check_batch(args.batch)
+        element = torch.finfo(DTYPES[args.dtype]).bits // 8
+        grouping = choose_grouping(args.groups, net, grid, load(args.profile), args.batch, element)
+        job = TileJob(
+            model,
+            image,
+            args.batch,
+            grid,
+            grouping,
+            args.steps,
+            args.dtype,
+            args.seed,
+        )
+        result = run_job(job, comm)
+        store.set(f"edgetrain/result/{comm.rank}", json.dumps(result.summary()))
+        if comm.rank == 0:
+            ranks = [json.loads(store.get(f"edgetrain/result/{r}")) for r in range(comm.size)]
+            doc = {"grid": str(grid), "groups": format_grouping(grouping), "ranks": ranks}
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        comm.barrier()
+    except EdgetrainError as exc:
+        sys.stderr.write(f"edgetrain: error: {exc}\n")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
