@@ -13,7 +13,8 @@
 # * A venv is complete only once its stamp is written (after a successful install). A venv this
 #   script made that has no stamp (a failed or interrupted install) is removed and built again;
 #   a failed install removes the venv it was installing into. Reinstalls only when pyproject.toml
-#   changed since the last install.
+#   or the extras asked for (EDGETRAIN_EXTRAS, set by the sourcing script) changed since the last
+#   install.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${EDGETRAIN_VENV:-$root/.venv}"
@@ -97,8 +98,22 @@ if [ -x "$venv/bin/python" ]; then
     fi
   fi
 fi
+# The stamp holds pyproject.toml's hash and the extras installed with it; a script that needs
+# no more extras than were installed (scripts/run after scripts/test) installs nothing.
+extras="${EDGETRAIN_EXTRAS:-dev,insitu}" # what the sourcing script needs (scripts/run: insitu)
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+_edgetrain_installed() {
+  local have extra
+  [ -f "$stamp" ] && [ "$(head -n 1 "$stamp")" = "$want" ] || return 1
+  have=",$(sed -n 2p "$stamp"),"
+  for extra in ${extras//,/ }; do
+    case "$have" in *",$extra,"*) ;; *) return 1 ;; esac
+  done
+}
+if ! _edgetrain_installed; then
+  if [ -f "$stamp" ] && [ "$(head -n 1 "$stamp")" = "$want" ]; then
+    extras="$extras,$(sed -n 2p "$stamp")" # keep what is installed: add, never flip-flop
+  fi
   if [ ! -x "$venv/bin/python" ]; then
     python="$(_edgetrain_pick_python)" || exit $?
     echo "edgetrain: creating virtual environment in $venv with $python" \
@@ -118,14 +133,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "edgetrain: installing dependencies (pinned, CPU build of torch${index:+ from ${index#*$'\n'}})" >&2
   # shellcheck disable=SC2086  # $index is zero or two words without spaces
   if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-    ${index//$'\n'/ } -e "$root[dev]"; then
+    ${index//$'\n'/ } -e "$root[$extras]"; then
     if [ -f "$marker" ]; then
       rm -rf "$venv"
       _edgetrain_fail "installing the dependencies failed (pip's output above); removed the incomplete $venv, run again once fixed"
     fi
     _edgetrain_fail "installing the dependencies failed (pip's output above); $venv is marked incomplete and the next run installs again"
   fi
-  echo "$want" >"$stamp"
+  printf '%s\n%s\n' "$want" "$extras" >"$stamp"
 fi
 export PATH="$venv/bin:$PATH"
 cd "$root"

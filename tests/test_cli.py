@@ -6,7 +6,6 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
 
 PROGRESS_LINE = re.compile(r"^\d\d:\d\d:\d\d edgetrain: ")

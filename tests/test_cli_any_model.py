@@ -9,7 +9,6 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
 from edgetrain.models import MODEL_NAMES
 

@@ -12,7 +12,6 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
 
 PROGRESS_LINE = re.compile(r"^\d\d:\d\d:\d\d edgetrain: ")

@@ -14,7 +14,7 @@ import pytest
 
 ENV_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "_env.sh"
 BASH = shutil.which("bash")
-TOOLS = ("sha256sum", "cut", "cat", "rm", "mkdir", "dirname")
+TOOLS = ("sha256sum", "cut", "cat", "rm", "mkdir", "dirname", "sed", "head")
 
 pytestmark = pytest.mark.skipif(BASH is None, reason="needs bash")
 
@@ -132,3 +132,32 @@ def test_a_failed_install_removes_the_venv(tmp_path):
     assert "installing the dependencies failed" in one_error_line(result)
     assert "READY" not in result.stdout
     assert not (tmp_path / "venv").exists()
+
+
+def _stamped_venv(tmp_path: Path, extras: str) -> None:
+    """A venv whose python answers 3.11 and whose stamp says ``extras`` were installed from
+    this pyproject.toml."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    fake_python(bin_dir, "python", "3.11")
+    digest = subprocess.run(
+        ["sha256sum", str(ENV_SCRIPT.parents[1] / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()[0]
+    (tmp_path / "venv" / ".edgetrain-installed").write_text(f"{digest}\n{extras}\n")
+
+
+def test_a_script_needing_fewer_extras_than_installed_installs_nothing(tmp_path):
+    _stamped_venv(tmp_path, "dev,insitu")
+    result = run_env(tmp_path, [tools(tmp_path)], EDGETRAIN_EXTRAS="insitu")
+    assert "READY" in result.stdout, result.stderr
+    assert "installing" not in result.stderr
+
+
+def test_a_script_needing_an_extra_not_installed_installs_again(tmp_path):
+    _stamped_venv(tmp_path, "insitu")
+    result = run_env(tmp_path, [tools(tmp_path)], EDGETRAIN_EXTRAS="dev,insitu")
+    assert "installing dependencies" in result.stderr
+    assert "READY" not in result.stdout  # the fake python has no pip: the install fails

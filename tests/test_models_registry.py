@@ -158,7 +158,6 @@ def test_load_factory_mistakes_are_one_line(tmp_path, spec, message):
 def test_models_command_lists_every_registered_model():
     from click.testing import CliRunner
 
-    from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
     from edgetrain.cli.main import cli
 
     result = CliRunner().invoke(cli, ["models", "--json"], catch_exceptions=False)

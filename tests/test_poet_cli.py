@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
 from edgetrain.planners.poet import check as poet_check
 from edgetrain.planners.poet import graph as G

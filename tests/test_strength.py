@@ -333,7 +333,6 @@ RED = r"\x1b\[(?:[0-9]+;)*31(?:;[0-9]+)*m\s*"  # an ANSI style that sets the for
 
 def test_memory_table_marks_in_red_exactly_the_rows_above_the_device(monkeypatch):
     from edgetrain.cli import memory as memory_command
-    from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
     from edgetrain.cli.main import cli
 
     args = ["memory", "--models", "resnet18", "--batch", "1,3,5,10", "--device-memory", "400MiB"]

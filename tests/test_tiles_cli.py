@@ -12,7 +12,6 @@ import pytest
 from click.testing import CliRunner
 from torch import nn
 
-from edgetrain.cli import commands  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
 from edgetrain.errors import InvalidInput
 from edgetrain.models import build

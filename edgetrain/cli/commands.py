@@ -1,25 +1,26 @@
-"""Imports every command module so that each registers itself with the ``edgetrain`` group."""
+"""The ``edgetrain`` commands, registered explicitly: name -> (module, command object).
+
+A command's module is imported when the command runs or its help is shown, so one command's
+dependencies (the in-situ extra's OpenCV) never slow or break another.
+"""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+COMMANDS: dict[str, tuple[str, str]] = {
+    "memory": ("edgetrain.cli.memory", "memory"),
+    "plan": ("edgetrain.cli.plan", "plan_command"),
+    "train": ("edgetrain.cli.train", "train_command"),
+    "figure1": ("edgetrain.cli.figure", "figure1"),
+    "revolve": ("edgetrain.cli.revolve", "revolve_command"),
+    "demo": ("edgetrain.cli.demo", "demo"),
+    "tiles": ("edgetrain.cli.tiles", "tiles"),
+    "models": ("edgetrain.cli.models", "models_command"),
+    "insitu": ("edgetrain.cli.insitu", "insitu"),
+    "poet": ("edgetrain.cli.poet", "poet_command"),
+    "poet-figure": ("edgetrain.cli.poet", "poet_figure"),
+}
 
-COMMAND_MODULES = (
-    "memory",
-    "plan",
-    "train",
-    "figure",
-    "revolve",
-    "demo",
-    "tiles",
-    "models",
-    "insitu",
-    "poet",
-)
-
-for _name in COMMAND_MODULES:
-    # Commands whose module is not part of this build are simply not offered; an import error
-    # inside a module that exists is a bug and propagates.
-    if importlib.util.find_spec(f"edgetrain.cli.{_name}") is not None:
-        importlib.import_module(f"edgetrain.cli.{_name}")
+# A command whose module needs an optional extra: the extra and the packages it brings.
+EXTRAS: dict[str, tuple[str, frozenset[str]]] = {
+    "insitu": ("insitu", frozenset({"cv2", "PIL", "psutil", "motpy", "filterpy"})),
+}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import click
 
 from edgetrain import progress
-from edgetrain.cli.main import register
 from edgetrain.cli.options import POSITIVE, SIZE_HELP, ModelChoice, Size
 from edgetrain.cli.output import console, table
 from edgetrain.cli.train import run_training
@@ -99,6 +98,3 @@ def demo(steps: int, memory: int, batch: int) -> None:
             ],
         )
     )
-
-
-register(demo)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import click
 
-from edgetrain.cli.main import register
 from edgetrain.cli.options import FiniteRange, OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
@@ -133,6 +132,3 @@ def _plot(all_curves: list[Curve], out: str, max_rho: float) -> None:
     finally:
         plt.close(fig)
         Path(tmp).unlink(missing_ok=True)
-
-
-register(figure1)

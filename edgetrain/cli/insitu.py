@@ -17,7 +17,6 @@ import click
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from edgetrain.cli.main import register
 from edgetrain.cli.options import NON_NEGATIVE, POSITIVE_FLOAT, RECOMPUTE, FiniteRange, OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import CorruptFile, InvalidInput
@@ -378,6 +377,3 @@ def eval_command(store_dir: str, picture_path: str | None, as_json: bool) -> Non
         emit_json(report.to_json())
         return
     _print_report(report, {"picture": str(out)})
-
-
-register(insitu)

@@ -9,13 +9,14 @@ in are read as written (``1MB`` = 10^6 bytes, ``1MiB`` = 2^20). Progress goes to
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import click
 
-from edgetrain.errors import EdgetrainError
+from edgetrain.cli.commands import COMMANDS, EXTRAS
+from edgetrain.errors import EdgetrainError, InvalidInput
 
 
 def _usage_line(exc: click.UsageError) -> str:
@@ -27,7 +28,26 @@ def _usage_line(exc: click.UsageError) -> str:
 
 class _Group(click.Group):
     """A click group that turns EdgetrainError and click's usage errors (a bad flag or value)
-    into a one-line message and exit status 2."""
+    into a one-line message and exit status 2, and loads each command of
+    :data:`~edgetrain.cli.commands.COMMANDS` when it is used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module_name, attribute = COMMANDS[cmd_name]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            extra = EXTRAS.get(cmd_name)
+            if extra is None or (exc.name or "").split(".")[0] not in extra[1]:
+                raise
+            return _needs_extra(cmd_name, extra[0], exc.name or "")
+        command = getattr(module, attribute)
+        assert isinstance(command, click.Command)
+        return command
 
     def make_context(
         self,
@@ -64,15 +84,24 @@ def cli() -> None:
     """
 
 
-def register(command: Callable[..., Any] | click.Command) -> click.Command:
-    """Add a command to the ``edgetrain`` group (used by the command modules)."""
-    assert isinstance(command, click.Command)
-    cli.add_command(command)
-    return command
+def _needs_extra(name: str, extra: str, missing: str) -> click.Command:
+    """A stand-in for a command whose optional dependencies are not installed: it says which
+    extra to install, in one line, exit status 2."""
+
+    def refuse(**_: Any) -> None:
+        raise InvalidInput(
+            f"edgetrain {name} needs the {extra!r} extra ({missing} is not installed); "
+            f"install it with: pip install 'edgetrain[{extra}]'"
+        )
+
+    return click.Command(
+        name,
+        callback=refuse,
+        help=f"(needs pip install 'edgetrain[{extra}]')",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    )
 
 
 def main() -> None:
     """Console-script entry point."""
-    from edgetrain.cli import commands  # noqa: F401  (registers every command)
-
     cli(prog_name="edgetrain")

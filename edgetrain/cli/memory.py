@@ -7,7 +7,6 @@ from typing import Any
 import click
 
 from edgetrain import progress
-from edgetrain.cli.main import register
 from edgetrain.cli.options import SIZE_HELP, IntList, ModelList, Size, model_names
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.core.accounting import OPTIMIZER_STATES
@@ -170,6 +169,3 @@ def _row(
             measured = int(measure_training_step(name, batch, image, optimizer))
         row["measured_bytes"] = measured
     return row
-
-
-register(memory)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import click
 
-from edgetrain.cli.main import register
 from edgetrain.cli.output import console, emit_json, table
 
 
@@ -32,6 +31,3 @@ def models_command(as_json: bool) -> None:
             '(edgetrain.models.load_factory("my_model.py:build") in Python).',
         )
     )
-
-
-register(models_command)

@@ -8,7 +8,6 @@ from typing import Any
 import click
 
 from edgetrain import progress
-from edgetrain.cli.main import register
 from edgetrain.cli.options import (
     RECOMPUTE,
     SIZE_HELP,
@@ -242,6 +241,3 @@ def _summary(stages: int, graphs: int, checkpoints: int, recomputed: int) -> str
         f"checkpoint{'s' if checkpoints != 1 else ''} at once, recomputes {recomputed} "
         f"stage{'s' if recomputed != 1 else ''}"
     )
-
-
-register(plan_command)

@@ -14,7 +14,6 @@ from typing import Any
 
 import click
 
-from edgetrain.cli.main import register
 from edgetrain.cli.options import OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InfeasibleBudget, InvalidInput
@@ -439,7 +438,3 @@ def _pyplot() -> Any:
             "poet-figure needs matplotlib; install it with: pip install 'edgetrain[plot]'"
         ) from exc
     return plt
-
-
-register(poet_command)
-register(poet_figure)

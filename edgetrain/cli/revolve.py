@@ -6,7 +6,6 @@ import time
 
 import click
 
-from edgetrain.cli.main import register
 from edgetrain.cli.options import POSITIVE
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.core.schedule import Op
@@ -55,6 +54,3 @@ def revolve_command(steps: int, slots: int, as_json: bool) -> None:
             "before each backward is fused with it",
         )
     )
-
-
-register(revolve_command)

@@ -6,7 +6,6 @@ from typing import Any
 
 import click
 
-from edgetrain.cli.main import register
 from edgetrain.cli.options import POSITIVE, POSITIVE_FLOAT
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices.catalog import CLUSTERS
@@ -191,6 +190,3 @@ def _print(doc: dict[str, Any]) -> None:
             caption=caption,
         )
     )
-
-
-register(tiles)

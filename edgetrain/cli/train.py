@@ -11,7 +11,6 @@ import click
 import torch
 
 from edgetrain import progress as progress_api
-from edgetrain.cli.main import register
 from edgetrain.cli.options import (
     NON_NEGATIVE,
     POSITIVE,
@@ -209,6 +208,3 @@ def run_training(
     }
     report["measured_over_predicted"] = result.measured_peak_bytes / result.predicted_peak_bytes
     return report
-
-
-register(train_command)
