@@ -43,11 +43,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-PLANNER_TESTS = ("tests/test_strength.py", "tests/test_planners.py")
-MEMORY_TESTS = ("tests/test_strength.py", "tests/test_memory.py", "tests/test_execute.py")
-EXECUTOR_TESTS = ("tests/test_strength.py", "tests/test_execute.py")
-SIMULATOR_TESTS = ("tests/test_strength.py", "tests/test_schedule.py", "tests/test_planners.py")
-TILE_TESTS = ("tests/test_tiles_geometry.py", "tests/test_tiles_exact.py")
+PLANNER_TESTS = ("tests/test_independent_references.py", "tests/planners/test_planners.py")
+MEMORY_TESTS = ("tests/test_independent_references.py", "tests/paper/test_memory_model.py", "tests/runtime/test_checkpointed.py")
+EXECUTOR_TESTS = ("tests/test_independent_references.py", "tests/runtime/test_checkpointed.py")
+SIMULATOR_TESTS = ("tests/test_independent_references.py", "tests/core/test_schedule.py", "tests/planners/test_planners.py")
+TILE_TESTS = ("tests/tiles/test_geometry.py", "tests/tiles/test_exact.py")
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "edgetrain/cli/memory.py",
         'style = "[bold red]" if not r["fits"] else ""',
         'style = ""',
-        ("tests/test_strength.py", "tests/test_cli.py"),
+        ("tests/test_independent_references.py", "tests/cli/test_commands.py"),
         "the memory table never marks a cell above the device memory",
         True,
     ),
@@ -161,7 +161,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "edgetrain/frontend/profiling.py",
         "        return min(samples)\n",
         "        return max(samples)\n",
-        ("tests/test_strength.py", "tests/test_profile.py"),
+        ("tests/test_independent_references.py", "tests/frontend/test_profiling.py"),
         "profiling takes the slowest timed run instead of the fastest",
         True,
     ),
@@ -171,7 +171,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "edgetrain/cli/memory.py",
         '"fits": paper.total_bytes <= device,',
         '"fits": True,',
-        ("tests/test_strength.py", "tests/test_cli.py"),
+        ("tests/test_independent_references.py", "tests/cli/test_commands.py"),
         "the memory command says every cell fits the device",
     ),
     Mutation(
@@ -276,7 +276,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "edgetrain/frontend/profiling.py",
         "saved_bytes=kept - new_saved_bytes,",
         "saved_bytes=kept,",
-        ("tests/test_strength.py", "tests/test_profile.py", "tests/test_execute.py"),
+        ("tests/test_independent_references.py", "tests/frontend/test_profiling.py", "tests/runtime/test_checkpointed.py"),
         "profiling counts a stage's saved output twice (once more as saved tensors)",
     ),
 )

@@ -19,9 +19,9 @@ from edgetrain.insitu.files import load_state
 from edgetrain.insitu.network import INPUT, classifier
 from edgetrain.insitu.store import Store, StoreError
 from edgetrain.insitu.student import CHECKPOINT, TrainConfig, plan_at, plan_batch, train_student
-from tests.insitu_helpers import CLASSES, TEST_CONFIG, fill, teacher_state
+from tests.insitu.helpers import CLASSES, TEST_CONFIG, fill, teacher_state
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_batch_is_the_largest_whose_planned_step_fits_the_budget() -> None:
@@ -44,7 +44,7 @@ def test_the_batch_is_capped_and_a_budget_below_batch_one_is_refused() -> None:
 
 def _train(directory: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.insitu_helpers", "train", str(directory)],
+        [sys.executable, "-m", "tests.insitu.helpers", "train", str(directory)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
     )

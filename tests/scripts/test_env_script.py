@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ENV_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "_env.sh"
+ENV_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "_env.sh"
 BASH = shutil.which("bash")
 TOOLS = ("sha256sum", "cut", "cat", "rm", "mkdir", "dirname", "sed", "head")
 

@@ -236,7 +236,7 @@ def test_an_output_the_loss_does_not_use_leaves_its_heads_gradients_none_in_one_
     """The loss uses only ``out["main"]``: plain autograd leaves the auxiliary head's ``.grad``
     None, and so does a plan run as one graph (it gave zeros before, which AdamW's weight decay
     and moments would act on)."""
-    from tests.test_contract import _checkpointed_plan
+    from tests.runtime.test_contract import _checkpointed_plan
 
     torch.manual_seed(0)
     model, x = TwoHeads().to(F64), torch.randn(512, 8, dtype=F64)

@@ -22,7 +22,7 @@ from edgetrain.core.schedule import simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.runtime.checkpointed import Checkpointed
-from tests.test_attention_memory import LOSS_BYTES, Block, Net
+from tests.runtime.test_attention_memory import LOSS_BYTES, Block, Net
 
 BF16 = torch.bfloat16
 

@@ -13,7 +13,7 @@ from edgetrain.cli.main import cli
 from edgetrain.planners.poet import check as poet_check
 from edgetrain.planners.poet import graph as G
 
-DATA = Path(__file__).parent / "data" / "poet_linear_m0.json"
+DATA = Path(__file__).parents[1] / "data" / "poet_linear_m0.json"
 
 
 def run(*args: str):  # type: ignore[no-untyped-def]

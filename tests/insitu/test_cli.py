@@ -19,7 +19,7 @@ from edgetrain.insitu.student import CHECKPOINT
 # cache, a first run of the scene) would otherwise run once per worker.
 pytestmark = pytest.mark.xdist_group("insitu-cli")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = [
     "--synthetic", "--frames", "250", "--classes", "3", "--epochs", "1", "--max-batch", "8",
     "--threads", "1", "--idle-threshold", "1", "--teacher-views", "150", "--minutes", "5",

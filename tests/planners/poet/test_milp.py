@@ -20,7 +20,7 @@ from edgetrain.planners.poet import check, milp
 from edgetrain.planners.poet import graph as G
 from tests.conftest import UNIT, output_saving_chain
 
-DATA = Path(__file__).parent / "data" / "poet_linear_m0.json"
+DATA = Path(__file__).parents[2] / "data" / "poet_linear_m0.json"
 
 # ../shared/poet/README.md, "Known solutions of poet_linear_m0.json (runtime multiplier 2.0)".
 POET_TABLE = [

@@ -20,7 +20,7 @@ from edgetrain.models.tiny_lm import TinyLM
 from edgetrain.planners.optimal import store_all
 from edgetrain.runtime.checkpointed import Checkpointed, as_stages
 
-BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "anymodel.py"
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "anymodel.py"
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from edgetrain.devices import energy
 from edgetrain.errors import CorruptFile, InvalidInput
 from edgetrain.planners.poet import graph as G
 
-DATA = Path(__file__).parent / "data" / "poet_linear_m0.json"
+DATA = Path(__file__).parents[2] / "data" / "poet_linear_m0.json"
 
 
 def _poet() -> dict:  # type: ignore[type-arg]

@@ -33,7 +33,7 @@ from edgetrain.planners.optimal import OptimalTable, TableMaker, fastest, store_
 from edgetrain.planners.search import FLAT_UP_TO
 from edgetrain.runtime.checkpointed import Checkpointed, as_stages
 from tests.conftest import random_chain
-from tests.test_anymodel import F64, ResidualMLP, measured_peak, same_state, train_step
+from tests.runtime.test_any_model import F64, ResidualMLP, measured_peak, same_state, train_step
 
 
 def residual_chain(rng: random.Random, blocks: int, *, carried: bool = True) -> Chain:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "executor_overhead.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "executor_overhead.py"
 
 
 def test_per_stage_mode_reports_both_steps_for_each_traffic_setting():

@@ -6,7 +6,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 INSITU_ONLY = ("opencv", "pillow", "psutil", "motpy", "filterpy")
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from edgetrain.errors import InvalidInput
 from edgetrain.tiles.layers import describe
-from tests.test_tiles_exact import narrow, zoo
+from tests.tiles.test_exact import narrow, zoo
 
 
 def _torch_accepts(model: nn.Sequential, batch: int, height: int, width: int) -> bool:

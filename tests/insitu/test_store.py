@@ -16,9 +16,9 @@ import pytest
 from edgetrain.errors import CorruptFile
 from edgetrain.insitu.files import DiskFull
 from edgetrain.insitu.store import Store, StoreError
-from tests.insitu_helpers import crops, fill
+from tests.insitu.helpers import crops, fill
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _verify_all(directory: Path) -> int:
@@ -158,7 +158,7 @@ def test_kill_9_during_store_writes_leaves_no_corrupt_row_or_image(tmp_path: Pat
             [
                 sys.executable,
                 "-m",
-                "tests.insitu_helpers",
+                "tests.insitu.helpers",
                 "write",
                 str(tmp_path),
                 "200",
@@ -192,7 +192,7 @@ def test_a_full_disk_is_one_error_and_loses_nothing_stored(tmp_path: Path) -> No
     size = (tmp_path / "store.sqlite").stat().st_size
     code = (
         "import sys\n"
-        "from tests.insitu_helpers import fill\n"
+        "from tests.insitu.helpers import fill\n"
         "from edgetrain.insitu.files import DiskFull\n"
         "try:\n"
         f"    fill(__import__('pathlib').Path({str(tmp_path)!r}), 200, start=2)\n"

@@ -1,6 +1,6 @@
 """Small in-situ stores and subprocess entry points for the in-situ tests.
 
-Run as ``python -m tests.insitu_helpers train STORE`` / ``write STORE N`` from the repository root:
+Run as ``python -m tests.insitu.helpers train STORE`` / ``write STORE N`` from the repository root:
 the kill -9 tests start these and kill them at random moments.
 """
 
