@@ -19,7 +19,7 @@ weights), one training step (forward, mean-square loss, backward; gradients then
   ``edgetrain≤compile@b``: the fastest plan whose measured peak is within compile@b's measured
   peak (planned for that peak; when it measures over, the planner's budget searched by
   measuring each candidate; see :func:`_fit`). Every plan is made for the whole step, the loss
-  merged into the chain's last stage (:func:`with_loss`): predicted peaks are the step's.
+  merged into the chain's last stage (``with_loss``): predicted peaks are the step's.
 
 Memory: ``peak_MiB`` is the most heap memory in use during the step above what was in use when
 it started (weights, buffers, input; parameter gradients are allocated during the step and
@@ -59,7 +59,6 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +75,11 @@ from _common import emit, interleaved_samples, paired_ratio, sample_medians
 from _malloc_peak import malloc_peak, release_free_memory
 
 from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.chain import Chain
+from edgetrain.core.loss import with_loss
 from edgetrain.core.schedule import Cost, Schedule, simulate
 from edgetrain.errors import EdgetrainError, InfeasibleBudget
+from edgetrain.frontend.loss import profile_loss
 from edgetrain.models import build, canonical_name, sample_input
 from edgetrain.models.mobilenetv2 import InvertedResidual
 from edgetrain.models.resnet import BasicBlock, Bottleneck
@@ -105,7 +106,7 @@ Step = Callable[[torch.Tensor], torch.Tensor]
 # ---------------------------------------------------------------------------------------------
 # EDGETRAIN. The model is captured and cut into stages (between and inside its blocks) and
 # profiled once on this machine (:class:`Edgetrain`); every edgetrain row plans on that one chain
-# with the step's loss merged into its last stage (:func:`with_loss`), so that a plan's predicted
+# with the step's loss merged into its last stage (``with_loss``), so that a plan's predicted
 # peak is the whole step's: ``peak_MiB`` is the step's peak above weights, buffers and input,
 # parameter gradients created during the step included (the loop here sets them to None), and
 # the loss is computed by the caller between the forward and the backward.
@@ -115,71 +116,11 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().square().mean()
 
 
-class SquareMean(nn.Module):
-    """:func:`_loss` as a module, to profile it as a stage."""
-
-    def forward(self, out: torch.Tensor) -> torch.Tensor:
-        return _loss(out)
-
-
-def with_loss(chain: Chain, loss: Stage) -> Chain:
-    """``chain`` whose last stage also computes the caller's loss (``loss``: the loss profiled
-    as a one-stage chain on a leaf of the output's shape), for planning the whole step.
-
-    The loss runs between the forward phase and the backward phase, on top of what the plan
-    holds when the forward ends, not at the chain's peak; and the forward's output and its
-    gradient are already counted by :func:`~edgetrain.core.schedule.simulate` (the caller holds the
-    output, the output's gradient is held until the backward ends), so the loss cannot be a
-    reserve subtracted from the budget without counting it wrongly. Merged into the last stage
-    (not appended as a stage of its own, which would let a plan run the last stage without
-    grad, compute the loss, and build the last stage's graph afterwards: the caller's step
-    cannot), the plan's ops are the same for both chains, and on this chain its predicted peak
-    is what the step holds, loss included (``StorageCounter`` agrees to the byte on TinyLM and
-    MobileNetV2):
-
-    * forward: the output (``O`` bytes) and the last stage's graph, then the loss's forward on
-      top; the graph keeps the output when the loss saves its input (a square does);
-    * backward: the loss's backward (its peak includes the output's gradient it leaves), which
-      frees the output if only the loss held it, then the last stage's backward on top of the
-      output's gradient; that gradient is held until the backward ends, as the parameter
-      gradients are (counted with them: plans for steps whose gradients start as None).
-    """
-    last = chain.stages[-1]
-    if last.leaf_bytes or any(j >= 0 for j in last.gradient_from):
-        raise ValueError(f"{chain.name}: the last stage's output is not one tensor of its own")
-    out = last.output_bytes
-    out_grad = out if loss.input_gradient_bytes is None else loss.input_gradient_bytes
-    graph_keeps = loss.saves_input or last.saves_output
-    freed_by_loss = out if loss.saves_input and not last.saves_output else 0
-    merged = replace(
-        last,
-        name=f"{last.name}+loss",
-        output_bytes=loss.output_bytes,
-        saved_bytes=last.saved_bytes + (out if graph_keeps else 0),
-        saves_output=False,
-        saved_outputs=None,
-        forward_peak_bytes=max(last.forward_peak_bytes, out + loss.forward_peak_bytes),
-        forward_grad_peak_bytes=max(
-            last.forward_grad_peak_bytes, out + last.saved_bytes + loss.forward_grad_peak_bytes
-        ),
-        backward_peak_bytes=max(
-            loss.backward_peak_bytes, out_grad - freed_by_loss + last.backward_peak_bytes
-        ),
-        backward_peak_kept_bytes=None,
-        gradient_bytes=last.gradient_bytes + out_grad,
-        forward_seconds=last.forward_seconds + loss.forward_seconds,
-        backward_seconds=last.backward_seconds + loss.backward_seconds,
-    )
-    stages = (*chain.stages[:-1], merged)
-    return Chain(stages, chain.input_bytes, chain.input_requires_grad, f"{chain.name}+loss")
-
-
 class Edgetrain:
     """One model's profiled chain, and the chain with the loss to plan rows on."""
 
     def __init__(self, base: nn.Module, x: torch.Tensor, chain: Chain | None = None) -> None:
         """``chain``: the model's chain when already made (else profiled here)."""
-        from edgetrain.frontend.profiling import profile_chain
         from edgetrain.runtime.checkpointed import Checkpointed
 
         self.base, self.x = base, x
@@ -188,8 +129,7 @@ class Edgetrain:
             chain = Checkpointed(copy.deepcopy(base), x).chain  # stores everything: profiles
         self.chain = chain
         with torch.no_grad():
-            leaf = torch.zeros_like(base(x)).requires_grad_()
-        self.loss = profile_chain(nn.Sequential(SquareMean()), leaf).stages[0]
+            self.loss = profile_loss(_loss, base(x))
         self.planning = with_loss(self.chain, self.loss)
         self.profile_s = time.perf_counter() - start
 

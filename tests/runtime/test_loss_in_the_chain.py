@@ -1,36 +1,65 @@
-"""The any-model benchmark's planning chain (``benchmarks/anymodel.py``: the caller's loss merged
-into the chain's last stage) predicts the whole training step's peak, loss included, as
+"""A chain with the caller's loss merged into its last stage (``with_loss``, the loss profiled
+by ``profile_loss``) predicts the whole training step's peak, loss included, as
 ``StorageCounter`` measures it: on a language model whose logits and loss dominate memory and on
 a CNN whose output is small, for plans from the least memory to storing everything (never
 below, above by at most 64 bytes, and the output's gradient for the store-all plan, which plain
 autograd frees early)."""
 
-import importlib.util
-import sys
-from pathlib import Path
+import copy
 
 import pytest
 import torch
 from torch import nn
 
 from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.core.schedule import simulate
+from edgetrain.core.loss import with_loss
+from edgetrain.core.schedule import made_for, simulate
+from edgetrain.errors import InfeasibleBudget
+from edgetrain.frontend.cuts import as_stages
+from edgetrain.frontend.loss import profile_loss
 from edgetrain.frontend.profiling import profile_chain
 from edgetrain.models.tiny_lm import TinyLM
+from edgetrain.planners import plan
 from edgetrain.planners.optimal import store_all
-from edgetrain.runtime.checkpointed import Checkpointed, as_stages
-
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "anymodel.py"
+from edgetrain.runtime.checkpointed import Checkpointed
 
 
-@pytest.fixture(scope="module")
-def anymodel():
-    spec = importlib.util.spec_from_file_location("anymodel_under_test", BENCHMARK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    """The step's loss: the mean of the output's squares."""
+    return out.float().square().mean()
+
+
+class WithLoss:
+    """A model's profiled chain and the chain with the loss merged in, to plan the whole step."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor) -> None:
+        self.model, self.x = model, x
+        self.chain = _profiled(model, x)
+        with torch.no_grad():
+            self.planning = with_loss(self.chain, profile_loss(_loss, model(x)))
+
+    def least_bytes(self) -> int:
+        try:
+            return int(simulate(self.planning, plan(self.planning, "optimal", memory=1)).peak_bytes)
+        except InfeasibleBudget as exc:
+            assert exc.smallest is not None
+            return int(exc.smallest)
+
+    def net(self, budget: int) -> Checkpointed:
+        schedule = made_for(plan(self.planning, "optimal", memory=budget), self.chain)
+        return Checkpointed(copy.deepcopy(self.model), self.x, chain=self.chain, schedule=schedule)
+
+    def predicted(self, schedule):
+        return simulate(self.planning, schedule)
+
+
+def _training_step(net, params, x):
+    def step() -> None:
+        _loss(net(x)).backward()
+        for p in params:  # as zero_grad() would; after the step, so each starts without them
+            p.grad = None
+
+    return step
 
 
 def _profiled(model, x):
@@ -66,16 +95,14 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "make", "make_input"), CASES, ids=[c[0] for c in CASES])
-def test_step_peak_with_the_loss_is_predicted_exactly(
-    anymodel, name, make, make_input, monkeypatch
-):
+def test_step_peak_with_the_loss_is_predicted_exactly(name, make, make_input, monkeypatch):
     # Stage by stage, as planned: a plan run as one graph keeps a LayerNorm's statistics too (a
     # few KiB), which the planning chain does not count; the benchmark measures every row's
-    # peak for that (_fit), and the executor sizes one graph as it runs (test_contract.py).
+    # peak for that, and the executor sizes one graph as it runs (test_contract.py).
     monkeypatch.setattr(Checkpointed, "_merge_graph_runs", False)
     torch.manual_seed(0)
     model, x = make(), make_input()
-    edgetrain = anymodel.Edgetrain(model, x, chain=_profiled(model, x))
+    edgetrain = WithLoss(model, x)
     least = edgetrain.least_bytes()
     most = simulate(edgetrain.planning, store_all(edgetrain.planning)).peak_bytes
     assert least < most
@@ -84,7 +111,7 @@ def test_step_peak_with_the_loss_is_predicted_exactly(
         net = edgetrain.net(budget)
         predicted = edgetrain.predicted(net.schedule).peak_bytes
         assert predicted <= budget
-        step = anymodel._training_step(net, list(net.module.parameters()), x)
+        step = _training_step(net, list(net.module.parameters()), x)
         step()  # warm-up, as the benchmark does
         counter = StorageCounter()
         with counter:
@@ -96,21 +123,21 @@ def test_step_peak_with_the_loss_is_predicted_exactly(
         assert 0 <= predicted - counter.peak_bytes <= 64 + slack, (name, budget)
 
 
-def test_loss_is_not_counted_twice_nor_at_the_chains_peak(anymodel):
+def test_loss_is_not_counted_twice_nor_at_the_chains_peak():
     """On a language model the loss (the logits' square, the gradients of the mean and the
     square: four logits-sized tensors with the output's gradient) sits on top of what the plan
     holds when the forward ends. The least plan's step is then below the chain's least peak plus
-    everything the loss holds, the sum the benchmark used to plan for."""
+    everything the loss holds: the loss is not a reserve on top of the peak."""
     torch.manual_seed(0)
     model = TinyLM(vocab=2048, context=32, dim=32, depth=2, heads=2)
     x = torch.randint(0, 2048, (4, 32))
-    edgetrain = anymodel.Edgetrain(model, x, chain=_profiled(model, x))
+    edgetrain = WithLoss(model, x)
     net = edgetrain.net(edgetrain.least_bytes())
     leaf = torch.zeros(4, 32, 2048, requires_grad=True)
     counter = StorageCounter()
     with counter:
-        anymodel._loss(leaf).backward()
-    step = anymodel._training_step(net, list(net.module.parameters()), x)
+        _loss(leaf).backward()
+    step = _training_step(net, list(net.module.parameters()), x)
     step()
     measured = StorageCounter()
     with measured:
