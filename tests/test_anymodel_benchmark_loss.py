@@ -100,7 +100,7 @@ def test_loss_is_not_counted_twice_nor_at_the_chains_peak(anymodel):
     """On a language model the loss (the logits' square, the gradients of the mean and the
     square: four logits-sized tensors with the output's gradient) sits on top of what the plan
     holds when the forward ends. The least plan's step is then below the chain's least peak plus
-    everything the loss holds, the sum the benchmark used to plan for."""
+    everything the loss holds."""
     torch.manual_seed(0)
     model = TinyLM(vocab=2048, context=32, dim=32, depth=2, heads=2)
     x = torch.randint(0, 2048, (4, 32))
