@@ -39,7 +39,7 @@ median over rounds of a row's step over the reference's step in the same round (
 ``cpu/compile@1``: a compiled row's step over the budget-1.0 compiled step, what compile pays
 for its memory). ``cpu_s`` and ``wall_s`` are plain medians.
 
-Verdicts, per model and compile budget b (issue 9's target): ``edgetrain≤compile@b``'s peak ≤
+Verdicts, per model and compile budget b: ``edgetrain≤compile@b``'s peak ≤
 compile@b's, and its overhead (cpu over plain's) ≤ compile's (compile@b over compile@1); and
 ``edgetrain@store-all`` within 1.03 × plain.
 
@@ -579,12 +579,12 @@ TIME_METHOD = (
     "paired: median over rounds of a row's step over the reference's in the same round "
     "(rounds shuffled); cpu = process CPU time (judged), wall beside"
 )
-"""The ``time`` field of ``--json`` output; runs before session 15 divided two medians."""
+"""The ``time`` field of ``--json`` output; a run without it divided two medians."""
 
 
 def _reused_compile_rows(path: str | None) -> dict[str, dict[str, dict[str, Any]]]:
     """Compile rows of an earlier ``--json`` run, by model label and config. Rows of a run
-    timed another way (ratios of medians, before session 15) are taken, with a warning."""
+    timed another way (ratios of medians, no ``time`` field) are taken, with a warning."""
     if path is None:
         return {}
     try:

@@ -21,7 +21,7 @@ time ratios checked below the table are).
 (``resnet101-module``, the Sequential form's weights loaded into it), captured and cut at every
 admissible position (inside the residual blocks too), instead of the Sequential's one stage per
 block; torch's rows stay ``checkpoint_sequential`` on the Sequential form. Only the rows the
-issue's targets need are run (plain, torch's, store-all, at torch's best, at 0.55 x it, and the
+targets need are run (plain, torch's, store-all, at torch's best, at 0.55 x it, and the
 least memory edgetrain can plan).
 """
 

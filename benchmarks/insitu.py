@@ -1,4 +1,4 @@
-"""In-situ student-teacher training: every target of issue 11 measured in one run.
+"""In-situ student-teacher training: every in-situ figure measured in one run.
 
     python benchmarks/insitu.py [--store DIR] [--kills 20] [--json]
 

@@ -1,17 +1,17 @@
 """Planning speed: Revolve on 100 000 steps, and ``plan(chain, "optimal", ...)`` end to end.
 
-Targets: l = 100 000 planned by Revolve in under a second (issue 3); a 200-stage chain planned
+Targets: l = 100 000 planned by Revolve in under a second; a 200-stage chain planned
 within 0.5 × its plain peak or ρ ≤ 1.5 in ≤ 1 s, ResNet-152's chain (batch 8, 224²) at any budget
-in ≤ 0.5 s (issue 7); ResNet-152's captured graph, cut inside its blocks, in ≤ 10 s (issue 9).
+in ≤ 0.5 s; ResNet-152's captured graph, cut inside its blocks, in ≤ 10 s.
 Every optimal row is the public ``plan()`` call (table, reconstruction, the simulator's checks).
 Medians of several runs.
 
 A second table compares the flat DP (``plan(chain, "optimal")``) with the block-options DP
 (``plan(chain, "blocks")``) on the analytic chains of captured models cut at every admissible
 position (ResNet-152-module at batch 8, 224²; the U-Net and ViT-Tiny at the sizes of
-``benchmarks/anymodel.py``), and for ResNet-152 also the flat DP on the chain ``block_cuts`` made
-before the block DP (2 cuts inside each block; ``plan(chain, "optimal")`` now plans a chain of
-more than 256 stages over its blocks): least activation memory, the recompute factor ρ at budgets of
+``benchmarks/anymodel.py``), and for ResNet-152 also the flat DP on the chain ``block_cuts`` makes
+with 2 cuts inside each block (``plan(chain, "optimal")`` plans a chain of more than 256 stages
+over its blocks): least activation memory, the recompute factor ρ at budgets of
 0.7, 0.5 and 0.3 × plain autograd's peak, and planning seconds (medians), in the loop that sets
 gradients to None.
 
@@ -74,8 +74,8 @@ FRACTIONS = (0.7, 0.5, 0.3)
 
 
 FALLBACK_ABOVE = 256
-"""Admissible cuts above which ``block_cuts`` used to cut twice inside each block (the row that
-shows what the block DP replaced)."""
+"""Admissible cuts above which the comparison row cuts twice inside each block (the flat DP on
+2 cuts per block, against the block DP)."""
 
 
 def _chains(name: str, batch: int, size: int) -> dict[str, Chain]:

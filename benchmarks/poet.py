@@ -6,7 +6,7 @@ last 1x1 feature map leaves BatchNorm one value per channel, which training reje
 costs (FLOP counts) on the Cortex-M0+, Cortex-M4F and Cortex-A72 profiles. Both accountings:
 ``poet`` (POET's problem: node outputs only, paging time free) and ``edgetrain`` (transient peaks
 and what autograd retains, paging time counted). Also POET's own linear-m0 instance, whose optima
-are known, and POET's own ResNet-18 and VGG-16 CIFAR instances (issue 10's targets: at 50 % and
+are known, and POET's own ResNet-18 and VGG-16 CIFAR instances (targets: at 50 % and
 30 % of the keep-everything peak, within 60 s, energy within 0.01 % of the best plan known, gap
 proven <= 0.05 %). ``python benchmarks/poet.py [--json] [--time-limit 60] [--runtime FACTOR]
 [--poet-only]`` (``--poet-only``: POET's instances and the linear one, not edgetrain's graphs nor

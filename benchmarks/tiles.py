@@ -142,7 +142,7 @@ def memory_and_halos(model: Any, image: int, groupings: dict[str, Grouping]) -> 
 
 
 ODD_SIZES = (("200", "3x2"), ("180x240", "2x2"))
-"""(image, grid) pairs of the odd-size check: the issue's 200 px and a 4:3 camera frame."""
+"""(image, grid) pairs of the odd-size check: 200 px (the poolings floor it) and a 4:3 frame."""
 
 
 def odd_sizes(model: Any) -> list[dict]:

@@ -1,7 +1,7 @@
-"""Claims checked against references that share no code with what they check (issue 7, item 15).
+"""Claims checked against references that share no code with what they check.
 
-Each test here exists because a bug injected into that claim's code went unnoticed by the rest of
-the suite (``scripts/mutate.py`` injects them again and reports which are caught):
+Each test here catches a bug injected into that claim's code that the rest of the suite
+does not notice (``scripts/mutate.py`` injects them again and reports which are caught):
 
 * planners: the least memory within a recompute factor, against every knob value simulated
   (sequential, revolve) or against the exhaustive search of :mod:`tests.exhaustive` (optimal, the

@@ -332,8 +332,8 @@ ALL_CUTS_UP_TO = 1024
 planner's work near a second. A chain of more than
 :data:`~edgetrain.planners.search.FLAT_UP_TO` (256) stages is planned over its blocks
 (:mod:`edgetrain.planners.blocks`), whose work grows with the number of blocks: ResNet-152's 313
-stages (55 blocks) plan in 0.3 s and reach 0.83 × the least memory of the 2-cuts-per-block
-fallback this limit used to send it to (``benchmarks/planning.py``)."""
+stages (55 blocks) plan in 0.3 s and reach 0.83 × the least memory of cutting
+twice per block (``benchmarks/planning.py``)."""
 
 
 def block_cuts(

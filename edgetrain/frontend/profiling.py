@@ -825,7 +825,7 @@ def _profile_stage(
         # An output laid out other than contiguously (attention's output is a transpose) gets
         # a gradient of its own layout in the first pass; in the step it gets what the next
         # stage's backward returns, often contiguous, and its backward may then copy it
-        # (nn.MultiheadAttention's does: 8 KB more in the bug hunt's step). Both count.
+        # (nn.MultiheadAttention's does: 8 KB more in a step of its test). Both count.
         layouts = _layouts(wanted, out_leaves)
         if len(layouts) > 1:
             backward_peak = max(backward_peak, again(kept=False, contiguous=True))

@@ -4,11 +4,11 @@ and the older hook that sets the weight it computes as an attribute) in an MLP a
 GAN-style discriminator, the older ``weight_norm`` hook, and an exponential moving average a
 module assigns itself.
 
-Before session 12 a recomputation ran spectral norm's power iteration again from the vectors
-the first run had updated: another weight, and gradients that differed from plain autograd's.
-And the hooks' weights, kept by the modules until the next forward, were not counted: on six
-such layers the tightest plan's step held 98 KB above its plan and its budget (2.4 × the
-plan with ``weight_norm``), and profiling a model that assigns itself a buffer left it changed.
+A recomputation that ran spectral norm's power iteration again from the vectors the first run
+updated would use another weight and give gradients unlike plain autograd's; the hooks' weights,
+kept by the modules until the next forward, must be counted (uncounted, the tightest plan on six
+such layers holds 98 KB above its plan and budget, 2.4 × the plan with ``weight_norm``); and
+profiling a model that assigns itself a buffer must leave it as it was.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ def test_a_plan_to_read_must_be_a_readable_file(args, message):
         (["demo", "--memory", "2XB"], "cannot read size"),
         (["plan", "--no-such-flag"], "No such option"),
         (["no-such-command"], "No such command"),
-        # session 14's bug hunt: each was a traceback, or silently accepted
+        # each is one line, never a traceback nor silently accepted
         (["insitu", "run", "--seed", "-1", "--store", "s"], "'--seed'"),
         (["insitu", "run", "--classes", "100", "--store", "s"], "'--classes'"),
         (["insitu", "run", "--classes", "0", "--store", "s"], "'--classes'"),
@@ -231,8 +231,8 @@ def test_tiles_help_lists_the_device_profiles():
     ids=["train-plan", "poet-graph", "poet-device", "tiles-profile"],
 )
 def test_a_json_file_that_is_not_text_is_one_line(args, tmp_path):
-    """Bytes that are not UTF-8 in a file given as JSON: a UnicodeDecodeError traceback before
-    (session 14's bug hunt)."""
+    """Bytes that are not UTF-8 in a file given as JSON: one line, not a UnicodeDecodeError
+    traceback."""
     binary = tmp_path / "bin.json"
     binary.write_bytes(b"\xff\xfe\x00garbage")
     assert "not UTF-8 text" in refused([*args, str(binary)])

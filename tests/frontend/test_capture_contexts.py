@@ -1,9 +1,10 @@
-"""What a user's ``forward()`` does besides calling layers, which torch.fx does not record
-(session 14's bug hunt): a ``torch.no_grad()`` block (a frozen backbone, a distillation
+"""What a user's ``forward()`` does besides calling layers, which torch.fx does not record:
+a ``torch.no_grad()`` block (a frozen backbone, a distillation
 teacher), a ``torch.autocast(enabled=False)`` region (an fp32 head in a bf16 step), a Python
 attribute the loop changes after planning (a softmax temperature), and a value ``forward()``
-stores on a module (an MoE's auxiliary loss). Each was silently wrong before: gradients for the
-frozen part, a bf16 head, the old temperature, a training step that did nothing. Compared with
+stores on a module (an MoE's auxiliary loss). Each goes silently wrong if fx's trace is taken
+as it is: gradients for the frozen part, a bf16 head, a stale temperature, a training step that
+does nothing. Compared with
 plain autograd on a deepcopy, on the same inputs and RNG state."""
 
 import copy
@@ -284,8 +285,8 @@ class FailsInside(nn.Module):
 
 
 def test_an_error_inside_a_region_leaves_autocast_and_grad_mode_as_they_were():
-    """The region is one module entered with ``with``: an exception inside it no longer skips
-    its exit (the review found autocast left on in the thread after such a capture)."""
+    """The region is one module entered with ``with``: an exception inside it still runs its
+    exit, so autocast is not left on in the thread after such a capture."""
     with pytest.raises(InvalidInput, match="does not run on the sample"):
         Checkpointed(FailsInside(), torch.randn(2, 8), max_recompute=2.0)
     assert not torch.is_autocast_enabled("cpu")

@@ -1,11 +1,11 @@
 """Sizing on meta tensors stands for the CPU's step, or is not used.
 
 Chains from shapes (``analytic_chain``) and the plain-autograd step of every chain (the store-all
-plan's peak) are sized on meta tensors. Before session 13 three kinds of layer were sized there
-unlike the CPU: ``nn.LSTM``/``nn.GRU``/``nn.RNN`` (the CPU runs oneDNN's kernels: a 2-layer
-LSTM's store-all plan measured 1.79 × its prediction, and every plan was that one), ``mish``
-(its backward decomposed on meta: a Mish MLP's store-all plan predicted 1.78 × what it holds)
-and ``unfold``/``fold`` (the CPU's ``col2im`` keeps its input's storage size). Now ``mish`` runs
+plan's peak) are sized on meta tensors. Three kinds of layer size there unlike the CPU:
+``nn.LSTM``/``nn.GRU``/``nn.RNN`` (the CPU runs oneDNN's kernels: a 2-layer
+LSTM's store-all plan would measure 1.79 × a meta prediction), ``mish`` (its backward
+decomposes on meta: 1.78 × what a Mish MLP's store-all plan holds) and ``unfold``/``fold`` (the
+CPU's ``col2im`` keeps its input's storage size). ``mish`` runs
 on meta as on the CPU, the others are named (their meta step is not taken; ``analytic_chain``
 refuses them with the fix), and a profiled chain takes its meta step only when its stages, sized
 on meta, equal what was measured."""

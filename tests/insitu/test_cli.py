@@ -129,7 +129,8 @@ def _set_meta(store: Path, key: str, value: str) -> None:
 def test_a_damaged_meta_value_is_one_line_and_the_store_survives(
     first_run: tuple[Path, dict], tmp_path: Path, cache: Path, command, key, value, text
 ) -> None:
-    """A traceback before (JSONDecodeError, int()) from ``insitu run`` (session 14's bug hunt)."""
+    """A damaged meta value is one line from ``insitu run``, not a JSONDecodeError or int()
+    traceback."""
     store = tmp_path / "store"
     shutil.copytree(first_run[0], store)
     images = sorted(p.name for p in (store / "images").iterdir())
@@ -144,7 +145,7 @@ def test_another_state_file_as_the_checkpoint_is_one_line(
     first_run: tuple[Path, dict], tmp_path: Path, cache: Path, command
 ) -> None:
     """The teacher's cached state copied over the student's checkpoint: its checksum holds, and
-    reading it was a KeyError traceback (session 14's bug hunt)."""
+    reading it is one line, not a KeyError traceback."""
     store = tmp_path / "store"
     shutil.copytree(first_run[0], store)
     teacher = next(cache.glob("teacher-*.pt"))

@@ -76,7 +76,7 @@ def test_open_removes_images_no_row_points_to_and_nothing_else(tmp_path: Path) -
     (tmp_path / "images" / "0123456789abcdef0123.webp").write_bytes(b"x")
     (tmp_path / "images" / ".0123456789abcdef0123.webp.k2j4.tmp").write_bytes(b"x")
     (tmp_path / ".student.ckpt.x8q1.tmp").write_bytes(b"x")
-    # A user's files, which the store did not write (session 14's bug hunt: all were deleted).
+    # A user's files, which the store did not write: they must survive its clean-up.
     users = [tmp_path / "images" / "holiday.webp", tmp_path / "images" / ".config", tmp_path / "a"]
     for path in users:
         path.write_bytes(b"mine")

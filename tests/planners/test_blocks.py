@@ -1,4 +1,4 @@
-"""Block options (issue 9, planning item 2): rotor's DP over blocks, each block run one of several
+"""Block options: rotor's DP over blocks, each block run one of several
 ways. Every plan is expanded to the fine chain and replayed by the one simulator: exactly the
 predicted time, a peak within the budget. With one stage per block it is the flat DP; without
 shared storages it is never faster than the flat DP; its options are a Pareto frontier; and a

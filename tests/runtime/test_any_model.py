@@ -1,4 +1,4 @@
-"""Any model (issue 9): ``Checkpointed`` on models written the usual way (residual additions in
+"""Any model: ``Checkpointed`` on models written the usual way (residual additions in
 ``forward()``, long skips, attention, tied weights, frozen layers), captured with torch.fx and
 cut into stages (the registered models, narrower where that keeps the suite fast). For every
 model, optimal plans half-way to and at the least memory, and Revolve with 3 slots: gradients
@@ -166,8 +166,8 @@ def test_a_store_all_plan_stays_within_a_budget_of_its_predicted_peak(
 ):
     """The store-all plan runs the stages as plain autograd, whose engine adds the two gradients
     of a tensor used twice (a skip) into a new tensor where the executor adds in place. Priced
-    stage by stage, a budget of exactly its predicted peak was exceeded by 0.5 % on the U-Net
-    and 0.2 % on ResNet-50; its price is now the step measured when the chain was made."""
+    stage by stage, a budget of exactly its predicted peak would be exceeded (by 0.5 % on the
+    U-Net, 0.2 % on ResNet-50); its price is the step measured when the chain was made."""
     torch.manual_seed(0)
     model = make()
     x = make_input()

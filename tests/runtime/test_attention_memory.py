@@ -1,13 +1,13 @@
 """The memory promise on attention the way users write it: ``nn.MultiheadAttention`` with
 ``batch_first=True`` in a pre-norm block, and ``F.scaled_dot_product_attention`` called
-directly. Two things made the prediction differ from the step here (session 11):
+directly. Two things the prediction must follow here:
 
 * On meta tensors attention takes its math path (it saves the ``L × L`` weights), on the CPU
-  its flash kernel: a plain-autograd step sized on meta read 18 % above the real one.
+  its flash kernel: a plain-autograd step sized on meta's own path reads 18 % above the real one.
 * The block's residual addition hands one gradient storage to the trunk and to the attention's
-  output, so the attention's backward cannot free it early, as it did when the profile gave the
-  two outputs gradients of their own: in the loop that keeps gradients the tightest plan held
-  520 bytes (8 KiB at the stage's backward) more than predicted, above its budget.
+  output, so the attention's backward cannot free it early: a profile that gave the two outputs
+  gradients of their own would leave the tightest plan, in the loop that keeps gradients, 520
+  bytes (8 KiB at the stage's backward) above its prediction and its budget.
 """
 
 from __future__ import annotations

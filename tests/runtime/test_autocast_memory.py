@@ -1,12 +1,12 @@
 """The memory promise under ``torch.autocast`` (CPU, bfloat16), with the loss and backward
 outside the autocast region (as PyTorch recommends) and inside it (as much user code does).
 
-Before session 11 a step under autocast ran the plan profiled without it, and autocast's cache
-kept a bfloat16 copy of every weight each stage run cast until the region ended: an MLP's
-tightest plan in the kept-gradient loop held 1.38 MB (3 ×) above its prediction with the
-backward inside the region, 429 KB with it outside. Now autocast is part of the state a plan is
-made for (a step under it plans anew, profiled under it), and the executor runs the stages
-without autocast's cache (a copy lives as long as autograd saves it)."""
+Autocast is part of the state a plan is made for (a step under it plans anew, profiled under
+it), and the executor runs the stages without autocast's cache (a copy lives as long as autograd
+saves it). A step that ran the plan profiled without autocast, with autocast's cache keeping a
+bfloat16 copy of every weight each stage run casts until the region ends, would hold 1.38 MB
+(3 ×) above an MLP's tightest plan in the kept-gradient loop with the backward inside the
+region, 429 KB with it outside."""
 
 from __future__ import annotations
 
@@ -106,8 +106,8 @@ def test_a_change_of_autocast_state_is_named_when_plans_are_refused():
 
 def test_a_chain_measured_in_another_autocast_state_is_refused_with_the_fix_named():
     """A chain from shapes (meta tensors, which autocast does not cast) or profiled without
-    autocast, given to a Checkpointed built under it, planned fp32 sizes for a bf16 step: the MLP's
-    least plan measured 536,260 B against its 354,344 B prediction (session 13)."""
+    autocast, given to a Checkpointed built under it, plans fp32 sizes for a bf16 step (the MLP's
+    least plan would measure 536,260 B against its 354,344 B prediction), so it is refused."""
     model, x = mlp()
     refused = pytest.raises(InvalidInput, match=r"chain= was measured without torch\.autocast")
     for chain in (edgetrain.analytic_chain(model, x), Checkpointed(copy.deepcopy(model), x).chain):

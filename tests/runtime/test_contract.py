@@ -1,4 +1,4 @@
-"""The executor's contract, item by item (issue 7 and issue 8): plain autograd's result on the same
+"""The executor's contract, item by item: plain autograd's result on the same
 inputs and RNG state, or one clear error; and measured memory equal to the prediction, on models
 written the way users write them (default activations, frozen and reused layers, zero_grad())."""
 
@@ -223,7 +223,7 @@ def test_stages_without_gradients_give_plain_autograds_result(make, strategy, bu
         assert torch.equal(x.grad, xp.grad)
 
 
-# -- items 4, 5, 13 and issue 8 item 1: measured peak = predicted ---------------------------------
+# -- measured peak = predicted ------------------------------------------------------------------
 
 
 def conv_chain(act):
@@ -565,7 +565,7 @@ def test_dict_inputs_and_activations_work(strategy, budget):
     same_grads(plain, model)
 
 
-# -- issue 8 items 4 and 6: plans tied to their shapes; budget forms ------------------------------
+# -- plans tied to their shapes; budget forms -----------------------------------------------------
 
 
 def test_a_plan_for_another_shape_is_refused_and_a_new_shape_is_replanned(tmp_path):

@@ -1,5 +1,5 @@
 """The contract when what a plan was made for changes during training, and for models users
-write that the other contract tests do not (session 10's bug hunt): a layer unfrozen or frozen,
+write that the other contract tests do not: a layer unfrozen or frozen,
 an input gradient wanted, the train/eval mode switched, or the batch size changed after
 planning; a dict output whose auxiliary head the loss does not use; a model with two inputs, or
 one returning its input. Each compares with plain autograd on a deepcopy, on the same inputs and
@@ -77,7 +77,7 @@ def same_grads(plain: nn.Module, ours: nn.Module) -> None:
 def test_a_layer_unfrozen_after_planning_gets_plain_autograds_gradient(merge, monkeypatch):
     """Fine-tuning: the first layer is frozen when Checkpointed plans, unfrozen after a step.
     Plain autograd then gives it a gradient; so does the executor, which plans again for the
-    parameters that now need one (it left ``.grad`` None before session 10)."""
+    parameters that now need one (``.grad`` is not left None)."""
     monkeypatch.setattr(Checkpointed, "_merge_graph_runs", merge)
     model, x = user_mlp(), torch.randn(256, 8, dtype=F64)
     model[0].requires_grad_(False)
@@ -112,9 +112,9 @@ def test_an_input_gradient_wanted_after_planning_is_plain_autograds():
 def test_a_layer_frozen_after_planning_trains_like_plain_autograd_in_a_checkpointed_segment():
     """The plan runs a checkpointed segment (torch.utils.checkpoint in a GraphRunModule); a
     layer is frozen after planning: the forward runs it on the executor's parameter leaves
-    (trainable when planned), the recomputation on the frozen parameters, and the backward
-    raised torch.utils.checkpoint's CheckpointError. Now the step plans again for the frozen
-    layer and trains as plain autograd does."""
+    (trainable when planned), the recomputation on the frozen parameters, and a backward of
+    the old plan would raise torch.utils.checkpoint's CheckpointError. The step plans again for
+    the frozen layer and trains as plain autograd does."""
     model, x = user_mlp(), torch.randn(256, 8, dtype=F64)
     chain = Checkpointed(copy.deepcopy(model), x).chain
     # The optimal plan at a quarter of the way from the least memory to storing everything
@@ -170,7 +170,7 @@ class PairInput(TwoInputs):
 
 def test_a_model_with_two_positional_inputs_trains_or_is_refused_with_one_clear_error():
     """A captured model is called with one input tensor; ``forward(self, x, y)`` with a tuple
-    sample gave a bare TypeError from profiling; now one clear error."""
+    sample is one clear error, not a bare TypeError from profiling."""
     torch.manual_seed(0)
     model = TwoInputs().to(F64)
     sample = (torch.randn(64, 16, dtype=F64), torch.randn(64, 5, dtype=F64))
@@ -208,8 +208,8 @@ class ReturnsInput(nn.Module):
 
 @pytest.mark.parametrize("kwargs", [{"max_recompute": 3.0}, {"memory_budget": 0.6}])
 def test_a_model_returning_its_input_is_planned_or_refused_clearly(kwargs):
-    """``return x, head(x)`` (the input among the outputs) raised a bare numpy ValueError from
-    the planner; now one line names the construct and the fix, whatever the budget form."""
+    """``return x, head(x)`` (the input among the outputs): one line names the construct and
+    the fix, whatever the budget form (not a bare numpy ValueError from the planner)."""
     torch.manual_seed(0)
     model, x = ReturnsInput().to(F64), torch.randn(512, 16, dtype=F64)
     with pytest.raises(InvalidInput, match="returns its input 'x' itself"):
@@ -253,8 +253,8 @@ def test_an_output_the_loss_does_not_use_leaves_its_heads_gradients_none_in_one_
 
 def test_a_model_planned_in_eval_mode_is_planned_again_for_training_within_its_budget():
     """Built in eval mode (just validated or loaded), trained after ``train()``: the profile ran
-    Dropout as the identity, so the step held about 20 % more than predicted. Now the mode is
-    part of what a plan is made for: with a memory budget the step plans again within it and
+    Dropout as the identity, so the old plan would hold about 20 % more than predicted. The
+    mode is part of what a plan is made for: with a memory budget the step plans again within it and
     holds what it predicts; a given plan's memory that no train-mode plan fits is one clear
     error naming the mode."""
     model, x = user_mlp(), torch.randn(256, 8, dtype=F64)
@@ -300,10 +300,10 @@ def test_a_stage_reading_its_input_thrice_holds_what_the_plan_predicts_with_kept
     merge, monkeypatch
 ):
     """In the loop that keeps gradients, the stage ``softmax(a(h) @ hᵀ) @ h`` (no parameters,
-    passes ``h`` on) was profiled at 13440 B for its backward against 23680 B when gradients are
-    created, and the executor's backward of it holds the latter: the step held 3216 B more than
-    predicted. A stage's kept-gradient peak is now at least its other peak less the gradients
-    it creates. (``nn.MultiheadAttention``'s stage, with parameters, is still 5264 B over: open.)"""
+    passes ``h`` on) measures 13440 B for its backward against 23680 B when gradients are
+    created, and the executor's backward of it holds the latter (3216 B more in the step). A
+    stage's kept-gradient peak is at least its other peak less the gradients it creates.
+    (``nn.MultiheadAttention``'s stage, with parameters, is 5264 B over: open.)"""
     monkeypatch.setattr(Checkpointed, "_merge_graph_runs", merge)
     torch.manual_seed(0)
     model, x = SelfAttentionLike().to(F64), torch.randn(4, 10, 16, dtype=F64)

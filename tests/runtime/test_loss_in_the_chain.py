@@ -106,7 +106,7 @@ def test_step_peak_with_the_loss_is_predicted_exactly(name, make, make_input, mo
     least = edgetrain.least_bytes()
     most = simulate(edgetrain.planning, store_all(edgetrain.planning)).peak_bytes
     assert least < most
-    out_grad = edgetrain.chain.gradient_of_activation_bytes(edgetrain.chain.length)
+    out_grad = edgetrain.core.chain.gradient_of_activation_bytes(edgetrain.core.chain.length)
     for budget in (least, (least + most) // 2, most):
         net = edgetrain.net(budget)
         predicted = edgetrain.predicted(net.schedule).peak_bytes

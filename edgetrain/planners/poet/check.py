@@ -7,7 +7,7 @@ recurrence, with ``Free`` derived from its definition, not read from the solver)
 its energy split, under either accounting:
 
 ``poet``
-    exactly the problem in ``shared/poet/README.md``: runtime = compute only, memory per POET's
+    exactly POET's problem (Patil et al., ICML 2022): runtime = compute only, memory per POET's
     recurrence over the edge list as given (parallel edges free twice), a page-in counts from the
     next stage.
 ``edgetrain``

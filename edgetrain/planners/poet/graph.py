@@ -297,7 +297,7 @@ def from_dict(data: Any) -> TrainingGraph:
 
 
 def from_poet(data: dict[str, Any]) -> TrainingGraph:
-    """A graph from a POET instance (``poet-instance-v1``, see ``shared/poet/README.md``).
+    """A graph from a POET instance (``poet-instance-v1``, POET's own instance format).
 
     Node ``i`` of the instance is node ``i`` of the graph; ``runtime_s`` becomes
     ``compute_seconds``, ``compute_energy_J`` ``compute_joules``, and so on. The edge list is kept

@@ -22,7 +22,7 @@ from tests.conftest import UNIT, output_saving_chain
 
 DATA = Path(__file__).parents[2] / "data" / "poet_linear_m0.json"
 
-# ../shared/poet/README.md, "Known solutions of poet_linear_m0.json (runtime multiplier 2.0)".
+# POET's published solutions of poet_linear_m0.json (runtime multiplier 2.0).
 POET_TABLE = [
     (None, "optimal", 0.10467864),
     (5000, "optimal", 0.10467864),
