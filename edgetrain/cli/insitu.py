@@ -34,6 +34,7 @@ from edgetrain.insitu.student import (
     train_student,
 )
 from edgetrain.insitu.teacher import LabelRule, load_teacher
+from edgetrain.jsonfile import parse_json
 from edgetrain.units import format_bytes, parse_bytes
 
 
@@ -61,10 +62,11 @@ def _stored_source(store: Store) -> dict[str, Any]:
     text = store.get("source")
     if text is None:
         raise StoreError(f"{store.directory} has no recorded video source; run `insitu run` first")
-    try:
-        meta = json.loads(text)
-    except ValueError as exc:
-        raise CorruptFile(f"{store.directory}: the store's source record is unreadable") from exc
+    meta = parse_json(
+        text,
+        f"{store.directory}: the store's source record",
+        "move the store away and start a new one with another --store",
+    )
     if not isinstance(meta, dict) or meta.get("kind") not in ("video", "synthetic"):
         raise CorruptFile(f"{store.directory}: the store's source record is unreadable")
     return meta
