@@ -156,3 +156,22 @@ def test_a_checkpoint_of_another_shape_is_one_line(tmp_path: Path) -> None:
     with store, pytest.raises(CorruptFile) as caught:
         train_student(store, CLASSES, teacher_state(), TEST_CONFIG)
     assert "\n" not in str(caught.value)
+
+
+def test_eviction_never_deletes_another_rows_image(tmp_path: Path) -> None:
+    fill(tmp_path, 2, per_track=4)
+    db = sqlite3.connect(tmp_path / "store.sqlite")
+    with db:  # a tampered schema without UNIQUE(file): row 1 names row 5's image
+        db.execute("CREATE TABLE copy AS SELECT * FROM images")
+        db.execute("DROP TABLE images")
+        db.execute("ALTER TABLE copy RENAME TO images")
+        other = db.execute("SELECT file FROM images WHERE id = 5").fetchone()[0]
+        db.execute("UPDATE images SET file = ? WHERE id = 1", (other,))
+        total = db.execute("SELECT SUM(bytes) FROM images").fetchone()[0]
+    db.close()
+    store, _ = Store.open(tmp_path, cap_bytes=total - 1)
+    with store:
+        store._evict()
+        assert store.evicted == 1
+        (five,) = [r for r in store.rows()[0] if r.id == 5]
+        assert store.read(five).shape == (224, 224, 3)

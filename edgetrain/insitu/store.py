@@ -456,24 +456,26 @@ class Store:
             return
         while self.total_bytes() > self.cap_bytes:
             row = self.db.execute(
-                "SELECT id, file FROM images WHERE label = (SELECT label FROM images GROUP BY "
-                "label ORDER BY COUNT(*) DESC, label LIMIT 1) ORDER BY frame, id LIMIT 1"
+                "SELECT id, file, sha256 FROM images WHERE label = (SELECT label FROM images "
+                "GROUP BY label ORDER BY COUNT(*) DESC, label LIMIT 1) ORDER BY frame, id LIMIT 1"
             ).fetchone()
             if row is None:
                 return
             with self._transaction() as db:
                 db.execute("DELETE FROM images WHERE id = ?", (row[0],))
-            own = self._own_image_file(row[1])
+            own = self._own_image_file(row[1], row[2])
             if own is not None:
                 own.unlink(missing_ok=True)  # a crash here leaves an orphan
             self.evicted += 1
 
-    def _own_image_file(self, name: object) -> Path | None:
-        """The path of the image file ``name`` when it is one the store wrote: named as the store
-        names its images, a regular file (no symlink) directly in the ``images`` folder (itself
-        no symlink). Anything else a row names is never deleted."""
+    def _own_image_file(self, name: object, digest: object) -> Path | None:
+        """The path of the image file ``name`` of a row with hash ``digest`` when it is one the
+        store wrote: the store's name for that hash, a regular file (no symlink) directly in the
+        ``images`` folder (itself no symlink). Anything else a row names is never deleted."""
         if not isinstance(name, str) or not _IMAGE.fullmatch(name):
             return None
+        if not isinstance(digest, str) or name != f"{digest[:20]}.webp":
+            return None  # another row's image, or none: an unclaimed one goes at the next open
         if self.images_dir.is_symlink():
             return None
         path = self.images_dir / name
