@@ -25,8 +25,8 @@ hash is not 64 hex digits or whose file is not the name the store gives that has
 path such as ``../../victim.txt``, an absolute path, ``..``) is skipped with its reason, and the
 reasons are counted in the report. An image is read only as a regular file directly in the
 ``images`` folder, never through a symlink (the file's or the folder's), and only when its size
-is the one its row records. Eviction deletes a row's file only when it is such an image file:
-whatever else a row names stays untouched.
+is the one its row records. Eviction deletes a row's file only when it is such an image file and
+the store's name for that row's own hash: whatever else a row names stays untouched.
 
 Size cap. When the images exceed ``cap_bytes``, the store evicts the oldest image (by frame) of
 the label with the most images, until it fits: the set stays balanced across labels and the
