@@ -347,7 +347,7 @@ class PageStore:
                     self.disk_full_waits += 1
                     self._notes.put(
                         f"paging: {self.directory} is full; waiting up to "
-                        f"{self.retry_seconds:.0f} s for room to write a page"
+                        f"{self.retry_seconds:g} s for room to write a page"
                     )
                 time.sleep(pause)
                 pause = min(1.0, 2 * pause)
@@ -390,9 +390,9 @@ class PageStore:
         error: Any = self._error
         if error is not None and getattr(error, "errno", None) in DISK_FULL:
             raise InvalidInput(
-                f"no room to write a page to {self.directory} ({error.strerror}) after waiting "
-                f"{self.retry_seconds:.0f} s; free space there or name another paging directory "
-                "(the next step tries again)"
+                f"no room to write a page to {self.directory} ({error.strerror}; a write waits "
+                f"up to {self.retry_seconds:g} s for room); free space there or name another "
+                "paging directory (the next step tries again)"
             )
         if error is not None:
             reason = getattr(error, "strerror", None) or str(error)
