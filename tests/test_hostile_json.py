@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import edgetrain.cli.commands  # noqa: F401  (the commands, in either way of registering them)
 from edgetrain import jsonfile
 from edgetrain.chain import Chain, uniform_chain
-from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
 from edgetrain.cli.main import cli
 from edgetrain.errors import CorruptFile
 from edgetrain.planners.optimal import store_all

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the commands)
+import edgetrain.cli.commands  # noqa: F401  (the commands, in either way of registering them)
 from edgetrain.cli.main import cli
 from edgetrain.insitu.store import Store
 from tests.insitu_helpers import fill
