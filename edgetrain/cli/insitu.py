@@ -24,7 +24,7 @@ from edgetrain.insitu.capture import capture
 from edgetrain.insitu.evaluate import Report, evaluate, picture
 from edgetrain.insitu.network import classifier
 from edgetrain.insitu.scene import CLASS_NAMES, SyntheticScene, VideoSource, open_video
-from edgetrain.insitu.store import Store, StoreError
+from edgetrain.insitu.store import Store, StoreError, count_reasons
 from edgetrain.insitu.student import (
     CHECKPOINT,
     TrainConfig,
@@ -33,6 +33,7 @@ from edgetrain.insitu.student import (
     train_student,
 )
 from edgetrain.insitu.teacher import LabelRule, load_teacher
+from edgetrain.jsonfile import parse_json
 from edgetrain.units import format_bytes, parse_bytes
 
 
@@ -61,8 +62,8 @@ def _stored_source(store: Store) -> dict[str, Any]:
     if text is None:
         raise StoreError(f"{store.directory} has no recorded video source; run `insitu run` first")
     try:
-        meta = json.loads(text)
-    except ValueError as exc:
+        meta = parse_json(text, "the store's source record", "")
+    except CorruptFile as exc:
         raise CorruptFile(f"{store.directory}: the store's source record is unreadable") from exc
     if not isinstance(meta, dict) or meta.get("kind") not in ("video", "synthetic"):
         raise CorruptFile(f"{store.directory}: the store's source record is unreadable")
@@ -225,6 +226,9 @@ def run_command(
             notes.append(
                 f"time ran out at frame {progress.frames} of {len(source)}; run again to resume"
             )
+        skipped = result.skipped_rows if result is not None else _skipped_rows(store, classes)
+        if skipped:
+            notes.append(_skipped_note(skipped))
         if result is not None and result.skipped_images:
             notes.append(
                 f"{result.skipped_images} stored images were unreadable or failed their checksum "
@@ -255,6 +259,7 @@ def run_command(
         "training_finished": bool(result and result.finished),
         "paused_seconds": result.paused_seconds if result else 0.0,
         "skipped_images": result.skipped_images if result else 0,
+        "skipped_rows": {"count": sum(skipped.values()), "reasons": skipped},
         "picture": str(picture_path),
         "notes": notes,
     }
@@ -262,6 +267,20 @@ def run_command(
         emit_json(data)
         return
     _print_report(report, data)
+
+
+def _skipped_rows(store: Store, classes: int) -> dict[str, int]:
+    """How many rows of the store's database the store skips, by reason (see Store.rows)."""
+    _, skipped = store.rows(classes)
+    return count_reasons([s.reason for s in skipped])
+
+
+def _skipped_note(skipped: dict[str, int]) -> str:
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in skipped.items())
+    return (
+        f"{sum(skipped.values())} rows of the store were skipped, not trained on ({reasons}); "
+        "the store never reads or deletes a file its rows name outside it"
+    )
 
 
 def _evaluate(store: Store, teacher: Any, classes: int, meta: dict[str, Any]) -> Report:
@@ -326,6 +345,10 @@ def _print_report(report: Report, extra: dict[str, Any]) -> None:
         ["images stored, mean size", f"{report.images}, {report.mean_image_bytes / 1000:.2f} KB"],
         ["student steps", f"{report.student_steps} / {report.student_total_steps}"],
     ]
+    if "skipped_rows" in extra:
+        count = extra["skipped_rows"]["count"]
+        reasons = "; ".join(f"{r}: {n}" for r, n in extra["skipped_rows"]["reasons"].items())
+        facts.append(["rows skipped (corrupt)", f"{count}" + (f" ({reasons})" if count else "")])
     if "batch" in extra:
         facts += [
             ["memory budget", format_bytes(extra["memory_bytes"])],
@@ -373,7 +396,10 @@ def eval_command(store_dir: str, picture_path: str | None, as_json: bool) -> Non
         out = Path(picture_path) if picture_path else store.directory / "insitu.png"
         scene = _open_source(meta) if meta["kind"] == "synthetic" else None
         picture(report, store, scene if isinstance(scene, SyntheticScene) else None, out)
+        skipped = _skipped_rows(store, int(meta["classes"]))
+    rows = {"count": sum(skipped.values()), "reasons": skipped}
     if as_json:
-        emit_json(report.to_json())
+        emit_json({**report.to_json(), "skipped_rows": rows})
         return
-    _print_report(report, {"picture": str(out)})
+    notes = [_skipped_note(skipped)] if skipped else []
+    _print_report(report, {"picture": str(out), "skipped_rows": rows, "notes": notes})

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from edgetrain.errors import CorruptFile, InvalidInput
+from edgetrain.jsonfile import parse_json
 
 
 @dataclass(frozen=True)
@@ -420,12 +421,7 @@ class Chain:
     @classmethod
     def from_json(cls, text: str) -> Chain:
         """Rebuild a chain from :meth:`to_json`; raises :class:`CorruptFile` if malformed."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise CorruptFile(
-                f"chain is not valid JSON ({exc.msg}); write it with to_json"
-            ) from exc
+        data = parse_json(text, "chain", "write it with to_json")
         if not isinstance(data, dict):
             raise CorruptFile("not a chain description; write it with Chain.to_json")
         return cls.from_dict(data)

@@ -66,7 +66,7 @@ import numpy as np
 
 from edgetrain.core.chain import Chain
 from edgetrain.errors import CorruptFile, InvalidSchedule
-from edgetrain.jsonfile import read_json
+from edgetrain.jsonfile import MAX_INT_DIGITS, read_json
 
 FORMAT = "edgetrain-schedule"
 VERSION = 1
@@ -225,13 +225,19 @@ class Schedule:
     @classmethod
     def load(cls, path: str | Path) -> Schedule:
         """Read a schedule written by :meth:`save`; raises :class:`CorruptFile` if damaged."""
-        return cls.from_dict(read_json(path, "schedule", "re-plan it", unreadable=CorruptFile))
+        data = read_json(path, "schedule", "re-plan it", unreadable=CorruptFile)
+        try:
+            return cls.from_dict(data)
+        except CorruptFile as exc:
+            raise CorruptFile(f"schedule {path}: {exc}") from exc
 
 
 def _parse_op(token: str) -> tuple[Op, int]:
     code = token.rstrip("0123456789")
     if code not in _BY_CODE or code == token:
         raise ValueError(f"unknown operation {token!r}")
+    if len(token) - len(code) > MAX_INT_DIGITS:
+        raise ValueError(f"operation {token[:40]!r} has an index beyond any chain")
     return _BY_CODE[code], int(token[len(code) :])
 
 

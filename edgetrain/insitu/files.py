@@ -12,6 +12,7 @@ import errno
 import hashlib
 import io
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -147,14 +148,29 @@ def save_state(path: Path, state: dict[str, Any]) -> None:
     write_checked(path, buffer.getvalue())
 
 
+def load_failure(exc: BaseException) -> str:
+    """One line saying why ``torch.load`` (or ``load_state_dict``) refused a file: the
+    unpickler's own reason when ``weights_only`` refused an object, else the first line of the
+    message, without terminal escapes, at most 200 characters."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    unpickler = re.search(r"WeightsUnpickler error: ([^\n]*?\.)(?:\s|$)", text)
+    if unpickler:
+        return f"weights_only loading refuses it: {unpickler.group(1)}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
 def load_state(path: Path, keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """A dict :func:`save_state` wrote, verified, loaded with ``weights_only=True``, holding
     ``keys`` (CorruptFile naming the first missing one: another kind of state file)."""
     payload = read_checked(path)
     try:
         state = torch.load(io.BytesIO(payload), weights_only=True)
-    except Exception as exc:  # the checksum passed, so this is a file from another version
-        raise CorruptFile(f"{path} does not load ({exc}); delete it to start over") from exc
+    except Exception as exc:  # the checksum passed: another version's file, or a hostile one
+        raise CorruptFile(
+            f"{path} does not load ({load_failure(exc)}); delete it to start over"
+        ) from exc
     if not isinstance(state, dict):
         raise CorruptFile(f"{path} holds no state dict; delete it to start over")
     missing = [key for key in keys if key not in state]

@@ -19,6 +19,15 @@ many. A row is never written before its image is on disk, so no row points to a 
 Each row keeps its image's SHA-256: an image altered or torn later is detected when read,
 skipped and reported (:meth:`Store.images`), never trained on.
 
+Files the store trusts. The database is a file anyone holding the card can edit, so every row is
+checked before use (:meth:`Store.rows`): a row whose values have the wrong type or range, whose
+hash is not 64 hex digits or whose file is not the name the store gives that hash (a relative
+path such as ``../../victim.txt``, an absolute path, ``..``) is skipped with its reason, and the
+reasons are counted in the report. An image is read only as a regular file directly in the
+``images`` folder, never through a symlink (the file's or the folder's), and only when its size
+is the one its row records. Eviction deletes a row's file only when it is such an image file and
+the store's name for that row's own hash: whatever else a row names stays untouched.
+
 Size cap. When the images exceed ``cap_bytes``, the store evicts the oldest image (by frame) of
 the label with the most images, until it fits: the set stays balanced across labels and the
 newest views are kept.
@@ -36,6 +45,7 @@ import io
 import os
 import re
 import sqlite3
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,8 +91,18 @@ class StoreError(EdgetrainError):
     """The store cannot be used (not a store, or empty when images are needed)."""
 
 
+class UnreadableImage(CorruptFile):
+    """A row's image that the store does not read (missing, altered, not its own file);
+    ``reason`` is one of a few fixed phrases, so that reasons can be counted."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 _IMAGE = re.compile(r"[0-9a-f]{20}\.webp")
 """The name of an image the store writes (the first 20 hex digits of its SHA-256)."""
+_NOT_OWN = "file is not the store's name for its image (a path or another name)"
 _TEMPORARY = re.compile(r"\.([0-9a-f]{20}\.webp|student\.ckpt)\..+\.tmp")
 """A temporary file of one of the store's writes (an image, the student's checkpoint)."""
 
@@ -169,6 +189,67 @@ class StoredImage:
     seconds: float
     confidence: float
     source: str
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """A row of the ``images`` table the store skips (never reads, never trains on) and why:
+    ``reason`` is one of a few fixed phrases, so that reasons can be counted."""
+
+    id: object
+    reason: str
+
+    def __str__(self) -> str:
+        return f"row {self.id}: {self.reason}"
+
+
+def count_reasons(reasons: list[str]) -> dict[str, int]:
+    """How many skipped rows there are of each reason, most frequent first."""
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        counts[reason] = counts.get(reason, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def _row_or_reason(raw: tuple[object, ...], classes: int | None) -> StoredImage | str:
+    """The row ``raw`` (id, file, sha256, bytes, label, track, frame, time, confidence, source)
+    of the ``images`` table, or why it is skipped: values of the wrong type or range, a hash
+    that is not 64 hex digits, a file name that is not the image name the store gives that hash
+    (a path, ``..``, another name)."""
+    whole: dict[str, int] = {}
+    names = ("id", "bytes", "label", "track", "frame")
+    for name, value in zip(names, raw[:1] + raw[3:7], strict=True):
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"{name} is not a whole number"
+        whole[name] = value
+    real: dict[str, float] = {}
+    for name, value in zip(("time", "confidence"), raw[7:9], strict=True):
+        if not isinstance(value, int | float) or isinstance(value, bool) or not np.isfinite(value):
+            return f"{name} is not a finite number"
+        real[name] = float(value)
+    file, digest, source = raw[1], raw[2], raw[9]
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return "sha256 is not 64 hex digits"
+    if not isinstance(file, str) or file != f"{digest[:20]}.webp":
+        return _NOT_OWN
+    if whole["label"] < 0 or (classes is not None and whole["label"] >= classes):
+        return "label is out of range"
+    if whole["bytes"] < 0:
+        return "bytes is negative"
+    if not isinstance(source, str):
+        return "source is not text"
+    return StoredImage(
+        whole["id"],
+        file,
+        digest,
+        whole["bytes"],
+        whole["label"],
+        whole["track"],
+        whole["frame"],
+        real["time"],
+        real["confidence"],
+        source,
+    )
 
 
 @dataclass(frozen=True)
@@ -375,15 +456,34 @@ class Store:
             return
         while self.total_bytes() > self.cap_bytes:
             row = self.db.execute(
-                "SELECT id, file FROM images WHERE label = (SELECT label FROM images GROUP BY "
-                "label ORDER BY COUNT(*) DESC, label LIMIT 1) ORDER BY frame, id LIMIT 1"
+                "SELECT id, file, sha256 FROM images WHERE label = (SELECT label FROM images "
+                "GROUP BY label ORDER BY COUNT(*) DESC, label LIMIT 1) ORDER BY frame, id LIMIT 1"
             ).fetchone()
             if row is None:
                 return
             with self._transaction() as db:
                 db.execute("DELETE FROM images WHERE id = ?", (row[0],))
-            (self.images_dir / row[1]).unlink(missing_ok=True)  # a crash here leaves an orphan
+            own = self._own_image_file(row[1], row[2])
+            if own is not None:
+                own.unlink(missing_ok=True)  # a crash here leaves an orphan
             self.evicted += 1
+
+    def _own_image_file(self, name: object, digest: object) -> Path | None:
+        """The path of the image file ``name`` of a row with hash ``digest`` when it is one the
+        store wrote: the store's name for that hash, a regular file (no symlink) directly in the
+        ``images`` folder (itself no symlink). Anything else a row names is never deleted."""
+        if not isinstance(name, str) or not _IMAGE.fullmatch(name):
+            return None
+        if not isinstance(digest, str) or name != f"{digest[:20]}.webp":
+            return None  # another row's image, or none: an unclaimed one goes at the next open
+        if self.images_dir.is_symlink():
+            return None
+        path = self.images_dir / name
+        try:
+            info = path.lstat()
+        except OSError:
+            return None
+        return path if stat.S_ISREG(info.st_mode) else None
 
     # -- reading --------------------------------------------------------------------------
     def total_bytes(self) -> int:
@@ -392,49 +492,69 @@ class Store:
     def count(self) -> int:
         return int(self.db.execute("SELECT COUNT(*) FROM images").fetchone()[0])
 
-    def rows(self) -> tuple[list[StoredImage], list[str]]:
-        """Every well-formed row, by id, and one line per malformed row that was skipped."""
+    def rows(self, classes: int | None = None) -> tuple[list[StoredImage], list[SkippedRow]]:
+        """Every well-formed row, by id, and each row skipped with its reason (see
+        :func:`_row_or_reason`); with ``classes``, a label not below it is skipped too."""
         good: list[StoredImage] = []
-        problems: list[str] = []
+        skipped: list[SkippedRow] = []
         for raw in self.db.execute(
             "SELECT id, file, sha256, bytes, label, track, frame, time, confidence, source "
             "FROM images ORDER BY id"
         ):
-            try:
-                row = StoredImage(
-                    int(raw[0]),
-                    str(raw[1]),
-                    str(raw[2]),
-                    int(raw[3]),
-                    int(raw[4]),
-                    int(raw[5]),
-                    int(raw[6]),
-                    float(raw[7]),
-                    float(raw[8]),
-                    str(raw[9]),
-                )
-            except (TypeError, ValueError):
-                problems.append(f"row {raw[0]}: malformed values")
-                continue
-            if row.label < 0 or len(row.sha256) != 64 or "/" in row.file:
-                problems.append(f"row {row.id}: malformed values")
-                continue
-            good.append(row)
-        return good, problems
+            row = _row_or_reason(tuple(raw), classes)
+            if isinstance(row, StoredImage):
+                good.append(row)
+            else:
+                skipped.append(SkippedRow(raw[0], row))
+        return good, skipped
 
     def read(self, row: StoredImage) -> np.ndarray:
-        """The image of ``row``, verified against its checksum; raises CorruptFile if it fails."""
-        path = self.images_dir / row.file
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise CorruptFile(f"image {row.file} of row {row.id} is missing") from exc
+        """The image of ``row``, verified against its checksum; raises :class:`UnreadableImage`
+        if it fails, or if its file is not one the store wrote (see :meth:`_read_own`)."""
+        data = self._read_own(row)
         if hashlib.sha256(data).hexdigest() != row.sha256:
-            raise CorruptFile(f"image {row.file} of row {row.id} fails its checksum")
+            raise UnreadableImage(
+                f"image {row.file} of row {row.id} fails its checksum", "image fails its checksum"
+            )
         try:
             return decode_image(data)
         except Exception as exc:
-            raise CorruptFile(f"image {row.file} of row {row.id} does not decode") from exc
+            raise UnreadableImage(
+                f"image {row.file} of row {row.id} does not decode", "image does not decode"
+            ) from exc
+
+    def _read_own(self, row: StoredImage) -> bytes:
+        """The bytes of ``row``'s image: a regular file named as the store names its images,
+        directly in its ``images`` folder (itself no symlink), not followed through a symlink,
+        of the size the row records; :class:`UnreadableImage` naming the problem otherwise."""
+        where = f"image {row.file!r} of row {row.id}"
+        if not _IMAGE.fullmatch(row.file):
+            raise UnreadableImage(f"{where} is not an image name of the store", _NOT_OWN)
+        if self.images_dir.is_symlink():
+            raise UnreadableImage(
+                f"{self.images_dir} is a symlink; the store reads no image through it",
+                "the images folder is a symlink",
+            )
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(self.images_dir / row.file, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnreadableImage(
+                    f"{where} is a symlink; the store reads only its own files",
+                    "image is a symlink",
+                ) from exc
+            raise UnreadableImage(f"{where} is missing", "image is missing") from exc
+        with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise UnreadableImage(f"{where} is not a file", "image is not a regular file")
+            if info.st_size != row.bytes:
+                raise UnreadableImage(
+                    f"{where} has {info.st_size} bytes, not the {row.bytes} its row records",
+                    "image has the wrong size",
+                )
+            return handle.read(row.bytes + 1)
 
     def crops(self) -> list[tuple[int, int, int, int, int, int, int, int, float | None]]:
         """Every tracked crop: (frame, x0, y0, x1, y1, track, label, true_label, angle)."""

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,9 @@ from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.schedule import Schedule
 from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidInput
-from edgetrain.insitu.files import load_state, save_state
+from edgetrain.insitu.files import load_failure, load_state, save_state
 from edgetrain.insitu.network import INPUT, classifier, to_input
-from edgetrain.insitu.store import Store, StoreError
+from edgetrain.insitu.store import Store, StoreError, UnreadableImage, count_reasons
 from edgetrain.planners.search import plan_for_device
 from edgetrain.units import format_bytes
 
@@ -99,6 +100,7 @@ class TrainResult:
     seconds: float
     resumed_from: int
     last_loss: float
+    skipped_rows: dict[str, int] = field(default_factory=dict)  # reason -> rows skipped
 
     @property
     def finished(self) -> bool:
@@ -218,12 +220,15 @@ class IdleGate:
 
 
 class _Data:
-    """The training images (decoded once, at the classifier's input size) and their labels."""
+    """The training images (decoded once, at the classifier's input size) and their labels;
+    ``skipped`` holds the reason of each row skipped (see :meth:`Store.rows`) and of each image
+    that fails when read."""
 
-    def __init__(self, store: Store, ids: list[int]) -> None:
-        rows, problems = store.rows()
+    def __init__(self, store: Store, ids: list[int], classes: int) -> None:
+        rows, skipped = store.rows(classes)
         by_id = {r.id: r for r in rows}
-        self.problems = list(problems)
+        self.problems = [str(s) for s in skipped]
+        self.skipped = [s.reason for s in skipped]
         self.images: dict[int, np.ndarray] = {}
         self.labels: dict[int, int] = {}
         for i in ids:
@@ -233,8 +238,9 @@ class _Data:
                 continue
             try:
                 image = store.read(row)
-            except CorruptFile as exc:
+            except UnreadableImage as exc:
                 self.problems.append(str(exc))
+                self.skipped.append(exc.reason)
                 continue
             self.images[i] = cv2.resize(image, (INPUT, INPUT), interpolation=cv2.INTER_AREA)
             self.labels[i] = row.label
@@ -257,11 +263,26 @@ def student_model(classes: int, teacher_state: dict[str, torch.Tensor]) -> nn.Se
     return model
 
 
+@contextmanager
+def _restoring(path: Path) -> Iterator[None]:
+    """Turn any failure to restore state from the checkpoint ``path`` (a value of the wrong
+    kind or shape: a checkpoint of another model or version) into one :class:`CorruptFile`
+    line."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise CorruptFile(
+            f"{path} does not fit the student ({load_failure(exc)}); delete it to start over"
+        ) from exc
+
+
 def load_student(directory: Path, classes: int) -> tuple[nn.Sequential, dict[str, Any]]:
     """The student's latest weights from a store's checkpoint (eval mode) and the checkpoint."""
     state = load_state(directory / CHECKPOINT, CHECKPOINT_KEYS)
     model = classifier(classes)
-    model.load_state_dict(state["model"])
+    with _restoring(directory / CHECKPOINT):
+        model.load_state_dict(state["model"])
+        int(state["step"]), int(state["total_steps"])  # what the report reads: whole numbers
     model.eval()
     return model, state
 
@@ -285,23 +306,25 @@ def train_student(
     state: dict[str, Any] | None = load_state(path, CHECKPOINT_KEYS) if path.exists() else None
     model = student_model(classes, teacher_state)
     if state is not None:
-        saved = state["config"]
+        with _restoring(path):
+            saved = dict(state["config"])
         for key in ("seed", "lr", "recompute", "epochs", "max_batch", "memory_bytes"):
             if saved.get(key) != getattr(config, key):
                 raise InvalidInput(
                     f"the store's student was trained with {key}={saved.get(key)}, not "
                     f"{getattr(config, key)}; use the same settings or a new --store"
                 )
-        ids = [int(i) for i in state["ids"].tolist()]
+        with _restoring(path):
+            ids = [int(i) for i in state["ids"].tolist()]
     else:
-        rows, _ = store.rows()
+        rows, _ = store.rows(classes)
         ids = [r.id for r in rows]
     if not ids:
         raise StoreError(
             f"the store {store.directory} has no labelled images to train on; run "
             "`edgetrain insitu run` on more video first"
         )
-    data = _Data(store, ids)
+    data = _Data(store, ids, classes)
     if not data.images:
         raise StoreError(f"none of the store's {len(ids)} images is readable; see the report")
     plan = plan_batch(model, config)
@@ -324,10 +347,11 @@ def train_student(
     opt = torch.optim.SGD(params, lr=config.lr, momentum=0.9)
     step = 0
     if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        step = int(state["step"])
-        torch.set_rng_state(state["rng"])
+        with _restoring(path):
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            step = int(state["step"])
+            torch.set_rng_state(state["rng"])
     else:
         torch.manual_seed(config.seed)
     resumed_from = step
@@ -418,6 +442,7 @@ def train_student(
         seconds=time.monotonic() - began,
         resumed_from=resumed_from,
         last_loss=loss_value,
+        skipped_rows=count_reasons(data.skipped),
     )
 
 

@@ -16,8 +16,13 @@ operations):
   of its use (``posix_fadvise(WILLNEED)``: no memory of this process is used until the read).
   Nothing is unpickled: the structure of a page (its tree of tuples, lists, dicts and non-tensor
   values) never leaves this process; the file holds raw tensor bytes only.
-* a write that fails (directory not writable, disk full) is reported by the next call as one
-  line (:class:`~edgetrain.errors.InvalidInput`); a missing, truncated or corrupted page file is
+* a write that finds the disk full (``ENOSPC``, ``EDQUOT``, ``EFBIG``) is retried, with waits
+  growing from 50 ms to 1 s, until there is room again or :data:`DISK_FULL_RETRY_SECONDS` have
+  passed; the wait and the recovery are each one :func:`edgetrain.progress.note` line. Any other
+  failed write, or a disk still full then, is reported by the next call as one line
+  (:class:`~edgetrain.errors.InvalidInput`) and fails that step only: :meth:`clear` (what the
+  executor calls when a step begins and ends) forgets the failure with the step's pages, so the
+  next step pages afresh. A missing, truncated or corrupted page file is
   :class:`~edgetrain.errors.CorruptFile`. :meth:`close` removes whatever pages are left.
 
 The checksum is CRC-32 (``zlib.crc32``, 0.75 ms per MiB here against 2.7 ms for SHA-256): it
@@ -26,16 +31,23 @@ every burst of up to 32 bits and any other damage with probability 1 - 2^-32), a
 size is checked as well; pages live for one training step in a directory the user controls, so
 there is no adversary to defend against.
 
-The directory is the user's: the store writes only files named ``edgetrain-page-*`` (and their
-temporary ``.edgetrain-page-*`` twins) and removes only those.
+The directory is the user's, and may be shared: every page file is named
+``edgetrain-page-<pid>-<token>-<n>`` (the process id, 8 random hex digits drawn when the store is
+made, and a count of the pages it has written), so two processes, two stores in one process or
+two steps never use one name, and a store reads, renames and removes only its own files (and
+their temporary ``.edgetrain-page-*.tmp`` twins). Pages a killed process left behind carry its
+process id and are never read; they may be deleted once that process is gone.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
+import itertools
 import os
 import queue
+import secrets
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,9 +58,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from edgetrain import progress
 from edgetrain.errors import CorruptFile, InvalidInput
 
 _PREFIX = "edgetrain-page-"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_FULL_RETRY_SECONDS = 30.0
+"""How long a page write waits for room on a full disk before its step fails."""
 
 
 @dataclass
@@ -59,6 +75,7 @@ class _Page:
     leaves: list[Any]  # non-tensor leaves as they are; tensor leaves as (dtype, size, stride)
     tensor_at: list[int]  # positions of the tensor leaves
     nbytes: int
+    path: Path
     written: threading.Event = field(default_factory=threading.Event)
     durable: threading.Event = field(default_factory=threading.Event)
     checksum: int = 0
@@ -82,11 +99,12 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def _write_all(fd: int, tensors: list[torch.Tensor]) -> int:
-    """Write the dense tensors' bytes to ``fd`` in order and empty the list (the kernel has the
-    bytes: the tensors may go); returns the CRC-32 of everything written."""
+    """Write the dense tensors' bytes to ``fd`` in order; returns the CRC-32 of everything
+    written. The caller empties the list once the kernel has all the bytes (a write that finds
+    the disk full starts again from the first tensor)."""
     checksum = 0
-    while tensors:
-        view = _bytes_of(tensors.pop(0))
+    for tensor in tensors:
+        view = _bytes_of(tensor)
         checksum = zlib.crc32(view, checksum)
         while view:
             view = view[os.write(fd, view) :]
@@ -101,14 +119,21 @@ class PageStore:
     alive at once.
     """
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, *, retry_seconds: float | None = None) -> None:
+        """``retry_seconds``: how long a write waits for room on a full disk (default
+        :data:`DISK_FULL_RETRY_SECONDS`)."""
         path = Path(directory)
         if not path.is_dir():
             raise InvalidInput(f"paging directory {path} does not exist; create it or name another")
         if not os.access(path, os.W_OK):
             raise InvalidInput(f"cannot write to paging directory {path}; name a writable one")
         self.directory = path
+        self.retry_seconds = DISK_FULL_RETRY_SECONDS if retry_seconds is None else retry_seconds
         self.bytes_written = 0
+        self.disk_full_waits = 0  # writes that found the disk full and waited for room
+        self._name = f"{_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+        self._serial = itertools.count()
+        self._notes: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._queue: queue.Queue[tuple[str, _Page, list[torch.Tensor]] | None] = queue.Queue()
         self._pages: dict[str, _Page] = {}
         self._error: BaseException | None = None
@@ -143,7 +168,7 @@ class PageStore:
                 kept.append(leaf)
         del leaves, value
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        page = _Page(spec, kept, at, nbytes)
+        page = _Page(spec, kept, at, nbytes, self.directory / f"{self._name}{next(self._serial)}")
         self._pages[key] = page
         self._queue.put((key, page, tensors))
 
@@ -152,7 +177,7 @@ class PageStore:
         (the page is not yet durable: :meth:`take` waits for that)."""
         page = self._pages.get(key)
         if page is not None:
-            page.written.wait()
+            self._wait(page.written)
         self._raise_pending()
 
     def prefetch(self, key: str) -> None:
@@ -165,7 +190,7 @@ class PageStore:
         if advise is None:
             return
         try:
-            fd = os.open(self._path(key), os.O_RDONLY)
+            fd = os.open(page.path, os.O_RDONLY)
         except OSError:
             return  # take() reports it
         try:
@@ -178,9 +203,9 @@ class PageStore:
         page = self._pages.get(key)
         if page is None:
             raise InvalidInput(f"no page {key!r} was stored")
-        page.durable.wait()
+        self._wait(page.durable)
         self._raise_pending()
-        path = self._path(key)
+        path = page.path
         leaves = list(page.leaves)
         checksum = 0
         try:
@@ -212,7 +237,7 @@ class PageStore:
         """Wait until every page handed to :meth:`put` is on disk and every page taken is
         deleted."""
         for page in list(self._pages.values()):
-            page.durable.wait()
+            self._wait(page.durable)
         self._syncs.join()
         self._raise_pending()
 
@@ -223,13 +248,16 @@ class PageStore:
             return
         self._queue.join()
         self._syncs.join()
-        for key in list(self._pages):
-            self._path(key).unlink(missing_ok=True)
+        for page in self._pages.values():
+            page.path.unlink(missing_ok=True)
         self._pages.clear()
+        self._error = None  # the failed step's pages are gone: the next step pages afresh
+        self._show_notes()
 
     @property
     def failed(self) -> bool:
-        """Whether a write failed (the store refuses further work; make a new one)."""
+        """Whether a write of this step failed (the store refuses further work until
+        :meth:`clear`)."""
         return self._error is not None
 
     def close(self) -> None:
@@ -255,10 +283,6 @@ class PageStore:
 
     # -- the writer thread -------------------------------------------------------------------------
 
-    def _path(self, key: str) -> Path:
-        safe = hashlib.sha1(key.encode()).hexdigest()[:16]
-        return self.directory / f"{_PREFIX}{safe}"
-
     def _write_loop(self) -> None:
         """Hand each page's bytes to the kernel, drop its tensors, pass it on to be synced."""
         while True:
@@ -267,32 +291,26 @@ class PageStore:
                 self._syncs.put(None)
                 self._queue.task_done()
                 return
-            key, page, tensors = item
+            _key, page, tensors = item
             del item
             try:
-                self._write(key, page, tensors)
+                self._write(page, tensors)
             finally:
                 tensors.clear()
                 page.written.set()
                 self._queue.task_done()
 
-    def _write(self, key: str, page: _Page, tensors: list[torch.Tensor]) -> None:
-        path = self._path(key)
+    def _write(self, page: _Page, tensors: list[torch.Tensor]) -> None:
+        path = page.path
         tmp = path.with_name(f".{path.name}.tmp")
         if self._error is not None:
             page.durable.set()
             return
-        fd = -1
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            page.checksum = _write_all(fd, tensors)  # and drops them
-        except OSError as exc:
-            self._error = exc
-            if fd >= 0:
-                os.close(fd)
-            tmp.unlink(missing_ok=True)
+        fd = self._write_waiting_for_room(tmp, page, tensors)
+        if fd < 0:
             page.durable.set()
             return
+        tensors.clear()  # the kernel has the bytes
 
         def sync() -> None:
             try:
@@ -308,6 +326,55 @@ class PageStore:
 
         self._syncs.put(sync)
 
+    def _write_waiting_for_room(self, tmp: Path, page: _Page, tensors: list[torch.Tensor]) -> int:
+        """Write the page to ``tmp``; on a full disk wait and write it again until there is room
+        or ``retry_seconds`` have passed. The open descriptor, or -1 with ``_error`` set."""
+        began = time.monotonic()
+        pause = 0.05
+        while True:
+            fd = -1
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                page.checksum = _write_all(fd, tensors)
+            except OSError as exc:
+                if fd >= 0:
+                    os.close(fd)
+                tmp.unlink(missing_ok=True)
+                waited = time.monotonic() - began
+                if exc.errno not in DISK_FULL or waited + pause > self.retry_seconds:
+                    self._error = exc
+                    return -1
+                if pause == 0.05:  # the first wait of this write
+                    self.disk_full_waits += 1
+                    self._notes.put(
+                        f"paging: {self.directory} is full; waiting up to "
+                        f"{self.retry_seconds:g} s for room to write a page"
+                    )
+                time.sleep(pause)
+                pause = min(1.0, 2 * pause)
+                continue
+            if pause > 0.05:
+                self._notes.put(
+                    f"paging: room again in {self.directory}; the page was written after "
+                    f"{time.monotonic() - began:.1f} s and the step goes on"
+                )
+            return fd
+
+    def _wait(self, event: threading.Event) -> None:
+        """Wait for ``event``, showing the writer's notes (a full disk) as they come."""
+        while not event.wait(0.25):
+            self._show_notes()
+        self._show_notes()
+
+    def _show_notes(self) -> None:
+        """Print the writer thread's notes from this thread (progress is not thread-safe)."""
+        while True:
+            try:
+                text = self._notes.get_nowait()
+            except queue.Empty:
+                return
+            progress.note(text)
+
     def _sync_loop(self) -> None:
         """fsync written pages, rename them into place, delete pages taken: in order."""
         while True:
@@ -320,7 +387,14 @@ class PageStore:
                 self._syncs.task_done()
 
     def _raise_pending(self) -> None:
+        self._show_notes()
         error: Any = self._error
+        if error is not None and getattr(error, "errno", None) in DISK_FULL:
+            raise InvalidInput(
+                f"no room to write a page to {self.directory} ({error.strerror}; a write waits "
+                f"up to {self.retry_seconds:g} s for room); free space there or name another "
+                "paging directory (the next step tries again)"
+            )
         if error is not None:
             reason = getattr(error, "strerror", None) or str(error)
             raise InvalidInput(
