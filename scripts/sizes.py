@@ -25,10 +25,12 @@ EXCEPTIONS: dict[str, str] = {}
 def _docstring_lines(node: ast.AST) -> int:
     body = getattr(node, "body", [])
     first = body[0] if body else None
-    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-        if isinstance(first.value.value, str):  # noqa: SIM102  (one check per line reads better)
-            return first.end_lineno - first.lineno + 1  # type: ignore[operator]
-    return 0
+    docstring = (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    )
+    return first.end_lineno - first.lineno + 1 if docstring else 0  # type: ignore[union-attr,operator]
 
 
 def measure() -> tuple[dict[str, int], dict[str, int]]:
