@@ -79,8 +79,8 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -92,8 +92,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from edgetrain import progress
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
+from edgetrain.explain import PeakExplanation, explain_plan
+from edgetrain.measure import StorageCounter, storage_key
 from edgetrain.memory import fixed_training_bytes
 from edgetrain.paging import PageStore
+from edgetrain.peak_probe import PeakProbe
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan, plan_for_device
 from edgetrain.profile import (
@@ -218,6 +221,8 @@ class Checkpointed(nn.Module):
         self._max_recompute = max_recompute
         self._params = list(self.model.parameters())
         self._grads_exist: bool | None = None
+        self._probe: PeakProbe | None = None  # the step being measured (see measuring)
+        self._measured: PeakProbe | None = None  # the last step measured
         # Plans made so far, by what each was made for (see _state): everything a plan set up,
         # restored as it was when a step comes back to that state (see _PLANNED).
         self._plans: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -253,6 +258,8 @@ class Checkpointed(nn.Module):
         self.chain = chain
         self._signature = signature(sample)
         self._key = self._state(sample)
+        if self._key[-1] is not None:
+            self._grads_exist = self._key[-1]  # plan for the loop the step starts in
         # A run's merged stage depends on its stages and the sample only: sized once for every
         # plan tried here (see the tighter plan below).
         self._sized: dict[GraphRun, Stage] = {}
@@ -310,7 +317,16 @@ class Checkpointed(nn.Module):
             tuple(m.training for m in self.module.modules()),
             tuple(autocast_state()),
             tuple(getattr(m, name, None) for m, name in getattr(self.model, "traced_reads", ())),
+            self._loop(),
         )
+
+    def _loop(self) -> bool | None:
+        """The training loop a plan for a memory budget is made for: whether the gradients
+        exist now, at the step's start (kept from the last step) or not (``zero_grad()``); None
+        without a budget (the plan is the same in both)."""
+        if self._device is None:
+            return None
+        return _kept(p for p in self._params if p.requires_grad)
 
     def _planned(self, device: int | None) -> Schedule:
         """The planner's plan for a memory budget of ``device`` bytes (None: none)."""
@@ -323,6 +339,8 @@ class Checkpointed(nn.Module):
                     memory=self._given_bytes,
                     grads_exist=self.grads_exist,
                 )
+            if device is not None and not self.grads_exist:
+                return self._planned_without_grads(device)
             return plan_for_device(
                 self.chain,
                 self.strategy,
@@ -331,6 +349,33 @@ class Checkpointed(nn.Module):
                 recompute=self._max_recompute,
                 grads_exist=self.grads_exist,
             )
+
+    def _planned_without_grads(self, device: int) -> Schedule:
+        """The plan for ``device`` bytes in the loop that sets gradients to None
+        (``zero_grad()``, PyTorch's default): the step starts without them and its backward
+        creates them, which the plan counts; a budget plain autograd fits in this loop is never
+        refused (its plan is then storing everything, if the planner finds nothing better)."""
+        fixed = self.fixed_bytes + self.reserve_bytes  # no gradients at the step's start
+        if device <= fixed:
+            raise InfeasibleBudget(
+                f"{format_bytes(device)} does not hold the weights, buffers and input "
+                f"({format_bytes(fixed)}); give more memory",
+                fixed,
+            )
+        try:
+            return plan(self.chain, self.strategy, memory=device - fixed, grads_exist=False)
+        except InfeasibleBudget as exc:
+            everything = store_all(self.chain)
+            if simulate(self.chain, everything).peak_bytes <= device - fixed:
+                return everything
+            if exc.smallest is None:
+                raise
+            smallest = int(fixed + exc.smallest)
+            raise InfeasibleBudget(
+                f"{self.strategy} cannot train in {format_bytes(device)}; the smallest memory "
+                f"that works is {format_bytes(smallest)} ({smallest} bytes)",
+                smallest,
+            ) from exc
 
     def _adopt(self, schedule: Schedule, sample: Any) -> None:
         """Make ``schedule`` the plan: its costs, the stages as they run (runs merged)."""
@@ -343,7 +388,7 @@ class Checkpointed(nn.Module):
             raise InvalidSchedule(f"the plan does not fit this model: {exc}") from exc
         if self._device is not None:
             limit = self._device - self.reserve_bytes
-            worst = self.fixed_bytes + self._costs[True].peak_bytes
+            worst = self.fixed_bytes + self._costs[self.grads_exist].peak_bytes
             if worst > limit:
                 raise InfeasibleBudget(
                     f"the given plan needs {format_bytes(worst)}, more than "
@@ -417,6 +462,7 @@ class Checkpointed(nn.Module):
         that of the stages as they run. Only runs that ``owns`` (no stage outside uses their
         parameters: see :func:`_own_params`) are merged."""
         runs = [run for run in runs if owns(run) or run.rebuilds]
+        self._exec_chain, self._exec_plan = self.chain, schedule  # as it runs (see explain)
         if not runs:
             return [], *merged_schedule(schedule, [])
         as_one = self._sized  # each run's stage, sized as it runs (kept across plans: _plan)
@@ -497,6 +543,11 @@ class Checkpointed(nn.Module):
         if chosen:
             self._costs = costs(chosen)
         first, plan = merged_schedule(schedule, chosen)
+        if chosen:
+            merged = {run.first: as_one[run] for run in chosen}
+            stages = tuple(merged.get(k, self.chain.stages[k]) for k in first)
+            self._exec_chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
+            self._exec_plan = plan
         spans = [(run.first, run.last) for run in chosen]
         ends = [(run.first, run.last) for run in whole]
         if ends == [(0, self.chain.length - 1)] and whole[0].rebuilds and whole[0] in as_one:
@@ -515,6 +566,7 @@ class Checkpointed(nn.Module):
                 self._one_graph_excess = over(direct)
                 if self._one_graph_excess <= 0:
                     self._costs, self._one_graph = direct, True
+                    self._exec_chain = one
         if self._one_graph_excess is not None and self._one_graph_excess <= 0:
             self._one_graph_excess = None
         return chosen, first, plan
@@ -565,6 +617,66 @@ class Checkpointed(nn.Module):
         """Predicted peak of the whole step: :attr:`fixed_bytes` + the plan's ``peak_bytes``."""
         return self.fixed_bytes + self.cost.peak_bytes
 
+    # -- explaining --------------------------------------------------------------------------------
+
+    def _peak_position(self, grads_exist: bool) -> int:
+        """The operation of the plan as it runs at which its predicted peak is."""
+        return simulate(self._exec_chain, self._exec_plan, grads_exist=grads_exist).peak_op
+
+    def explain(self) -> PeakExplanation:
+        """What the step holds at its predicted peak, by category (weights, buffers, input,
+        gradients kept from the last step, the reserve, checkpoints and kept graphs by stage,
+        activation and parameter gradients, the stage running) and the operation where it
+        happens, for the training loop planned for (:attr:`grads_exist`); derived from the
+        simulator's replay of the plan as it runs (stages merged into graph runs). After a step
+        run inside :meth:`measuring` (same input state and loop), the measured bytes per
+        category stand beside the predicted (see :mod:`edgetrain.peak_probe`)."""
+        loop = self.grads_exist
+        chain = self.chain
+        fixed = {
+            "weights": chain.weight_bytes,
+            "buffers": chain.buffer_bytes,
+            "input": chain.input_bytes,
+        }
+        fixed["gradients"] = self.fixed_bytes - sum(fixed.values())
+        fixed["reserve"] = self.reserve_bytes
+        explained = explain_plan(
+            self._exec_chain,
+            self._exec_plan,
+            grads_exist=loop,
+            fixed=fixed,
+            plain_peak_bytes=self.plain_cost.peak_bytes,
+        )
+        probe = self._measured
+        if probe is None or probe.key != self._key or probe.grads_exist != loop:
+            return explained
+        step = probe.parts or {"the step (not split)": probe.step_peak_bytes or 0}
+        measured = {**probe.fixed, **step}
+        return replace(
+            explained,
+            measured=measured,
+            measured_peak_bytes=sum(probe.fixed.values()) + (probe.step_peak_bytes or 0),
+        )
+
+    @contextmanager
+    def measuring(self) -> Iterator[PeakProbe]:
+        """Measure the step run inside (``loss = f(net(x)); loss.backward()``) with the exact
+        tensor counter, for :meth:`explain` to show beside its prediction::
+
+            with net.measuring():
+                loss_fn(net(x), y).backward()
+            print(net.explain())
+        """
+        probe = PeakProbe(StorageCounter(), -1)
+        self._probe = probe
+        try:
+            with probe.counter:
+                yield probe
+        finally:
+            self._probe = None
+        probe.step_peak_bytes = probe.counter.peak_bytes
+        self._measured = probe
+
     # -- running -----------------------------------------------------------------------------------
 
     def forward(self, x: Any) -> Any:
@@ -579,6 +691,11 @@ class Checkpointed(nn.Module):
             self._plan_for(x, key)
             return self.forward(x)  # the step, on the plan (and parameter list) for this state
         self._grads_exist = _kept(params)  # the loop this step runs in
+        probe = self._probe
+        if probe is not None:
+            probe.key, probe.grads_exist = self._key, self._grads_exist
+            probe.position = self._peak_position(self._grads_exist)
+            probe.measure_fixed(params, list(self.model.buffers()), x)
         if self._stores_everything:
             # Every stage once with its graph, nothing recomputed: plain autograd on the module,
             # whose step's peak was measured (Chain.autograd_peak_bytes); no executor overhead.
@@ -596,7 +713,7 @@ class Checkpointed(nn.Module):
             for i, out in zip(grads, outs, strict=True):
                 flat[i] = out
             return tree_unflatten(flat, spec)
-        run = _Run(self, x, trainable)
+        run = _Run(self, x, trainable, probe=probe)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
         return run.output(outs)
@@ -605,6 +722,9 @@ class Checkpointed(nn.Module):
         """Make the plan for the state ``key`` of a step on ``x`` (see :meth:`_state`) the
         current one: restored as it was if planned for before, else planned now (or refused
         with ``on_new_shape="error"``)."""
+        if key[:-1] == self._key[:-1] and not self._unplanned:
+            self._replan_for_loop(x, key)
+            return
         shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
         if self.on_new_shape == "error":
             raise InvalidInput(
@@ -629,6 +749,32 @@ class Checkpointed(nn.Module):
             self._key = planned
             raise InfeasibleBudget(f"planning again for {change}: {exc}", exc.smallest) from exc
         self._unplanned = False
+
+    def _replan_for_loop(self, x: Any, key: tuple[Any, ...]) -> None:
+        """The training loop changed (gradients kept, or set to None): the plan for the
+        budget in that loop, on the same profile (kept for coming back, as other states are)."""
+        known = self._plans.get(key)
+        if known is not None:
+            for name, value in known.items():
+                setattr(self, name, value)
+            return
+        self._grads_exist = bool(key[-1])
+        planned = self._key
+        try:
+            self._adopt(self._planned(self._device), x)
+        except InfeasibleBudget as exc:
+            self._grads_exist = not self._grads_exist
+            self._adopt(self._planned(self._device), x)  # the plan of the loop before
+            loop = "keeps gradients" if key[-1] else "sets gradients to None"
+            raise InfeasibleBudget(
+                f"planning again as the loop {loop}: {exc}", exc.smallest
+            ) from exc
+        finally:
+            self._key = planned
+        self._key = key
+        self._plans[key] = {name: getattr(self, name) for name in _PLANNED}
+        while len(self._plans) > KEPT_PLANS:
+            del self._plans[next(iter(self._plans))]
 
     def extra_repr(self) -> str:
         return (
@@ -778,6 +924,7 @@ class _Run:
     done: bool = False
     pages: PageStore | None = None
     writing: Any = None  # a paged-out value, held until the operation after its page-out ends
+    probe: PeakProbe | None = None  # a measured step (Checkpointed.measuring)
 
     def output(self, outs: tuple[torch.Tensor, ...]) -> Any:
         """The caller's output: the function's tensors in the structure the model returned."""
@@ -786,8 +933,13 @@ class _Run:
         self.out_flat = []
         return tree_unflatten(flat, self.out_spec)
 
-    def execute(self, ops: list[tuple[Op, int]]) -> None:
+    def execute(self, ops: list[tuple[Op, int]], offset: int = 0) -> None:
+        """Run ``ops``, the operations ``offset`` .. of the executed plan."""
+        probe = self.probe
+        look = -1 if probe is None else probe.position - offset
         for at, (kind, k) in enumerate(ops):
+            if at == look and probe is not None:
+                probe.before(self._held())
             # A page-out's write overlaps the next operation; its memory goes when that ends.
             written, self.writing = self.writing, None
             if self.pages is not None and at + 1 < len(ops) and ops[at + 1][0] == Op.PAGE_IN:
@@ -807,6 +959,19 @@ class _Run:
                 # The kernel has the bytes (the fsync goes on in the background): drop ours.
                 self._pages().wait_written(str(written[0]))
                 del written
+            if at == look and probe is not None:
+                probe.after()
+
+    def _held(self) -> dict[str, Any]:
+        """What the step holds by the executor's own references, by category."""
+        last = self.net._exec_length
+        return {
+            "output": self.plain.get(last),
+            "checkpoint": [v for k, v in self.plain.items() if 0 < k < last],
+            "activation gradients": list(self.grads.values()),
+            "parameter gradients": list(self.param_grads.values()),
+            "page-out being written": None if self.writing is None else self.writing[1],
+        }
 
     def _pages(self) -> PageStore:
         if self.pages is None:
@@ -939,6 +1104,8 @@ _PLANNED = (
     "_snapshots",
     "_submodules",
     "_needs",
+    "_exec_chain",
+    "_exec_plan",
 )
 """What :meth:`Checkpointed._plan` sets up for a state (see ``Checkpointed._plans``)."""
 
@@ -1049,6 +1216,8 @@ class _ScheduleFunction(torch.autograd.Function):
         ctx.watched = [(t, t._version) for t in tensors]
         ctx.set_materialize_grads(False)
         results = tuple(t.detach() for t in run.out_flat if isinstance(t, torch.Tensor))
+        if run.probe is not None:
+            run.probe.output_keys = tuple(storage_key(t) for t in results)
         ctx.mark_non_differentiable(*(t for t in results if not differentiable(t)))
         return results
 
@@ -1083,8 +1252,12 @@ class _ScheduleFunction(torch.autograd.Function):
         shared = run.net._shared_params
         run.in_place = {i: grad for i, grad in kept.items() if i not in shared}
         run.grads[run.net._exec_length] = list(grad_outputs)
+        if run.probe is not None:
+            run.probe.output_grad_keys = tuple(
+                storage_key(g) for g in grad_outputs if isinstance(g, torch.Tensor)
+            )
         del grad_outputs
-        run.execute(ctx.backward_ops)
+        run.execute(ctx.backward_ops, len(run.net._forward_ops))
         input_grads = run.grads.pop(0, None) or [None] * count
         results = [run.param_grads.pop(i, None) for i in run.trainable]
         run.in_place.clear()
