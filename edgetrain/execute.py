@@ -130,6 +130,7 @@ from edgetrain.schedule import (
     simulate,
     stores_everything,
 )
+from edgetrain.stage_cost import stage_seconds, time_factor, with_stage_cost
 from edgetrain.stages import (
     StageGraph,
     StageParams,
@@ -341,6 +342,8 @@ class Checkpointed(nn.Module):
                 )
             if device is not None and not self.grads_exist:
                 return self._planned_without_grads(device)
+            if device is None and self._max_recompute is not None:
+                return self._planned_within_time(self._max_recompute)
             return plan_for_device(
                 self.chain,
                 self.strategy,
@@ -349,6 +352,21 @@ class Checkpointed(nn.Module):
                 recompute=self._max_recompute,
                 grads_exist=self.grads_exist,
             )
+
+    def _planned_within_time(self, rho: float) -> Schedule:
+        """The least-memory plan that, run stage by stage at the executor's cost per stage
+        operation (:func:`~edgetrain.stage_cost.stage_seconds`) on top of the stages' compute,
+        takes at most ``rho`` times plain autograd's time (which runs the module itself)."""
+        seconds = stage_seconds() if rho >= 1.0 else 0.0
+        factor = time_factor(self.chain, rho, seconds)
+        if factor < 1.0 <= rho:
+            return store_all(self.chain)  # only plain autograd's own step keeps to rho
+        return plan(
+            with_stage_cost(self.chain, seconds),
+            self.strategy,
+            recompute=max(factor, 1.0) if rho >= 1.0 else rho,
+            grads_exist=self.grads_exist,
+        )
 
     def _planned_without_grads(self, device: int) -> Schedule:
         """The plan for ``device`` bytes in the loop that sets gradients to None
@@ -603,6 +621,22 @@ class Checkpointed(nn.Module):
         return fixed_training_bytes(self.chain) - self.chain.gradient_bytes + grads
 
     @property
+    def predicted_seconds(self) -> float:
+        """The step's predicted time: the plan's compute (``cost.seconds``, the stages' profiled
+        times) and, for a plan run stage by stage, the executor's cost per stage operation on
+        this machine (:func:`~edgetrain.stage_cost.stage_seconds`)."""
+        if self._stores_everything or self._one_graph:
+            return self.cost.seconds
+        ops = self._exec_plan.count(*(op for op in Op if op.is_forward), Op.BACKWARD)
+        return self.cost.seconds + stage_seconds() * ops
+
+    @property
+    def predicted_recompute_factor(self) -> float:
+        """:attr:`predicted_seconds` over plain autograd's compute (the module run itself)."""
+        plain = self.chain.forward_seconds + self.chain.backward_seconds
+        return self.predicted_seconds / plain if plain > 0 else float("nan")
+
+    @property
     def plain_cost(self) -> Cost:
         """Plain autograd's step as a plan (everything stored), on the same basis as ``cost``."""
         return simulate(self.chain, store_all(self.chain), grads_exist=self.grads_exist)
@@ -758,7 +792,15 @@ class Checkpointed(nn.Module):
             for name, value in known.items():
                 setattr(self, name, value)
             return
-        self._grads_exist = bool(key[-1])
+        loop = bool(key[-1])
+        grads = self.chain.gradient_bytes if loop else 0
+        fixed = fixed_training_bytes(self.chain) - self.chain.gradient_bytes + grads
+        assert self._device is not None
+        if fixed + self.reserve_bytes + self._costs[loop].peak_bytes <= self._device:
+            self._key = key  # the plan fits in this loop too: kept for both
+            self._plans[key] = {name: getattr(self, name) for name in _PLANNED}
+            return
+        self._grads_exist = loop
         planned = self._key
         try:
             self._adopt(self._planned(self._device), x)
@@ -1136,6 +1178,7 @@ def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
                 "another train/eval mode",
                 "another torch.autocast state",
                 "another value of a module attribute (fx traced the old one into the stages)",
+                "another training loop (gradients kept, or set to None)",
             ),
             planned,
             now,

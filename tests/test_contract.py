@@ -563,9 +563,10 @@ def test_dict_inputs_and_activations_work(strategy, budget):
 # -- issue 8 items 4 and 6: plans tied to their shapes; budget forms ------------------------------
 
 
-def test_a_plan_for_another_shape_is_refused_and_a_new_shape_is_replanned(tmp_path):
+def test_a_plan_for_another_shape_is_refused_and_a_new_shape_is_replanned(tmp_path, monkeypatch):
     model = user_mlp()
     small, large = torch.randn(2, 6, dtype=F64), torch.randn(16, 6, dtype=F64)
+    monkeypatch.setenv("EDGETRAIN_STAGE_SECONDS", "0")  # a plan that recomputes, not store-all
     net = Checkpointed(model, small, max_recompute=2.0)
     path = tmp_path / "plan.json"
     net.schedule.save(path)
@@ -1084,6 +1085,14 @@ class NormGeluMLP(nn.Module):
         return self.head(x)
 
 
+def _keeping(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters have gradients: planned in the loop that keeps them."""
+    copied = copy.deepcopy(model)
+    for p in copied.parameters():
+        p.grad = torch.zeros_like(p)
+    return copied
+
+
 @BOTH_LOOPS
 def test_a_plan_one_graph_would_hold_a_little_over_budget_is_replanned_to_run_as_one(
     set_to_none, monkeypatch
@@ -1095,16 +1104,16 @@ def test_a_plan_one_graph_would_hold_a_little_over_budget_is_replanned_to_run_as
     chain = analytic_chain(model, x)
     fixed = fixed_training_bytes(chain)
     plain = simulate(chain, store_all(chain), grads_exist=True).peak_bytes
-    loose = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=fixed + 0.6 * plain)
+    loose = Checkpointed(_keeping(model), x, chain=chain, memory_budget=fixed + 0.6 * plain)
     budget = fixed + simulate(chain, loose.schedule, grads_exist=True).peak_bytes
-    run = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=budget)
+    run = Checkpointed(_keeping(model), x, chain=chain, memory_budget=budget)
     assert run._one_graph and run._exec_length == 1
     assert fixed + run._costs[True].peak_bytes <= budget
     _train_like_plain(model, x, run, set_to_none)
     # Without the tighter plan: the budget's own plan, merged only in parts; it costs more, its
     # time and the executor's cost per stage.
     monkeypatch.setattr(edgetrain.execute, "ONE_GRAPH_TRIES", 0)
-    first = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=budget)
+    first = Checkpointed(_keeping(model), x, chain=chain, memory_budget=budget)
     assert first.schedule.text() != run.schedule.text() and first._exec_length > 1
     assert run.runs_as == "one graph" and first.runs_as == f"{first._exec_length} stages"
     stored = Checkpointed(copy.deepcopy(model), x, chain=chain, schedule=store_all(chain))
