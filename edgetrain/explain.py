@@ -113,10 +113,9 @@ class PeakExplanation:
             total = predicted.get(name, 0)
             rows.append((name, total, self.measured.get(name)))
             staged = [p for p in self.parts if p.category == name and p.stage is not None]
-            if len(staged) > 1 or (staged and name != "running"):
-                for part in sorted(staged, key=lambda p: -p.bytes):
-                    if part.bytes * 10 >= total and len(staged) > 1:
-                        rows.append((f"  {self._label(part.stage)}", part.bytes, None))
+            for part in sorted(staged, key=lambda p: -p.bytes):
+                if part.bytes * 10 >= total:
+                    rows.append((f"  {self._label(part.stage)}", part.bytes, None))
         return rows
 
     def _label(self, stage: int | None) -> str:
