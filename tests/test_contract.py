@@ -316,13 +316,14 @@ def test_the_canary_model_holds_its_promise_with_zero_grad():
 
 
 @pytest.mark.parametrize("plan", [{"max_recompute": 1.2}, {"fraction": 0.2}, {"fraction": 0.3}])
-def test_a_recomputed_batchnorm_is_counted_with_its_buffer_copies(plan):
+def test_a_recomputed_batchnorm_is_counted_with_its_buffer_copies(plan, monkeypatch):
     """A stage run again works on copies of its BatchNorm's running statistics (so they are
     updated once), and a graph built in that run keeps the copies it saved: the prediction
     counts them, and the measured peak is never above it, not by a byte (without them the
     budget canary's model at ρ 1.2 measured 136 bytes above its prediction)."""
     model, x = canary_model(12)
     chain = analytic_chain(model, x)
+    monkeypatch.setenv("EDGETRAIN_STAGE_SECONDS", "0")  # a plan that recomputes a BatchNorm
     if "fraction" in plan:
         least, everything = minimum_memory(chain), simulate(chain, store_all(chain)).peak_bytes
         net = Checkpointed(
@@ -515,9 +516,10 @@ def test_autocast_recomputes_in_the_forwards_precision(strategy, budget):
     same_grads(plain, model)
 
 
-def test_changing_an_input_or_weight_between_forward_and_backward_is_refused():
+def test_changing_an_input_or_weight_between_forward_and_backward_is_refused(monkeypatch):
     model = user_mlp()
     x = torch.randn(3, 6, dtype=F64)
+    monkeypatch.setenv("EDGETRAIN_STAGE_SECONDS", "0")  # a plan the executor runs, not the module
     net = Checkpointed(model, x, chain=analytic_chain(model, x), max_recompute=2.0)
     out = net(x).sum()
     with torch.no_grad():
