@@ -92,7 +92,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from edgetrain import progress
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
-from edgetrain.explain import PeakExplanation, explain_plan
+from edgetrain.explain import UNSPLIT, PeakExplanation, explain_plan
 from edgetrain.measure import StorageCounter, storage_key
 from edgetrain.memory import fixed_training_bytes
 from edgetrain.paging import PageStore
@@ -684,7 +684,7 @@ class Checkpointed(nn.Module):
         probe = self._measured
         if probe is None or probe.key != self._key or probe.grads_exist != loop:
             return explained
-        step = probe.parts or {"the step (not split)": probe.step_peak_bytes or 0}
+        step = probe.parts or {UNSPLIT: probe.step_peak_bytes or 0}
         measured = {**probe.fixed, **step}
         return replace(
             explained,

@@ -53,6 +53,8 @@ STEP = (
     "measured beyond the replay",
 )
 """The categories the step holds above its start, in the order tables show them."""
+UNSPLIT = "the step (not split)"
+"""The measured category of a step run as the module itself or one graph (no operations)."""
 
 
 @dataclass(frozen=True)
@@ -163,9 +165,13 @@ class PeakExplanation:
             total += f"  {format_bytes(sum(self.measured.values())):>12}"
         lines.append(total)
         if measured:
+            where = (
+                "the step ran as plain autograd, measured whole"
+                if UNSPLIT in self.measured
+                else f"the column is what was held at {self.operation}"
+            )
             lines.append(
-                f"measured: the step's peak {format_bytes(self.measured_peak_bytes or 0)}; "
-                f"the column is what was held at {self.operation}"
+                f"measured: the step's peak {format_bytes(self.measured_peak_bytes or 0)}; {where}"
             )
         if self.plain_peak_bytes is not None:
             saved = self.plain_peak_bytes - self.peak_bytes

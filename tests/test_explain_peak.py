@@ -17,7 +17,7 @@ from torch import nn
 from edgetrain.chain import uniform_chain
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.execute import Checkpointed
-from edgetrain.explain import STEP, explain_plan, step_parts
+from edgetrain.explain import STEP, UNSPLIT, explain_plan, step_parts
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan
 from edgetrain.schedule import Op, Schedule, memory_trace, replay_state, simulate
@@ -148,3 +148,20 @@ def test_plan_explain_prints_the_peak_by_category_and_as_json():
     explained = report["explain"]
     assert explained["peak_bytes"] == report["peak_bytes"]
     assert sum(explained["by_category"].values()) == report["peak_bytes"]
+
+
+def test_a_step_run_as_the_module_itself_is_measured_whole():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    x = torch.randn(8, 16)
+    net = Checkpointed(model, x)
+    assert net.runs_as == "the module itself"
+    with net.measuring():
+        out = net(x)
+        out.backward(torch.ones_like(out))  # an output-sized gradient, as the profile's step
+        del out
+    explained = net.explain()
+    assert UNSPLIT in explained.measured
+    assert explained.measured_peak_bytes == explained.peak_bytes
+    assert sum(explained.by_category().values()) == explained.peak_bytes
+    assert "measured whole" in str(explained)
