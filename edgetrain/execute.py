@@ -93,6 +93,7 @@ from edgetrain import progress
 from edgetrain.chain import Chain, Stage
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.explain import UNSPLIT, PeakExplanation, explain_plan
+from edgetrain.heap import HeapPeak
 from edgetrain.measure import StorageCounter, storage_key
 from edgetrain.memory import fixed_training_bytes
 from edgetrain.paging import PageStore
@@ -690,6 +691,7 @@ class Checkpointed(nn.Module):
             explained,
             measured=measured,
             measured_peak_bytes=sum(probe.fixed.values()) + (probe.step_peak_bytes or 0),
+            heap_peak_bytes=probe.heap_peak_bytes,
         )
 
     @contextmanager
@@ -703,12 +705,14 @@ class Checkpointed(nn.Module):
         """
         probe = PeakProbe(StorageCounter(), -1)
         self._probe = probe
+        heap = HeapPeak()
         try:
-            with probe.counter:
+            with heap, probe.counter:
                 yield probe
         finally:
             self._probe = None
         probe.step_peak_bytes = probe.counter.peak_bytes
+        probe.heap_peak_bytes = heap.peak_bytes
         self._measured = probe
 
     # -- running -----------------------------------------------------------------------------------

@@ -79,6 +79,8 @@ class PeakExplanation:
         grads_exist: the training loop planned for (gradients kept from the last step or not).
         plain_peak_bytes: plain autograd's predicted peak of the whole step, for comparison.
         measured_peak_bytes: a measured step's peak (the fixed parts plus the step's), if any.
+        heap_peak_bytes: a measured step's heap peak above its start (:mod:`edgetrain.heap`):
+            beyond its tensor peak, the scratch kernels allocate, which no plan counts.
         measured: a measured step's bytes by category at the same operation (see
             :mod:`edgetrain.peak_probe`; ``kept graph`` there is what the step held beyond the
             executor's own references, the caller's loss included); empty if not measured.
@@ -95,6 +97,7 @@ class PeakExplanation:
     plain_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None
     measured: Mapping[str, int] = field(default_factory=dict)
+    heap_peak_bytes: int | None = None
     stage_names: tuple[str, ...] = field(default=(), repr=False)
 
     def by_category(self) -> dict[str, int]:
@@ -139,6 +142,7 @@ class PeakExplanation:
             "grads_exist": self.grads_exist,
             "by_category": self.by_category(),
             "measured_by_category": dict(self.measured) or None,
+            "heap_peak_bytes": self.heap_peak_bytes,
             "parts": [
                 {"category": p.category, "stage": p.stage, "bytes": p.bytes} for p in self.parts
             ],
@@ -173,6 +177,14 @@ class PeakExplanation:
             lines.append(
                 f"measured: the step's peak {format_bytes(self.measured_peak_bytes or 0)}; {where}"
             )
+            step = self.measured_peak_bytes or 0
+            step -= sum(v for k, v in self.measured.items() if k in FIXED)
+            if self.heap_peak_bytes is not None and self.heap_peak_bytes > step:
+                lines.append(
+                    f"heap: the step's peak {format_bytes(self.heap_peak_bytes)} above its start, "
+                    f"{format_bytes(self.heap_peak_bytes - step)} beyond its tensors (kernel "
+                    "scratch, not in the plan: leave room with reserve_bytes)"
+                )
         if self.plain_peak_bytes is not None:
             saved = self.plain_peak_bytes - self.peak_bytes
             lines.append(

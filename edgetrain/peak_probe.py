@@ -46,6 +46,8 @@ class PeakProbe:
         fixed: measured bytes held before the step, by category.
         parts: measured bytes at ``position`` by category (the step's, above its start).
         step_peak_bytes: the counter's peak over the step (set when the measurement ends).
+        heap_peak_bytes: the process heap's peak over the step above its start (glibc's
+            ``mallinfo2``: tensors and the scratch kernels allocate; None without glibc).
     """
 
     counter: StorageCounter
@@ -55,6 +57,7 @@ class PeakProbe:
     fixed: dict[str, int] = field(default_factory=dict)
     parts: dict[str, int] = field(default_factory=dict)
     step_peak_bytes: int | None = None
+    heap_peak_bytes: int | None = None
     output_keys: tuple[int, ...] = ()
     output_grad_keys: tuple[int, ...] = ()
     _peak_so_far: int = 0
