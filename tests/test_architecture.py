@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "edgetrain"
 
-LEAVES = {"errors", "units", "progress", "jsonfile", "measure"}
+LEAVES = {"errors", "units", "progress", "jsonfile", "cache", "measure"}
 
 # Which layers each layer may import (its own always allowed). The public API (``edgetrain``
 # itself) is for the applications on top.

@@ -287,8 +287,10 @@ def _evaluate(store: Store, teacher: Any, classes: int, meta: dict[str, Any]) ->
     student = None
     steps = (0, 0)
     if (store.directory / CHECKPOINT).exists():
-        student, state = load_student(store.directory, classes)
+        trained, state = load_student(store.directory, classes)
         steps = (int(state["step"]), int(state["total_steps"]))
+        if steps[0] > 0:  # a checkpoint of step 0 holds the teacher's weights: no student yet
+            student = trained
     scene = _open_source(meta) if meta["kind"] == "synthetic" else None
     assert scene is None or isinstance(scene, SyntheticScene)
     return evaluate(store, teacher, student, scene, student_steps=steps)
@@ -298,6 +300,13 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f} %"
 
 
+def _points(student: float | None, teacher: float | None) -> str:
+    """The student's lead over the teacher in percentage points ("-" without a student)."""
+    if student is None or teacher is None:
+        return "-"
+    return f"{100 * (student - teacher):+.1f}"
+
+
 def _print_report(report: Report, extra: dict[str, Any]) -> None:
     rows = [
         [
@@ -305,7 +314,7 @@ def _print_report(report: Report, extra: dict[str, Any]) -> None:
             b.n,
             _pct(b.teacher),
             _pct(b.student),
-            f"{100 * (b.student - b.teacher):+.1f}",
+            _points(b.student, b.teacher),
         ]
         for b in report.by_angle
     ]
@@ -324,9 +333,7 @@ def _print_report(report: Report, extra: dict[str, Any]) -> None:
             "",
             _pct(report.off_axis_teacher),
             _pct(report.off_axis_student),
-            ""
-            if report.off_axis_student is None or report.off_axis_teacher is None
-            else f"{100 * (report.off_axis_student - report.off_axis_teacher):+.1f}",
+            _points(report.off_axis_student, report.off_axis_teacher),
         ]
     )
     console.print(
@@ -369,6 +376,8 @@ def _print_report(report: Report, extra: dict[str, Any]) -> None:
     if "picture" in extra:
         facts.append(["picture", extra["picture"]])
     console.print(table("in-situ store", ["", "value"], facts))
+    if report.student_accuracy is None and report.teacher_accuracy is not None:
+        console.print("note: no student has trained yet; its columns show '-'")
     for note in extra.get("notes", []):
         console.print(f"note: {note}")
 

@@ -19,14 +19,16 @@ from edgetrain.cli.options import (
     model_options,
 )
 from edgetrain.cli.output import console, emit_json, table
-from edgetrain.core.accounting import OPTIMIZER_STATES, fixed_training_bytes
+from edgetrain.core.accounting import OPTIMIZER_STATES, fixed_training_bytes, optimizer_state_bytes
 from edgetrain.core.chain import Chain
+from edgetrain.core.explain import PeakExplanation, explain_plan
 from edgetrain.core.schedule import Op, Schedule, simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.profiling import NOMINAL_FLOPS, analytic_chain
 from edgetrain.models import MODELS, model_chain
 from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
+from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
 from edgetrain.units import format_bytes, mib
 
@@ -60,6 +62,12 @@ from edgetrain.units import format_bytes, mib
     default=None,
     help="Write the plan to this .json file (its directory must exist).",
 )
+@click.option(
+    "--explain",
+    "explain",
+    is_flag=True,
+    help="Also show what is held at the predicted peak, by category and stage, and where.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (sizes in bytes) instead.")
 def plan_command(
     model_name: str | None,
@@ -72,6 +80,7 @@ def plan_command(
     recompute: float | None,
     optimizer: str,
     save_path: str | None,
+    explain: bool,
     as_json: bool,
 ) -> None:
     """Plan which activations to store and which to recompute.
@@ -114,6 +123,9 @@ def plan_command(
         input_shape=list(shape),
         optimizer=optimizer,
     )
+    explained = _explain(chain, schedule, optimizer) if explain else None
+    if explained is not None:
+        report["explain"] = explained.to_json()
     if as_json:
         emit_json(report)
         return
@@ -151,6 +163,22 @@ def plan_command(
         f"{report['predicted_seconds']:.3g} s per step at {NOMINAL_FLOPS / 1e9:g} GFLOP/s; "
         f"{report['summary']}" + (f"; saved to {save_path}" if save_path else "")
     )
+    if explained is not None:
+        console.print(str(explained), highlight=False, markup=False)
+
+
+def _explain(chain: Chain, schedule: Schedule, optimizer: str) -> PeakExplanation:
+    """What the plan holds at its predicted peak, in the loop ``describe`` counts (gradients
+    kept from the last step: the fixed part holds them)."""
+    fixed = {
+        "weights": chain.weight_bytes,
+        "gradients": chain.gradient_bytes,
+        "optimizer state": optimizer_state_bytes(chain, optimizer),
+        "buffers": chain.buffer_bytes,
+        "input": chain.input_bytes,
+    }
+    plain = simulate(chain, store_all(chain), grads_exist=True).peak_bytes
+    return explain_plan(chain, schedule, grads_exist=True, fixed=fixed, plain_peak_bytes=plain)
 
 
 def _chain(choice: ModelChoice) -> tuple[Chain, tuple[int, ...]]:

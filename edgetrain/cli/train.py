@@ -177,6 +177,9 @@ def run_training(
         state = OPTIMIZER_STATES[optimizer] * sum(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         )
+        for p in model.parameters():  # train() keeps gradients (zero_grad(set_to_none=False)):
+            if p.requires_grad and p.grad is None:  # plan for that loop from the first step
+                p.grad = torch.zeros_like(p)
         net = Checkpointed(
             model,
             sample,

@@ -556,11 +556,55 @@ def memory_trace(
     return trace
 
 
+@dataclass(frozen=True)
+class ReplayState:
+    """What the replay holds just before one operation runs (see :func:`replay_state`).
+
+    Attributes:
+        index: the operation's position in the schedule.
+        held_bytes: everything held then (above what the step started with).
+        sizes: bytes of each storage ("piece"); pieces[k]: the pieces of activation ``a[k]``.
+        refs: references to each piece (our own and the graphs'); plain[k]: ``a[k]`` held by us.
+        graph[k]: the graph of stage ``k`` is held; released[k]: built by ``Fr k``.
+        graph_pieces[k]: the pieces of its input and output the graph of ``k`` holds.
+        copies[k]: buffer copies the graph of ``k`` holds; snapshot_bytes[k]: the buffer
+            snapshot of stage ``k``, held now.
+        ran[k]: stage ``k`` has run forward; in_backward / next_backward: the backward phase.
+        writing_bytes: a page-out of the previous operation still being written.
+    """
+
+    index: int
+    held_bytes: int
+    sizes: tuple[int, ...]
+    pieces: tuple[tuple[int, ...], ...]
+    refs: tuple[int, ...]
+    plain: tuple[bool, ...]
+    graph: tuple[bool, ...]
+    released: tuple[bool, ...]
+    graph_pieces: tuple[tuple[int, ...], ...]
+    copies: tuple[int, ...]
+    snapshot_bytes: tuple[int, ...]
+    ran: tuple[bool, ...]
+    in_backward: bool
+    next_backward: int
+    writing_bytes: int
+
+
+def replay_state(chain: Chain, schedule: Schedule, index: int, *, grads_exist: bool) -> ReplayState:
+    """What :func:`simulate`'s replay holds just before operation ``index`` runs."""
+    found: list[ReplayState] = []
+    _replay(chain, schedule, None, grads_exist, (index, found))
+    if not found:
+        raise InvalidSchedule(f"operation {index} is not in a schedule of {len(schedule)}")
+    return found[0]
+
+
 def _replay(
     chain: Chain,
     schedule: Schedule,
     trace: list[tuple[int, int, int]] | None,
     grads_exist: bool,
+    probe: tuple[int, list[ReplayState]] | None = None,
 ) -> Cost:
     n = chain.length
     if schedule.length != n:
@@ -658,6 +702,31 @@ def _replay(
 
     for i, (code, k) in enumerate(zip(kinds, indices, strict=True)):
         kind = Op(code)
+        if probe is not None and probe[0] == i:
+            probe[1].append(
+                ReplayState(
+                    i,
+                    held,
+                    tuple(sizes),
+                    tuple(tuple(p) for p in pieces),
+                    tuple(refs),
+                    tuple(plain),
+                    tuple(graph),
+                    tuple(released),
+                    tuple(
+                        tuple(_kept_by_release(saved_out[j], pieces[j]))
+                        if released[j]
+                        else tuple(saved_in[j] + saved_out[j])
+                        for j in range(n)
+                    ),
+                    tuple(copies),
+                    tuple(snapshot[j] if ran[j] and last_run[j] >= i else 0 for j in range(n)),
+                    tuple(ran),
+                    in_backward,
+                    next_backward,
+                    writing,
+                )
+            )
         before = held
         written, writing = writing, 0
         if kind is Op.PAGE_OUT:

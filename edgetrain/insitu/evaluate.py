@@ -32,18 +32,26 @@ OFF_AXIS_DEG = 45.0  # "off-axis" in the summary: at least this far from the opt
 
 @dataclass(frozen=True)
 class AngleBin:
-    """Accuracy (fraction correct) of teacher and student on ``n`` held-out crops."""
+    """Accuracy (fraction correct) of teacher and student on ``n`` held-out crops.
+
+    ``student`` is None when no student has trained yet: the report never shows the teacher's
+    accuracy as the student's.
+    """
 
     from_deg: float
     to_deg: float
     n: int
     teacher: float
-    student: float
+    student: float | None
 
 
 @dataclass(frozen=True)
 class Report:
-    """The eval report. Accuracies are fractions (None without ground truth); bytes are bytes."""
+    """The eval report. Accuracies are fractions; bytes are bytes.
+
+    Accuracies are None without ground truth (a real video); the student's are None too while no
+    student has trained (no checkpoint, or one of step 0, which holds the teacher's weights).
+    """
 
     teacher_accuracy: float | None
     student_accuracy: float | None
@@ -101,6 +109,13 @@ def _predict(model: Any, crops: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
+def _accuracy(ok: np.ndarray | None, mask: np.ndarray | None) -> float | None:
+    """The fraction of ``ok`` (under ``mask``) that is True; None for a model not evaluated."""
+    if ok is None:
+        return None
+    return float((ok if mask is None else ok[mask]).mean())
+
+
 def label_quality(store: Store) -> tuple[float | None, float | None, int, int]:
     """Precision and recall of the propagated labels against ground truth, and crop counts."""
     crops = store.crops()
@@ -121,7 +136,10 @@ def evaluate(
     heldout_frames: int | None = None,
     student_steps: tuple[int, int] = (0, 0),
 ) -> Report:
-    """The report for a store (``scene`` None: a real video, no ground truth)."""
+    """The report for a store (``scene`` None: a real video, no ground truth).
+
+    ``student`` None: no student has trained yet; its accuracies are None, not the teacher's.
+    """
     by_angle: list[AngleBin] = []
     teacher_acc = student_acc = off_t = off_s = None
     n = 0
@@ -129,26 +147,20 @@ def evaluate(
         frames = heldout_frames or min(scene.frames, 1000)
         crops, labels, angles = heldout(scene, frames)
         n = len(crops)
-        t_pred = _predict(teacher.model, crops)
-        s_pred = _predict(student, crops) if student is not None else t_pred
-        t_ok, s_ok = t_pred == labels, s_pred == labels
-        teacher_acc, student_acc = float(t_ok.mean()), float(s_ok.mean())
+        t_ok = _predict(teacher.model, crops) == labels
+        s_ok = _predict(student, crops) == labels if student is not None else None
+        teacher_acc, student_acc = _accuracy(t_ok, None), _accuracy(s_ok, None)
         off = np.abs(angles) >= OFF_AXIS_DEG
         if off.any():
-            off_t, off_s = float(t_ok[off].mean()), float(s_ok[off].mean())
+            off_t, off_s = _accuracy(t_ok, off), _accuracy(s_ok, off)
         edges = np.arange(0.0, MAX_ANGLE_DEG + BIN_DEG, BIN_DEG)
         for lo, hi in itertools.pairwise(edges):
             mask = (np.abs(angles) >= lo) & (np.abs(angles) < hi)
             if mask.any():
-                by_angle.append(
-                    AngleBin(
-                        float(lo),
-                        float(hi),
-                        int(mask.sum()),
-                        float(t_ok[mask].mean()),
-                        float(s_ok[mask].mean()),
-                    )
-                )
+                teacher_bin = float(t_ok[mask].mean())
+                student_bin = _accuracy(s_ok, mask)
+                bin_ = AngleBin(float(lo), float(hi), int(mask.sum()), teacher_bin, student_bin)
+                by_angle.append(bin_)
     precision, recall, labelled, tracked = label_quality(store)
     images = store.count()
     stored = store.total_bytes()
@@ -197,7 +209,10 @@ def picture(report: Report, store: Store, scene: SyntheticScene | None, path: Pa
     chart = Image.new("RGB", (420, height * max(1, len(panels))), "white")
     draw = ImageDraw.Draw(chart)
     draw.text((10, 8), "accuracy on held-out frames by off-axis angle", fill="black")
-    draw.text((10, 22), "grey: teacher   blue: student", fill="black")
+    legend = "grey: teacher   blue: student"
+    if report.student_accuracy is None and report.teacher_accuracy is not None:
+        legend = "grey: teacher   (no student trained yet)"
+    draw.text((10, 22), legend, fill="black")
     draw.text((10, 34), "frames: green label right, red wrong, grey track dropped", fill="black")
     top, bottom = 64, chart.height - 40
     if report.by_angle:
@@ -207,6 +222,8 @@ def picture(report: Report, store: Store, scene: SyntheticScene | None, path: Pa
             for j, (value, color) in enumerate(
                 ((b.teacher, (150, 150, 150)), (b.student, (40, 90, 220)))
             ):
+                if value is None:
+                    continue
                 h = (bottom - top) * value
                 x0 = x + 6 + j * (slot - 12) / 2
                 draw.rectangle((x0, bottom - h, x0 + (slot - 12) / 2 - 2, bottom), fill=color)

@@ -15,7 +15,6 @@ labels) is dropped whole: a wrong label costs more than a missing one.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edgetrain.cache import cache_dir
 from edgetrain.errors import CorruptFile, InvalidInput
 from edgetrain.insitu.detect import square_crop
 from edgetrain.insitu.files import load_state, save_state
@@ -33,15 +33,6 @@ from edgetrain.insitu.network import INPUT, classifier, to_input
 from edgetrain.insitu.scene import view
 
 TEACHER_VERSION = 1
-
-
-def cache_dir() -> Path:
-    """Where the teacher is cached: ``$EDGETRAIN_CACHE_DIR`` or the XDG cache directory."""
-    explicit = os.environ.get("EDGETRAIN_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "edgetrain"
 
 
 def canonical_views(classes: int, per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -80,8 +80,8 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from edgetrain import progress
+from edgetrain.autograd.heap import HeapPeak
 from edgetrain.autograd.replay import (
     AutocastState,
     BufferSnapshot,
@@ -117,8 +118,10 @@ from edgetrain.autograd.stages import (
     signature,
     stage_params,
 )
+from edgetrain.autograd.storage_counter import StorageCounter, storage_key
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.explain import UNSPLIT, PeakExplanation, explain_plan
 from edgetrain.core.schedule import (
     Cost,
     GraphRun,
@@ -140,6 +143,8 @@ from edgetrain.frontend.profiling import (
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan, plan_for_device
 from edgetrain.runtime.paging import PageStore
+from edgetrain.runtime.peak_probe import PeakProbe
+from edgetrain.runtime.stage_cost import stage_seconds, time_factor, with_stage_cost
 from edgetrain.units import format_bytes, parse_bytes
 
 _NEW_SHAPE = ("replan", "error")
@@ -219,6 +224,8 @@ class Checkpointed(nn.Module):
         self._max_recompute = max_recompute
         self._params = list(self.model.parameters())
         self._grads_exist: bool | None = None
+        self._probe: PeakProbe | None = None  # the step being measured (see measuring)
+        self._measured: PeakProbe | None = None  # the last step measured
         # Plans made so far, by what each was made for (see _state): everything a plan set up,
         # restored as it was when a step comes back to that state (see _PLANNED).
         self._plans: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -254,6 +261,8 @@ class Checkpointed(nn.Module):
         self.chain = chain
         self._signature = signature(sample)
         self._key = self._state(sample)
+        if self._key[-1] is not None:
+            self._grads_exist = self._key[-1]  # plan for the loop the step starts in
         # A run's merged stage depends on its stages and the sample only: sized once for every
         # plan tried here (see the tighter plan below).
         self._sized: dict[GraphRun, Stage] = {}
@@ -312,7 +321,16 @@ class Checkpointed(nn.Module):
             tuple(m.training for m in self.module.modules()),
             tuple(autocast_state()),
             tuple(getattr(m, name, None) for m, name in getattr(self.model, "traced_reads", ())),
+            self._loop(),
         )
+
+    def _loop(self) -> bool | None:
+        """The training loop a plan for a memory budget is made for: whether the gradients
+        exist now, at the step's start (kept from the last step) or not (``zero_grad()``); None
+        without a budget (the plan is the same in both)."""
+        if self._device is None:
+            return None
+        return _kept(p for p in self._params if p.requires_grad)
 
     def _planned(self, device: int | None) -> Schedule:
         """The planner's plan for a memory budget of ``device`` bytes (None: none)."""
@@ -325,6 +343,10 @@ class Checkpointed(nn.Module):
                     memory=self._given_bytes,
                     grads_exist=self.grads_exist,
                 )
+            if device is not None and not self.grads_exist:
+                return self._planned_without_grads(device)
+            if device is None and self._max_recompute is not None:
+                return self._planned_within_time(self._max_recompute)
             return plan_for_device(
                 self.chain,
                 self.strategy,
@@ -333,6 +355,49 @@ class Checkpointed(nn.Module):
                 recompute=self._max_recompute,
                 grads_exist=self.grads_exist,
             )
+
+    def _planned_within_time(self, rho: float) -> Schedule:
+        """The least-memory plan that, run stage by stage at the executor's cost per stage
+        operation (:func:`~edgetrain.runtime.stage_cost.stage_seconds`) on top of the stages'
+        compute,
+        takes at most ``rho`` times plain autograd's time (which runs the module itself)."""
+        seconds = stage_seconds() if rho >= 1.0 else 0.0
+        factor = time_factor(self.chain, rho, seconds)
+        if factor < 1.0 <= rho:
+            return store_all(self.chain)  # only plain autograd's own step keeps to rho
+        return plan(
+            with_stage_cost(self.chain, seconds),
+            self.strategy,
+            recompute=max(factor, 1.0) if rho >= 1.0 else rho,
+            grads_exist=self.grads_exist,
+        )
+
+    def _planned_without_grads(self, device: int) -> Schedule:
+        """The plan for ``device`` bytes in the loop that sets gradients to None
+        (``zero_grad()``, PyTorch's default): the step starts without them and its backward
+        creates them, which the plan counts; a budget plain autograd fits in this loop is never
+        refused (its plan is then storing everything, if the planner finds nothing better)."""
+        fixed = self.fixed_bytes + self.reserve_bytes  # no gradients at the step's start
+        if device <= fixed:
+            raise InfeasibleBudget(
+                f"{format_bytes(device)} does not hold the weights, buffers and input "
+                f"({format_bytes(fixed)}); give more memory",
+                fixed,
+            )
+        try:
+            return plan(self.chain, self.strategy, memory=device - fixed, grads_exist=False)
+        except InfeasibleBudget as exc:
+            everything = store_all(self.chain)
+            if simulate(self.chain, everything).peak_bytes <= device - fixed:
+                return everything
+            if exc.smallest is None:
+                raise
+            smallest = int(fixed + exc.smallest)
+            raise InfeasibleBudget(
+                f"{self.strategy} cannot train in {format_bytes(device)}; the smallest memory "
+                f"that works is {format_bytes(smallest)} ({smallest} bytes)",
+                smallest,
+            ) from exc
 
     def _adopt(self, schedule: Schedule, sample: Any) -> None:
         """Make ``schedule`` the plan: its costs, the stages as they run (runs merged)."""
@@ -345,7 +410,7 @@ class Checkpointed(nn.Module):
             raise InvalidSchedule(f"the plan does not fit this model: {exc}") from exc
         if self._device is not None:
             limit = self._device - self.reserve_bytes
-            worst = self.fixed_bytes + self._costs[True].peak_bytes
+            worst = self.fixed_bytes + self._costs[self.grads_exist].peak_bytes
             if worst > limit:
                 raise InfeasibleBudget(
                     f"the given plan needs {format_bytes(worst)}, more than "
@@ -419,6 +484,7 @@ class Checkpointed(nn.Module):
         that of the stages as they run. Only runs that ``owns`` (no stage outside uses their
         parameters: see :func:`_own_params`) are merged."""
         runs = [run for run in runs if owns(run) or run.rebuilds]
+        self._exec_chain, self._exec_plan = self.chain, schedule  # as it runs (see explain)
         if not runs:
             return [], *merged_schedule(schedule, [])
         as_one = self._sized  # each run's stage, sized as it runs (kept across plans: _plan)
@@ -499,6 +565,11 @@ class Checkpointed(nn.Module):
         if chosen:
             self._costs = costs(chosen)
         first, plan = merged_schedule(schedule, chosen)
+        if chosen:
+            merged = {run.first: as_one[run] for run in chosen}
+            stages = tuple(merged.get(k, self.chain.stages[k]) for k in first)
+            self._exec_chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
+            self._exec_plan = plan
         spans = [(run.first, run.last) for run in chosen]
         ends = [(run.first, run.last) for run in whole]
         if ends == [(0, self.chain.length - 1)] and whole[0].rebuilds and whole[0] in as_one:
@@ -517,6 +588,7 @@ class Checkpointed(nn.Module):
                 self._one_graph_excess = over(direct)
                 if self._one_graph_excess <= 0:
                     self._costs, self._one_graph = direct, True
+                    self._exec_chain = one
         if self._one_graph_excess is not None and self._one_graph_excess <= 0:
             self._one_graph_excess = None
         return chosen, first, plan
@@ -553,6 +625,22 @@ class Checkpointed(nn.Module):
         return fixed_training_bytes(self.chain) - self.chain.gradient_bytes + grads
 
     @property
+    def predicted_seconds(self) -> float:
+        """The step's predicted time: the plan's compute (``cost.seconds``, the stages' profiled
+        times) and, for a plan run stage by stage, the executor's cost per stage operation on
+        this machine (:func:`~edgetrain.runtime.stage_cost.stage_seconds`)."""
+        if self._stores_everything or self._one_graph:
+            return self.cost.seconds
+        ops = self._exec_plan.count(*(op for op in Op if op.is_forward), Op.BACKWARD)
+        return self.cost.seconds + stage_seconds() * ops
+
+    @property
+    def predicted_recompute_factor(self) -> float:
+        """:attr:`predicted_seconds` over plain autograd's compute (the module run itself)."""
+        plain = self.chain.forward_seconds + self.chain.backward_seconds
+        return self.predicted_seconds / plain if plain > 0 else float("nan")
+
+    @property
     def plain_cost(self) -> Cost:
         """Plain autograd's step as a plan (everything stored), on the same basis as ``cost``."""
         return simulate(self.chain, store_all(self.chain), grads_exist=self.grads_exist)
@@ -566,6 +654,69 @@ class Checkpointed(nn.Module):
     def predicted_peak_bytes(self) -> int:
         """Predicted peak of the whole step: :attr:`fixed_bytes` + the plan's ``peak_bytes``."""
         return self.fixed_bytes + self.cost.peak_bytes
+
+    # -- explaining --------------------------------------------------------------------------------
+
+    def _peak_position(self, grads_exist: bool) -> int:
+        """The operation of the plan as it runs at which its predicted peak is."""
+        return simulate(self._exec_chain, self._exec_plan, grads_exist=grads_exist).peak_op
+
+    def explain(self) -> PeakExplanation:
+        """What the step holds at its predicted peak, by category (weights, buffers, input,
+        gradients kept from the last step, the reserve, checkpoints and kept graphs by stage,
+        activation and parameter gradients, the stage running) and the operation where it
+        happens, for the training loop planned for (:attr:`grads_exist`); derived from the
+        simulator's replay of the plan as it runs (stages merged into graph runs). After a step
+        run inside :meth:`measuring` (same input state and loop), the measured bytes per
+        category stand beside the predicted (see :mod:`edgetrain.runtime.peak_probe`)."""
+        loop = self.grads_exist
+        chain = self.chain
+        fixed = {
+            "weights": chain.weight_bytes,
+            "buffers": chain.buffer_bytes,
+            "input": chain.input_bytes,
+        }
+        fixed["gradients"] = self.fixed_bytes - sum(fixed.values())
+        fixed["reserve"] = self.reserve_bytes
+        explained = explain_plan(
+            self._exec_chain,
+            self._exec_plan,
+            grads_exist=loop,
+            fixed=fixed,
+            plain_peak_bytes=self.plain_cost.peak_bytes,
+        )
+        probe = self._measured
+        if probe is None or probe.key != self._key or probe.grads_exist != loop:
+            return explained
+        step = probe.parts or {UNSPLIT: probe.step_peak_bytes or 0}
+        measured = {**probe.fixed, **step}
+        return replace(
+            explained,
+            measured=measured,
+            measured_peak_bytes=sum(probe.fixed.values()) + (probe.step_peak_bytes or 0),
+            heap_peak_bytes=probe.heap_peak_bytes,
+        )
+
+    @contextmanager
+    def measuring(self) -> Iterator[PeakProbe]:
+        """Measure the step run inside (``loss = f(net(x)); loss.backward()``) with the exact
+        tensor counter, for :meth:`explain` to show beside its prediction::
+
+            with net.measuring():
+                loss_fn(net(x), y).backward()
+            print(net.explain())
+        """
+        probe = PeakProbe(StorageCounter(), -1)
+        self._probe = probe
+        heap = HeapPeak()
+        try:
+            with heap, probe.counter:
+                yield probe
+        finally:
+            self._probe = None
+        probe.step_peak_bytes = probe.counter.peak_bytes
+        probe.heap_peak_bytes = heap.peak_bytes
+        self._measured = probe
 
     # -- running -----------------------------------------------------------------------------------
 
@@ -581,6 +732,11 @@ class Checkpointed(nn.Module):
             self._plan_for(x, key)
             return self.forward(x)  # the step, on the plan (and parameter list) for this state
         self._grads_exist = _kept(params)  # the loop this step runs in
+        probe = self._probe
+        if probe is not None:
+            probe.key, probe.grads_exist = self._key, self._grads_exist
+            probe.position = self._peak_position(self._grads_exist)
+            probe.measure_fixed(params, list(self.model.buffers()), x)
         if self._stores_everything:
             # Every stage once with its graph, nothing recomputed: plain autograd on the module,
             # whose step's peak was measured (Chain.autograd_peak_bytes); no executor overhead.
@@ -598,7 +754,7 @@ class Checkpointed(nn.Module):
             for i, out in zip(grads, outs, strict=True):
                 flat[i] = out
             return tree_unflatten(flat, spec)
-        run = _Run(self, x, trainable)
+        run = _Run(self, x, trainable, probe=probe)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
         return run.output(outs)
@@ -607,6 +763,9 @@ class Checkpointed(nn.Module):
         """Make the plan for the state ``key`` of a step on ``x`` (see :meth:`_state`) the
         current one: restored as it was if planned for before, else planned now (or refused
         with ``on_new_shape="error"``)."""
+        if key[:-1] == self._key[:-1] and not self._unplanned:
+            self._replan_for_loop(x, key)
+            return
         shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
         if self.on_new_shape == "error":
             raise InvalidInput(
@@ -631,6 +790,40 @@ class Checkpointed(nn.Module):
             self._key = planned
             raise InfeasibleBudget(f"planning again for {change}: {exc}", exc.smallest) from exc
         self._unplanned = False
+
+    def _replan_for_loop(self, x: Any, key: tuple[Any, ...]) -> None:
+        """The training loop changed (gradients kept, or set to None): the plan for the
+        budget in that loop, on the same profile (kept for coming back, as other states are)."""
+        known = self._plans.get(key)
+        if known is not None:
+            for name, value in known.items():
+                setattr(self, name, value)
+            return
+        loop = bool(key[-1])
+        grads = self.chain.gradient_bytes if loop else 0
+        fixed = fixed_training_bytes(self.chain) - self.chain.gradient_bytes + grads
+        assert self._device is not None
+        if fixed + self.reserve_bytes + self._costs[loop].peak_bytes <= self._device:
+            self._key = key  # the plan fits in this loop too: kept for both
+            self._plans[key] = {name: getattr(self, name) for name in _PLANNED}
+            return
+        self._grads_exist = loop
+        planned = self._key
+        try:
+            self._adopt(self._planned(self._device), x)
+        except InfeasibleBudget as exc:
+            self._grads_exist = not self._grads_exist
+            self._adopt(self._planned(self._device), x)  # the plan of the loop before
+            loop = "keeps gradients" if key[-1] else "sets gradients to None"
+            raise InfeasibleBudget(
+                f"planning again as the loop {loop}: {exc}", exc.smallest
+            ) from exc
+        finally:
+            self._key = planned
+        self._key = key
+        self._plans[key] = {name: getattr(self, name) for name in _PLANNED}
+        while len(self._plans) > KEPT_PLANS:
+            del self._plans[next(iter(self._plans))]
 
     def extra_repr(self) -> str:
         return (
@@ -757,6 +950,7 @@ class _Run:
     done: bool = False
     pages: PageStore | None = None
     writing: Any = None  # a paged-out value, held until the operation after its page-out ends
+    probe: PeakProbe | None = None  # a measured step (Checkpointed.measuring)
 
     def output(self, outs: tuple[torch.Tensor, ...]) -> Any:
         """The caller's output: the function's tensors in the structure the model returned."""
@@ -765,8 +959,13 @@ class _Run:
         self.out_flat = []
         return tree_unflatten(flat, self.out_spec)
 
-    def execute(self, ops: list[tuple[Op, int]]) -> None:
+    def execute(self, ops: list[tuple[Op, int]], offset: int = 0) -> None:
+        """Run ``ops``, the operations ``offset`` .. of the executed plan."""
+        probe = self.probe
+        look = -1 if probe is None else probe.position - offset
         for at, (kind, k) in enumerate(ops):
+            if at == look and probe is not None:
+                probe.before(self._held())
             # A page-out's write overlaps the next operation; its memory goes when that ends.
             written, self.writing = self.writing, None
             if self.pages is not None and at + 1 < len(ops) and ops[at + 1][0] == Op.PAGE_IN:
@@ -786,6 +985,19 @@ class _Run:
                 # The kernel has the bytes (the fsync goes on in the background): drop ours.
                 self._pages().wait_written(str(written[0]))
                 del written
+            if at == look and probe is not None:
+                probe.after()
+
+    def _held(self) -> dict[str, Any]:
+        """What the step holds by the executor's own references, by category."""
+        last = self.net._exec_length
+        return {
+            "output": self.plain.get(last),
+            "checkpoint": [v for k, v in self.plain.items() if 0 < k < last],
+            "activation gradients": list(self.grads.values()),
+            "parameter gradients": list(self.param_grads.values()),
+            "page-out being written": None if self.writing is None else self.writing[1],
+        }
 
     def _pages(self) -> PageStore:
         if self.pages is None:
@@ -918,6 +1130,8 @@ _PLANNED = (
     "_snapshots",
     "_submodules",
     "_needs",
+    "_exec_chain",
+    "_exec_plan",
 )
 """What :meth:`Checkpointed._plan` sets up for a state (see ``Checkpointed._plans``)."""
 
@@ -948,6 +1162,7 @@ def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
                 "another train/eval mode",
                 "another torch.autocast state",
                 "another value of a module attribute (fx traced the old one into the stages)",
+                "another training loop (gradients kept, or set to None)",
             ),
             planned,
             now,
@@ -1028,6 +1243,8 @@ class _ScheduleFunction(torch.autograd.Function):
         ctx.watched = [(t, t._version) for t in tensors]
         ctx.set_materialize_grads(False)
         results = tuple(t.detach() for t in run.out_flat if isinstance(t, torch.Tensor))
+        if run.probe is not None:
+            run.probe.output_keys = tuple(storage_key(t) for t in results)
         ctx.mark_non_differentiable(*(t for t in results if not differentiable(t)))
         return results
 
@@ -1062,8 +1279,12 @@ class _ScheduleFunction(torch.autograd.Function):
         shared = run.net._shared_params
         run.in_place = {i: grad for i, grad in kept.items() if i not in shared}
         run.grads[run.net._exec_length] = list(grad_outputs)
+        if run.probe is not None:
+            run.probe.output_grad_keys = tuple(
+                storage_key(g) for g in grad_outputs if isinstance(g, torch.Tensor)
+            )
         del grad_outputs
-        run.execute(ctx.backward_ops)
+        run.execute(ctx.backward_ops, len(run.net._forward_ops))
         input_grads = run.grads.pop(0, None) or [None] * count
         results = [run.param_grads.pop(i, None) for i in run.trainable]
         run.in_place.clear()

@@ -321,13 +321,14 @@ def test_the_canary_model_holds_its_promise_with_zero_grad():
 
 
 @pytest.mark.parametrize("plan", [{"max_recompute": 1.2}, {"fraction": 0.2}, {"fraction": 0.3}])
-def test_a_recomputed_batchnorm_is_counted_with_its_buffer_copies(plan):
+def test_a_recomputed_batchnorm_is_counted_with_its_buffer_copies(plan, monkeypatch):
     """A stage run again works on copies of its BatchNorm's running statistics (so they are
     updated once), and a graph built in that run keeps the copies it saved: the prediction
     counts them, and the measured peak is never above it, not by a byte (without them the
     budget canary's model at ρ 1.2 measured 136 bytes above its prediction)."""
     model, x = canary_model(12)
     chain = analytic_chain(model, x)
+    monkeypatch.setenv("EDGETRAIN_STAGE_SECONDS", "0")  # a plan that recomputes a BatchNorm
     if "fraction" in plan:
         least, everything = minimum_memory(chain), simulate(chain, store_all(chain)).peak_bytes
         net = Checkpointed(
@@ -520,9 +521,10 @@ def test_autocast_recomputes_in_the_forwards_precision(strategy, budget):
     same_grads(plain, model)
 
 
-def test_changing_an_input_or_weight_between_forward_and_backward_is_refused():
+def test_changing_an_input_or_weight_between_forward_and_backward_is_refused(monkeypatch):
     model = user_mlp()
     x = torch.randn(3, 6, dtype=F64)
+    monkeypatch.setenv("EDGETRAIN_STAGE_SECONDS", "0")  # a plan the executor runs, not the module
     net = Checkpointed(model, x, chain=analytic_chain(model, x), max_recompute=2.0)
     out = net(x).sum()
     with torch.no_grad():
@@ -568,9 +570,10 @@ def test_dict_inputs_and_activations_work(strategy, budget):
 # -- plans tied to their shapes; budget forms -----------------------------------------------------
 
 
-def test_a_plan_for_another_shape_is_refused_and_a_new_shape_is_replanned(tmp_path):
+def test_a_plan_for_another_shape_is_refused_and_a_new_shape_is_replanned(tmp_path, monkeypatch):
     model = user_mlp()
     small, large = torch.randn(2, 6, dtype=F64), torch.randn(16, 6, dtype=F64)
+    monkeypatch.setenv("EDGETRAIN_STAGE_SECONDS", "0")  # a plan that recomputes, not store-all
     net = Checkpointed(model, small, max_recompute=2.0)
     path = tmp_path / "plan.json"
     net.schedule.save(path)
@@ -1089,6 +1092,14 @@ class NormGeluMLP(nn.Module):
         return self.head(x)
 
 
+def _keeping(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters have gradients: planned in the loop that keeps them."""
+    copied = copy.deepcopy(model)
+    for p in copied.parameters():
+        p.grad = torch.zeros_like(p)
+    return copied
+
+
 @BOTH_LOOPS
 def test_a_plan_one_graph_would_hold_a_little_over_budget_is_replanned_to_run_as_one(
     set_to_none, monkeypatch
@@ -1100,16 +1111,16 @@ def test_a_plan_one_graph_would_hold_a_little_over_budget_is_replanned_to_run_as
     chain = analytic_chain(model, x)
     fixed = fixed_training_bytes(chain)
     plain = simulate(chain, store_all(chain), grads_exist=True).peak_bytes
-    loose = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=fixed + 0.6 * plain)
+    loose = Checkpointed(_keeping(model), x, chain=chain, memory_budget=fixed + 0.6 * plain)
     budget = fixed + simulate(chain, loose.schedule, grads_exist=True).peak_bytes
-    run = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=budget)
+    run = Checkpointed(_keeping(model), x, chain=chain, memory_budget=budget)
     assert run._one_graph and run._exec_length == 1
     assert fixed + run._costs[True].peak_bytes <= budget
     _train_like_plain(model, x, run, set_to_none)
     # Without the tighter plan: the budget's own plan, merged only in parts; it costs more, its
     # time and the executor's cost per stage.
     monkeypatch.setattr(edgetrain.runtime.checkpointed, "ONE_GRAPH_TRIES", 0)
-    first = Checkpointed(copy.deepcopy(model), x, chain=chain, memory_budget=budget)
+    first = Checkpointed(_keeping(model), x, chain=chain, memory_budget=budget)
     assert first.schedule.text() != run.schedule.text() and first._exec_length > 1
     assert run.runs_as == "one graph" and first.runs_as == f"{first._exec_length} stages"
     stored = Checkpointed(copy.deepcopy(model), x, chain=chain, schedule=store_all(chain))

@@ -1,0 +1,87 @@
+"""The executor's cost per stage is in the predicted time: a plan under ``max_recompute=rho``
+predicts at most ``rho`` times plain autograd's time with it, and recomputes less where the
+stage count does not pay. (Measured times are in ``benchmarks/executor_overhead.py --rho``.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from edgetrain.core.schedule import Op
+from edgetrain.runtime.checkpointed import Checkpointed
+from edgetrain.runtime.stage_cost import (
+    _machine,
+    _read,
+    measure_stage_seconds,
+    time_factor,
+    with_stage_cost,
+)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(8 * 16 * 16, 4))
+
+
+X = torch.randn(4, 8, 16, 16)
+
+
+def _net(monkeypatch: pytest.MonkeyPatch, seconds: float, rho: float) -> Checkpointed:
+    monkeypatch.setenv("EDGETRAIN_STAGE_SECONDS", repr(seconds))
+    return Checkpointed(_model(), X, max_recompute=rho)
+
+
+def _recomputations(net: Checkpointed) -> int:
+    return sum(1 for kind, _ in net.schedule if kind.is_forward) - net.chain.length
+
+
+@pytest.mark.parametrize("rho", [1.2, 1.5, 2.0])
+def test_the_predicted_time_with_the_stage_cost_keeps_to_rho(monkeypatch, rho):
+    free = _net(monkeypatch, 0.0, rho)
+    plain = free.chain.forward_seconds + free.chain.backward_seconds
+    per_stage = plain / free.chain.length / 4  # a stage costs the executor a quarter of its mean
+    net = _net(monkeypatch, per_stage, rho)
+    assert net.predicted_recompute_factor <= rho + 1e-9
+    assert net.predicted_seconds <= rho * plain + 1e-12
+    assert _recomputations(net) <= _recomputations(free)
+    ops = net.schedule.count(*(op for op in Op if op.is_forward), Op.BACKWARD)
+    if net.runs_as.endswith("stages"):
+        assert net.predicted_seconds > net.cost.seconds or ops == 0
+
+
+def test_a_stage_cost_that_eats_the_slack_stores_everything(monkeypatch):
+    free = _net(monkeypatch, 0.0, 1.5)
+    assert _recomputations(free) > 0
+    plain = free.chain.forward_seconds + free.chain.backward_seconds
+    net = _net(monkeypatch, plain, 1.5)  # each stage operation costs a whole plain step
+    assert _recomputations(net) == 0
+    assert net.predicted_recompute_factor <= 1.5
+
+
+def test_time_factor_and_the_costly_chain_agree():
+    chain = Checkpointed(_model(), X).chain
+    costly = with_stage_cost(chain, 0.5)
+    plain = chain.forward_seconds + chain.backward_seconds
+    assert costly.forward_seconds + costly.backward_seconds == pytest.approx(
+        plain + 2 * chain.length * 0.5
+    )
+    factor = time_factor(chain, 1.5, 0.5)
+    assert factor * (costly.forward_seconds + costly.backward_seconds) == pytest.approx(1.5 * plain)
+
+
+def test_the_calibration_measures_and_the_cache_is_checked(tmp_path):
+    seconds = measure_stage_seconds(stages=4, rounds=3)
+    assert 0.0 <= seconds < 0.1
+    path = tmp_path / "stage_seconds.json"
+    path.write_text(json.dumps({"machine": _machine(), "stage_seconds": 7e-5}))
+    assert _read(path) == 7e-5
+    path.write_text(json.dumps({"machine": "another", "stage_seconds": 7e-5}))
+    assert _read(path) is None
+    path.write_text("{not json")
+    assert _read(path) is None
