@@ -399,9 +399,24 @@ def from_chain(
     seconds
     and joules; paging costs come from the device's storage figures.
     """
-    n = chain.length
     if chain_flops_per_second <= 0:
         raise InvalidInput("chain_flops_per_second must be positive")
+    nodes = _chain_nodes(chain, device, chain_flops_per_second)
+    edges, retains = _chain_edges(chain)
+    held = _chain_held(chain)
+    return TrainingGraph(
+        tuple(nodes),
+        tuple(edges),
+        chain.name or "chain",
+        device.name,
+        held=tuple(held),
+        retains=retains,
+    )
+
+
+def _chain_nodes(chain: Chain, device: EnergyProfile, chain_flops_per_second: float) -> list[Node]:
+    """``F0 .. F(L-1)``, ``loss``, ``B(L-1) .. B0`` with their sizes and device costs."""
+    n = chain.length
 
     def node(
         name: str,
@@ -453,36 +468,45 @@ def from_chain(
                 s.backward_peak_bytes,
             )
         )
+    return nodes
 
-    def bwd(k: int) -> int:
-        return 2 * n - k  # B(L-1) is node L+1, B0 node 2L
 
+def _backward_node(chain: Chain, k: int) -> int:
+    """The node id of ``B(k)``: ``B(L-1)`` is node ``L+1``, ``B0`` node ``2L``."""
+    return 2 * chain.length - k
+
+
+def _chain_edges(
+    chain: Chain,
+) -> tuple[list[tuple[int, int]], tuple[tuple[int, int], ...]]:
+    """The edges autograd reads (sorted) and the ``retains`` pairs of stages that save their
+    input."""
+    n = chain.length
     edges: list[tuple[int, int]] = []
     for k in range(n):
         if k > 0:
             edges.append((k - 1, k))
-        edges.append((k, bwd(k)))
+        edges.append((k, _backward_node(chain, k)))
         if k > 0 and chain.stages[k].saves_input:
-            edges.append((k - 1, bwd(k)))
-        edges.append((n if k == n - 1 else bwd(k + 1), bwd(k)))
+            edges.append((k - 1, _backward_node(chain, k)))
+        edges.append((n if k == n - 1 else _backward_node(chain, k + 1), _backward_node(chain, k)))
     edges.append((n - 1, n))
     edges.sort()
     retains = tuple((k, k - 1) for k in range(1, n) if chain.stages[k].saves_input)
-    # The output's gradient from the first backward on; the output itself once its forward node
-    # is gone (the caller keeps it); each backward's parameter gradients after it.
-    held = [(bwd(n - 1), float(chain.gradient_of_activation_bytes(n)))]
-    if bwd(n - 1) + 1 < 2 * n + 1:
-        held.append((bwd(n - 1) + 1, float(chain.activation_bytes(n))))
+    return edges, retains
+
+
+def _chain_held(chain: Chain) -> list[tuple[int, float]]:
+    """The output's gradient from the first backward on; the output itself once its forward node
+    is gone (the caller keeps it); each backward's parameter gradients after it."""
+    n = chain.length
+    last = _backward_node(chain, n - 1)
+    held = [(last, float(chain.gradient_of_activation_bytes(n)))]
+    if last + 1 < 2 * n + 1:
+        held.append((last + 1, float(chain.activation_bytes(n))))
     held += [
-        (bwd(k) + 1, float(chain.stages[k].gradient_bytes))
+        (_backward_node(chain, k) + 1, float(chain.stages[k].gradient_bytes))
         for k in range(1, n)
         if chain.stages[k].gradient_bytes
     ]
-    return TrainingGraph(
-        tuple(nodes),
-        tuple(edges),
-        chain.name or "chain",
-        device.name,
-        held=tuple(held),
-        retains=retains,
-    )
+    return held

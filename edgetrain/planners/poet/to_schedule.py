@@ -150,8 +150,28 @@ def schedule_from_plan(
     cannot be run exactly (see the module docstring).
     """
     n = chain.length
-    t_count = 2 * n + 1
-    if len(graph) != t_count or any(
+    _check_made_from(chain, graph)
+    r, s_ram, p_in, p_out = (
+        np.rint(np.asarray(plan[key])).astype(np.int64)
+        for key in ("R", "S_ram", "page_in", "page_out")
+    )
+    if (p_in[:, n:].any()) or (p_out[:, n:].any()):
+        raise _refuse("it pages a gradient; only activations can be paged (solve with runnable)")
+    graph_stage = _graph_stages(n, r, s_ram, p_in)
+    compute, copies = _replay(n, graph_stage, r, s_ram, p_in, p_out)
+    ops = _place(chain, compute, copies)
+    schedule = Schedule.from_ops(n, ops, strategy, {})
+    try:
+        simulate(chain, schedule)
+    except InvalidSchedule as exc:
+        raise _refuse(str(exc)) from exc
+    return schedule
+
+
+def _check_made_from(chain: Chain, graph: TrainingGraph) -> None:
+    """Raise :class:`InvalidInput` unless ``graph`` has the nodes of ``from_chain(chain)``."""
+    n = chain.length
+    if len(graph) != 2 * n + 1 or any(
         node.stage != (k if k < n else -1 if k == n else 2 * n - k)
         for k, node in enumerate(graph.nodes)
     ):
@@ -159,21 +179,14 @@ def schedule_from_plan(
             "the graph was not made from this chain; build it with "
             "edgetrain.planners.poet.graph.from_chain"
         )
-    r = np.rint(np.asarray(plan["R"])).astype(np.int64)
-    s_ram = np.rint(np.asarray(plan["S_ram"])).astype(np.int64)
-    p_in = np.rint(np.asarray(plan["page_in"])).astype(np.int64)
-    p_out = np.rint(np.asarray(plan["page_out"])).astype(np.int64)
-    if (p_in[:, n:].any()) or (p_out[:, n:].any()):
-        raise _refuse("it pages a gradient; only activations can be paged (solve with runnable)")
 
-    def bwd(j: int) -> int:
-        return 2 * n - j
 
-    # The graph instance of F(j): its last computation at or before B(j)'s stage, held in RAM
-    # from there to B(j) without a page-in in between.
+def _graph_stages(n: int, r: np.ndarray, s_ram: np.ndarray, p_in: np.ndarray) -> list[int]:
+    """The stage of each ``F(j)``'s graph instance: its last computation at or before ``B(j)``'s
+    stage, held in RAM from there to ``B(j)`` without a page-in in between."""
     graph_stage = []
     for j in range(n):
-        b = bwd(j)
+        b = 2 * n - j  # the stage of B(j)
         if r[b + 1 :, j].any():
             raise _refuse(f"it recomputes F{j} after its backward, which nothing reads")
         t = int(np.flatnonzero(r[: b + 1, j])[-1])
@@ -183,9 +196,22 @@ def schedule_from_plan(
                 "built in RAM and the executor pages activations, not graphs (solve with runnable)"
             )
         graph_stage.append(t)
+    return graph_stage
 
-    pins_input = [_saves_input(chain, k) for k in range(n)]
-    compute: list[tuple[Op, int]] = []  # forwards (provisional kind) and backwards, in order
+
+def _replay(
+    n: int,
+    graph_stage: list[int],
+    r: np.ndarray,
+    s_ram: np.ndarray,
+    p_in: np.ndarray,
+    p_out: np.ndarray,
+) -> tuple[list[tuple[Op, int]], list[_Copy]]:
+    """Walk the stages as the MILP sees them: the compute operations in order (forwards with a
+    provisional kind, ``Fa`` for a graph instance, and backwards) and every copy of an activation
+    with the operations that read it and whether it is paged out."""
+    t_count = 2 * n + 1
+    compute: list[tuple[Op, int]] = []
     copies: list[_Copy] = []
     current: dict[int, _Copy] = {}  # a[k] -> its copy in RAM (MILP's view), k in 1..n-1
     flash: dict[int, int] = {}  # a[k] -> page-ins left from its page file (0 or 1)
@@ -234,9 +260,16 @@ def schedule_from_plan(
             for k in list(current):
                 if not s_ram[t + 1, k - 1]:
                     del current[k]
+    return compute, copies
 
-    # Place the copies' page-ins, page-outs and discards around the compute operations, and
-    # choose Fn / Fc for each forward that is not a graph instance.
+
+def _place(
+    chain: Chain, compute: list[tuple[Op, int]], copies: list[_Copy]
+) -> list[tuple[Op, int]]:
+    """The operations: the copies' page-ins, page-outs and discards placed around the compute
+    operations, and ``Fn`` / ``Fc`` chosen for each forward that is not a graph instance."""
+    n = chain.length
+    pins_input = [_saves_input(chain, k) for k in range(n)]
     before: list[list[tuple[Op, int]]] = [[] for _ in range(len(compute))]
     after: list[list[tuple[Op, int]]] = [[] for _ in range(len(compute))]
     kinds = [kind for kind, _ in compute]
@@ -271,12 +304,7 @@ def schedule_from_plan(
         ops += before[index]
         ops.append((kinds[index], k))
         ops += after[index]
-    schedule = Schedule.from_ops(n, ops, strategy, {})
-    try:
-        simulate(chain, schedule)
-    except InvalidSchedule as exc:
-        raise _refuse(str(exc)) from exc
-    return schedule
+    return ops
 
 
 def _saves_input(chain: Chain, k: int) -> bool:

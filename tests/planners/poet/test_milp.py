@@ -16,8 +16,9 @@ from edgetrain.errors import InfeasibleBudget
 from edgetrain.planners import plan
 from edgetrain.planners.optimal import TableMaker, fastest
 from edgetrain.planners.optimal import store_all as dp_store_all
-from edgetrain.planners.poet import check, milp
+from edgetrain.planners.poet import check, formulation, highs, milp, warmstart
 from edgetrain.planners.poet import graph as G
+from edgetrain.planners.poet.model import plan_from, start_from
 from tests.conftest import UNIT, output_saving_chain
 
 DATA = Path(__file__).parents[2] / "data" / "poet_linear_m0.json"
@@ -241,16 +242,16 @@ def _optimum(
     graph: G.TrainingGraph, ram: float, accounting: str, **build: object
 ) -> tuple[str, float | None]:
     """Solve one formulation of the MILP to optimality: (status, energy of its plan in J)."""
-    model, variables, scale, _ = milp._build(
+    model, variables, scale, _ = formulation.build(
         graph, ram, 2.0 * graph.compute_seconds, "hybrid", accounting, **build
     )
-    status, highspy, values, _objective, _dual, _seconds = milp._run(
+    status, highspy, values, _objective, _dual, _seconds = highs.run(
         model, 60.0, 1e-9, 1, None, scale
     )
     if status == highspy.HighsModelStatus.kInfeasible:
         return "infeasible", None
     assert status == highspy.HighsModelStatus.kOptimal and values is not None
-    plan = milp._plan_from(values, variables)
+    plan = plan_from(values, variables)
     assert check.violations(graph, plan, accounting) == []  # type: ignore[arg-type]
     cost = check.evaluate(graph, plan, accounting)  # type: ignore[arg-type]
     assert cost.peak_ram_bytes <= ram * (1 + 1e-9)
@@ -293,11 +294,11 @@ def test_strengthened_model_reproduces_the_linear_optima(
 def test_the_restricted_search_returns_a_valid_plan_no_better_than_the_optimum(
     linear: G.TrainingGraph,
 ) -> None:
-    allowed = milp._neighbourhood(linear)
+    allowed = warmstart.neighbourhood(linear)
     t_count = len(linear)
     assert allowed["R"].diagonal().all() and not np.triu(allowed["R"], 1).any()
     assert allowed["R"].sum() < t_count * (t_count + 1) / 2  # it restricts something
-    plan, energy = milp._restricted(
+    plan, energy = warmstart.restricted(
         linear, 3500, 2.0 * linear.compute_seconds, "hybrid", "poet", 30.0, 1, None, 0.0
     )
     assert plan is not None
@@ -318,10 +319,10 @@ def test_a_start_that_pages_out_twice_enters_the_model_paging_out_once(
     plan["page_out"][held[0], i] = plan["page_out"][held[1], i] = 1
     plan["S_flash"][held[0] + 1 :, i] = 1
     assert check.violations(linear, plan, "poet") == []
-    _model, variables, _scale, _ = milp._build(
+    _model, variables, _scale, _ = formulation.build(
         linear, None, 2.0 * linear.compute_seconds, "hybrid", "poet"
     )
-    cols, values = milp._start_from(plan, variables)
+    cols, values = start_from(plan, variables)
     chosen = dict(zip(cols.tolist(), values.tolist(), strict=True))
     outs = [chosen.get(int(c), 0.0) for c in variables.page_out[:, i] if c >= 0]
     assert sum(outs) == 1
