@@ -412,3 +412,33 @@ POSITIVE_FLOAT = FiniteRange(min=0, min_open=True)
 
 RECOMPUTE = FiniteRange(min=1)
 """A recompute factor: at least 1 (plain autograd), finite."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+class CoreCount(click.IntRange):
+    """Threads: a whole number from 1 to the cores this process may use (:func:`usable_cores`)."""
+
+    def __init__(self) -> None:
+        super().__init__(min=1)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        cores = usable_cores()
+        if number > cores:
+            self.fail(
+                f"{number} threads is more than the {cores} cores this machine gives us; "
+                f"give at most {cores}",
+                param,
+                ctx,
+            )
+        return number
+
+
+THREADS = CoreCount()
+"""Threads per process: 1 .. the usable cores."""

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from edgetrain.cli.main import register
-from edgetrain.cli.options import POSITIVE, POSITIVE_FLOAT
+from edgetrain.cli.options import POSITIVE, POSITIVE_FLOAT, THREADS
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices.catalog import CLUSTERS
 from edgetrain.distributed.supported import CHAIN, TILE_MODELS
@@ -53,7 +53,13 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 @click.option(
     "--timeout", type=POSITIVE_FLOAT, default=120.0, show_default=True, help="Seconds per op."
 )
-@click.option("--threads", type=POSITIVE, default=1, show_default=True, help="Threads per worker.")
+@click.option(
+    "--threads",
+    type=THREADS,
+    default=1,
+    show_default=True,
+    help="Threads per worker, at most the machine's cores.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--check", is_flag=True, help="Also run one process and compare (max_rel_diff).")
@@ -77,13 +83,14 @@ def tiles(
 
     Trains the models --model lists, at any image size and batch they accept. Prints per rank the
     peak tensor memory, the median step time and the bytes sent, and the layer groups used.
+    At most 16 workers (tiles) run on one machine; they stop when the command is stopped.
     Across boards use torchrun (docs/tiles.md).
     """
     import torch
 
     from edgetrain.devices import load
     from edgetrain.distributed.grouping import choose_grouping, plan_cost
-    from edgetrain.distributed.launch import run_local
+    from edgetrain.distributed.launch import check_local_workers, run_local
     from edgetrain.distributed.layers import describe
     from edgetrain.distributed.supported import tile_model
     from edgetrain.distributed.tiling import format_grouping, parse_grid, parse_image, plan
@@ -92,6 +99,7 @@ def tiles(
 
     image = parse_image(image_text)
     grid = parse_grid(grid_text)
+    check_local_workers(grid.size, str(grid))
     name = tile_model(model)
     torch.manual_seed(seed)
     network_model = build(name)
