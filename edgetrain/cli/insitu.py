@@ -171,6 +171,11 @@ def run_command(
                 f"cleaned up an interrupted write: {cleaned.orphans_removed} unindexed images, "
                 f"{cleaned.temporaries_removed} temporary files"
             )
+        if cleaned.rows_repaired:
+            notes.append(
+                f"{cleaned.rows_repaired} rows had a damaged image name; restored from their "
+                "checksums, their images kept"
+            )
         if not as_json:
             console.print("teacher: loading (trained once on canonical views, then cached)")
         teacher = load_teacher(classes, per_class=teacher_views)
