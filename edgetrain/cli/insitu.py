@@ -18,7 +18,14 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from edgetrain.cli.main import register
-from edgetrain.cli.options import NON_NEGATIVE, POSITIVE_FLOAT, RECOMPUTE, FiniteRange, OutputFile
+from edgetrain.cli.options import (
+    BATCH,
+    NON_NEGATIVE,
+    POSITIVE_FLOAT,
+    RECOMPUTE,
+    FiniteRange,
+    OutputFile,
+)
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import CorruptFile, InvalidInput
 from edgetrain.insitu.capture import capture
@@ -92,7 +99,7 @@ def _stored_source(store: Store) -> dict[str, Any]:
 @click.option("--store-cap", default=None, help="Most image bytes to keep, e.g. 8GB.")
 @click.option("--recompute", default=1.25, show_default=True, type=RECOMPUTE)
 @click.option("--epochs", default=3, show_default=True, type=int)
-@click.option("--max-batch", default=32, show_default=True, type=int)
+@click.option("--max-batch", default=32, show_default=True, type=BATCH)
 @click.option("--checkpoint-every", default=10, show_default=True, type=int)
 @click.option("--threads", default=2, show_default=True, type=int)
 @click.option(

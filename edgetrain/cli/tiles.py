@@ -7,10 +7,11 @@ from typing import Any
 import click
 
 from edgetrain.cli.main import register
-from edgetrain.cli.options import POSITIVE, POSITIVE_FLOAT, THREADS
+from edgetrain.cli.options import BATCH, MAX_IMAGE, POSITIVE, POSITIVE_FLOAT, THREADS
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices.catalog import CLUSTERS
 from edgetrain.distributed.supported import CHAIN, TILE_MODELS
+from edgetrain.errors import InvalidInput
 from edgetrain.units import format_bytes
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
@@ -32,7 +33,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
     show_default=True,
     help="Image size in pixels: 416, or height x width (480x640); any size the model accepts.",
 )
-@click.option("--batch", type=POSITIVE, default=1, show_default=True, help="Images per step.")
+@click.option("--batch", type=BATCH, default=1, show_default=True, help="Images per step.")
 @click.option(
     "--groups",
     default="auto",
@@ -98,6 +99,11 @@ def tiles(
     from edgetrain.models import build
 
     image = parse_image(image_text)
+    if max(image) > MAX_IMAGE:
+        raise InvalidInput(
+            f"image {image[0]}x{image[1]} is more than {MAX_IMAGE:,} pixels per side; give at "
+            f"most {MAX_IMAGE}"
+        )
     grid = parse_grid(grid_text)
     check_local_workers(grid.size, str(grid))
     name = tile_model(model)
