@@ -21,7 +21,6 @@ from edgetrain.cli.main import register
 from edgetrain.cli.options import (
     BATCH,
     NON_NEGATIVE,
-    POSITIVE_FLOAT,
     RECOMPUTE,
     FiniteRange,
     OutputFile,
@@ -31,7 +30,13 @@ from edgetrain.errors import CorruptFile, InvalidInput
 from edgetrain.insitu.capture import capture
 from edgetrain.insitu.evaluate import Report, evaluate, picture
 from edgetrain.insitu.network import classifier
-from edgetrain.insitu.scene import CLASS_NAMES, SyntheticScene, VideoSource, open_video
+from edgetrain.insitu.scene import (
+    CLASS_NAMES,
+    MAX_FRAMES,
+    SyntheticScene,
+    VideoSource,
+    open_video,
+)
 from edgetrain.insitu.store import Store, StoreError
 from edgetrain.insitu.student import (
     CHECKPOINT,
@@ -42,6 +47,9 @@ from edgetrain.insitu.student import (
 )
 from edgetrain.insitu.teacher import LabelRule, load_teacher
 from edgetrain.units import format_bytes, parse_bytes
+
+MAX_MINUTES = 7 * 24 * 60
+"""Longest ``--minutes`` of one ``insitu run`` (a week; a later run resumes)."""
 
 
 @click.group(name="insitu")
@@ -83,7 +91,13 @@ def _stored_source(store: Store) -> dict[str, Any]:
 @click.option(
     "--seed", default=0, show_default=True, type=NON_NEGATIVE, help="Synthetic scene seed."
 )
-@click.option("--frames", default=2000, show_default=True, type=int, help="Synthetic frames.")
+@click.option(
+    "--frames",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(1, MAX_FRAMES),
+    help=f"Synthetic frames, at most {MAX_FRAMES:,}.",
+)
 @click.option(
     "--classes",
     default=4,
@@ -92,7 +106,12 @@ def _stored_source(store: Store) -> dict[str, Any]:
     help="Kinds of object (the teacher knows the synthetic scene's).",
 )
 @click.option(
-    "--minutes", default=10.0, show_default=True, type=POSITIVE_FLOAT, help="Wall-time limit."
+    "--minutes",
+    default=10.0,
+    show_default=True,
+    type=FiniteRange(0, MAX_MINUTES, min_open=True),
+    help=f"Wall-time limit for capture and training, counted from the start (at most "
+    f"{MAX_MINUTES:,}: a week).",
 )
 @click.option("--memory", default="2GB", show_default=True, help="Device memory for training.")
 @click.option("--store", "store_dir", required=True, help="Store directory (created if needed).")
@@ -137,6 +156,7 @@ def run_command(
     as_json: bool,
 ) -> None:
     """Capture, label, store, train the student when idle, evaluate; resumable."""
+    deadline = time.monotonic() + 60 * minutes
     if video is not None and synthetic:
         raise InvalidInput("give --video PATH or --synthetic, not both")
     for name, value in (
@@ -162,7 +182,6 @@ def run_command(
     meta = _source_meta(video, seed, frames, classes, teacher_views)
     source = _open_source(meta)
     batch_plan = plan_batch(classifier(classes), config, find_largest=True)
-    deadline = time.monotonic() + 60 * minutes
     store, cleaned = Store.open(store_dir, cap_bytes=parse_bytes(store_cap) if store_cap else None)
     with store:
         previous = store.get("source")
