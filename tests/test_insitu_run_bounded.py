@@ -25,9 +25,9 @@ def _insitu_run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[
         "EDGETRAIN_PROGRESS": "0",
         "OMP_NUM_THREADS": "1",
     }
+    command = [sys.executable, "-c", "from edgetrain.cli.main import main; main()"]
     return subprocess.run(
-        [sys.executable, "-c", "from edgetrain.cli.main import main; main()", "insitu", "run"]
-        + args,
+        [*command, "insitu", "run", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -53,14 +53,9 @@ def test_frames_and_minutes_past_their_bound_are_one_line(tmp_path, flag, value,
 
 
 def test_the_longest_video_starts_and_stops_at_the_time_limit(tmp_path):
-    result = _insitu_run(
-        [
-            "--frames", str(MAX_FRAMES), "--minutes", "0.05", "--classes", "2",
-            "--teacher-views", "20", "--epochs", "1", "--threads", "1",
-            "--store", str(tmp_path / "s"), "--json",
-        ],  # fmt: skip
-        tmp_path,
-    )
+    args = ["--frames", str(MAX_FRAMES), "--minutes", "0.05", "--classes", "2"]
+    args += ["--teacher-views", "20", "--epochs", "1", "--threads", "1"]
+    result = _insitu_run([*args, "--store", str(tmp_path / "s"), "--json"], tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert not report["video_finished"] and report["frames"] < MAX_FRAMES
