@@ -2,7 +2,7 @@
 autograd's step, measured, with and without the executor's cost per stage in the plan.
 
 For each model and rho, two plans on one profile: ``stage cost in`` (what ``Checkpointed`` does:
-the executor's cost per stage operation, :func:`edgetrain.runtime.stage_cost.stage_seconds`,
+the executor's cost per stage operation, :func:`edgetrain.runtime.checkpointed.stage_seconds`,
 measured on
 this machine, is in the planned time) and ``stage cost 0`` (the stages' compute only, as the
 planners count it). Columns: the stages the step runs, the plan's compute recompute factor
@@ -32,8 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_samples, paired_ratio
 
 from edgetrain.models import build, sample_input
-from edgetrain.runtime.checkpointed import Checkpointed
-from edgetrain.runtime.stage_cost import stage_seconds
+from edgetrain.runtime.checkpointed import Checkpointed, stage_seconds
 
 DEFAULT_MODELS = "mobilenetv2:8:96,vit-tiny:8:64"
 

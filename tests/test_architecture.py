@@ -10,7 +10,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "edgetrain"
 
-LEAVES = {"errors", "units", "progress", "jsonfile", "cache", "measure"}
+LEAVES = {"errors", "units", "progress", "jsonfile", "cache"}
+DEPRECATED_ALIASES = {"edgetrain.measure"}  # kept for one release; they re-export the API
 
 # Which layers each layer may import (its own always allowed). The public API (``edgetrain``
 # itself) is for the applications on top.
@@ -48,7 +49,7 @@ MODULES = _modules()
 
 def _layer(module: str) -> str:
     parts = module.split(".")
-    if module == "edgetrain":
+    if module == "edgetrain" or module in DEPRECATED_ALIASES:
         return "api"
     if len(parts) == 2 and parts[1] in LEAVES:
         return "leaves"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from edgetrain import progress
-from edgetrain.cli.options import POSITIVE, SIZE_HELP, ModelChoice, Size
+from edgetrain.cli.options import BATCH, POSITIVE, SIZE_HELP, ModelChoice, Size
 from edgetrain.cli.output import console, table
 from edgetrain.cli.train import run_training
 from edgetrain.models import model_chain
@@ -27,7 +27,7 @@ from edgetrain.units import format_bytes
     show_default=True,
     help=f"Device memory for the ResNet-18 run (plain autograd needs about 490 MiB; {SIZE_HELP}).",
 )
-@click.option("--batch", default=16, show_default=True, type=POSITIVE, help="Images per step.")
+@click.option("--batch", default=16, show_default=True, type=BATCH, help="Images per step.")
 def demo(steps: int, memory: int, batch: int) -> None:
     """Reproduce the paper's memory tables, then train ResNet-18 within a small budget.
 

@@ -17,13 +17,25 @@ import click
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from edgetrain.cli.options import NON_NEGATIVE, POSITIVE_FLOAT, RECOMPUTE, FiniteRange, OutputFile
+from edgetrain.cli.options import (
+    BATCH,
+    NON_NEGATIVE,
+    RECOMPUTE,
+    FiniteRange,
+    OutputFile,
+)
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import CorruptFile, InvalidInput
 from edgetrain.insitu.capture import capture
 from edgetrain.insitu.evaluate import Report, evaluate, picture
 from edgetrain.insitu.network import classifier
-from edgetrain.insitu.scene import CLASS_NAMES, SyntheticScene, VideoSource, open_video
+from edgetrain.insitu.scene import (
+    CLASS_NAMES,
+    MAX_FRAMES,
+    SyntheticScene,
+    VideoSource,
+    open_video,
+)
 from edgetrain.insitu.store import Store, StoreError, count_reasons
 from edgetrain.insitu.student import (
     CHECKPOINT,
@@ -35,6 +47,9 @@ from edgetrain.insitu.student import (
 from edgetrain.insitu.teacher import LabelRule, load_teacher
 from edgetrain.jsonfile import parse_json
 from edgetrain.units import format_bytes, parse_bytes
+
+MAX_MINUTES = 7 * 24 * 60
+"""Longest ``--minutes`` of one ``insitu run`` (a week; a later run resumes)."""
 
 
 @click.group(name="insitu")
@@ -76,7 +91,13 @@ def _stored_source(store: Store) -> dict[str, Any]:
 @click.option(
     "--seed", default=0, show_default=True, type=NON_NEGATIVE, help="Synthetic scene seed."
 )
-@click.option("--frames", default=2000, show_default=True, type=int, help="Synthetic frames.")
+@click.option(
+    "--frames",
+    default=2000,
+    show_default=True,
+    type=click.IntRange(1, MAX_FRAMES),
+    help=f"Synthetic frames, at most {MAX_FRAMES:,}.",
+)
 @click.option(
     "--classes",
     default=4,
@@ -85,14 +106,19 @@ def _stored_source(store: Store) -> dict[str, Any]:
     help="Kinds of object (the teacher knows the synthetic scene's).",
 )
 @click.option(
-    "--minutes", default=10.0, show_default=True, type=POSITIVE_FLOAT, help="Wall-time limit."
+    "--minutes",
+    default=10.0,
+    show_default=True,
+    type=FiniteRange(0, MAX_MINUTES, min_open=True),
+    help=f"Wall-time limit for capture and training, counted from the start (at most "
+    f"{MAX_MINUTES:,}: a week).",
 )
 @click.option("--memory", default="2GB", show_default=True, help="Device memory for training.")
 @click.option("--store", "store_dir", required=True, help="Store directory (created if needed).")
 @click.option("--store-cap", default=None, help="Most image bytes to keep, e.g. 8GB.")
 @click.option("--recompute", default=1.25, show_default=True, type=RECOMPUTE)
 @click.option("--epochs", default=3, show_default=True, type=int)
-@click.option("--max-batch", default=32, show_default=True, type=int)
+@click.option("--max-batch", default=32, show_default=True, type=BATCH)
 @click.option("--checkpoint-every", default=10, show_default=True, type=int)
 @click.option("--threads", default=2, show_default=True, type=int)
 @click.option(
@@ -130,6 +156,7 @@ def run_command(
     as_json: bool,
 ) -> None:
     """Capture, label, store, train the student when idle, evaluate; resumable."""
+    deadline = time.monotonic() + 60 * minutes
     if video is not None and synthetic:
         raise InvalidInput("give --video PATH or --synthetic, not both")
     for name, value in (
@@ -155,7 +182,6 @@ def run_command(
     meta = _source_meta(video, seed, frames, classes, teacher_views)
     source = _open_source(meta)
     batch_plan = plan_batch(classifier(classes), config, find_largest=True)
-    deadline = time.monotonic() + 60 * minutes
     store, cleaned = Store.open(store_dir, cap_bytes=parse_bytes(store_cap) if store_cap else None)
     with store:
         previous = store.get("source")
@@ -170,6 +196,11 @@ def run_command(
             notes.append(
                 f"cleaned up an interrupted write: {cleaned.orphans_removed} unindexed images, "
                 f"{cleaned.temporaries_removed} temporary files"
+            )
+        if cleaned.rows_repaired:
+            notes.append(
+                f"{cleaned.rows_repaired} rows had a damaged image name; restored from their "
+                "checksums, their images kept"
             )
         if not as_json:
             console.print("teacher: loading (trained once on canonical views, then cached)")

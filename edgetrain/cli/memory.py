@@ -7,7 +7,15 @@ from typing import Any
 import click
 
 from edgetrain import progress
-from edgetrain.cli.options import SIZE_HELP, IntList, ModelList, Size, model_names
+from edgetrain.cli.options import (
+    MAX_BATCH,
+    MAX_IMAGE,
+    SIZE_HELP,
+    IntList,
+    ModelList,
+    Size,
+    model_names,
+)
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.core.accounting import OPTIMIZER_STATES
 from edgetrain.models import check_image, model_chain
@@ -25,11 +33,15 @@ from edgetrain.units import format_bytes, mib
     "for the ResNets).",
 )
 @click.option(
-    "--batch", type=IntList("batch"), default="1,3,5,10,30,50", show_default=True, help="Batches."
+    "--batch",
+    type=IntList("batch", maximum=MAX_BATCH),
+    default="1,3,5,10,30,50",
+    show_default=True,
+    help="Batches.",
 )
 @click.option(
     "--image",
-    type=IntList("image"),
+    type=IntList("image", maximum=MAX_IMAGE),
     default="224",
     show_default=True,
     help="Square image sides (pixels).",

@@ -28,8 +28,8 @@ SIZE_HELP = "1MB = 10^6 bytes, 1MiB = 2^20"
 """How sizes are read; quoted in the help of every size option."""
 
 
-def int_list(text: str, what: str, *, minimum: int = 1) -> list[int]:
-    """``"1,3,5"`` -> [1, 3, 5]; each at least ``minimum``."""
+def int_list(text: str, what: str, *, minimum: int = 1, maximum: int | None = None) -> list[int]:
+    """``"1,3,5"`` -> [1, 3, 5]; each at least ``minimum`` and at most ``maximum``."""
     values: list[int] = []
     for part in text.split(","):
         part = part.strip()
@@ -38,6 +38,8 @@ def int_list(text: str, what: str, *, minimum: int = 1) -> list[int]:
         value = int(part)
         if value < minimum:
             raise InvalidInput(f"{what} must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise InvalidInput(f"{what} must be at most {maximum}, got {value}")
         values.append(value)
     return values
 
@@ -159,11 +161,11 @@ class IntList(_Checked):
 
     name = "list"
 
-    def __init__(self, what: str, minimum: int = 1) -> None:
-        self.what, self.minimum = what, minimum
+    def __init__(self, what: str, minimum: int = 1, maximum: int | None = None) -> None:
+        self.what, self.minimum, self.maximum = what, minimum, maximum
 
     def check(self, value: str) -> list[int]:
-        return int_list(value, self.what, minimum=self.minimum)
+        return int_list(value, self.what, minimum=self.minimum, maximum=self.maximum)
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
         return "N[,N...]"
@@ -249,7 +251,13 @@ class Shape(_Checked):
     name = "shape"
 
     def check(self, value: str) -> tuple[int, ...]:
-        return tuple(int_list(value, "--input-shape"))
+        shape = tuple(int_list(value, "--input-shape"))
+        if math.prod(shape) > MAX_INPUT_VALUES:
+            raise InvalidInput(
+                f"--input-shape {value} holds {math.prod(shape):.3g} values, more than the "
+                f"{MAX_INPUT_VALUES:.3g} any command takes; give a smaller shape"
+            )
+        return shape
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
         return "N,..."
@@ -318,12 +326,10 @@ def model_options(default: str, what: str) -> Callable[[Any], Any]:
             help="Input shape for --model-file whose factory returns only the model, e.g. "
             "8,3,64,64 (a standard normal float tensor).",
         ),
-        click.option(
-            "--batch", type=POSITIVE, default=8, show_default=True, help="Images per step."
-        ),
+        click.option("--batch", type=BATCH, default=8, show_default=True, help="Images per step."),
         click.option(
             "--image",
-            type=POSITIVE,
+            type=IMAGE,
             default=224,
             show_default=True,
             help="Image side (px); sequence length for a model that takes tokens (tinylm).",
@@ -402,7 +408,44 @@ class FiniteRange(click.FloatRange):
 
 
 POSITIVE = click.IntRange(min=1)
-"""A whole number of at least 1 (batch, steps, image side, slots)."""
+"""A whole number of at least 1 (steps, slots)."""
+
+MAX_BATCH = 2**20
+"""Most images (or sequences) per step any command takes: 1,048,576."""
+
+MAX_IMAGE = 2**16
+"""Largest image side (or sequence length) any command takes, in pixels: 65,536. With
+:data:`MAX_BATCH` every tensor's element count and byte size stays far inside 64-bit integers."""
+
+
+class AtMost(click.IntRange):
+    """A whole number from 1 to ``maximum``; a larger one is refused in one line that names the
+    bound (before any work: a size of 2^63 would overflow inside torch)."""
+
+    def __init__(self, maximum: int, what: str) -> None:
+        super().__init__(min=1)
+        self.maximum, self.what = maximum, what
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if number > self.maximum:
+            self.fail(
+                f"{number} is more than {self.maximum:,} {self.what}; give at most {self.maximum}",
+                param,
+                ctx,
+            )
+        return number
+
+
+MAX_INPUT_VALUES = 3 * MAX_BATCH * MAX_IMAGE**2
+"""Most values an ``--input-shape`` may hold: a batch of :data:`MAX_BATCH` RGB images of side
+:data:`MAX_IMAGE`."""
+
+BATCH = AtMost(MAX_BATCH, "images per step")
+"""``--batch``: 1 .. :data:`MAX_BATCH`."""
+
+IMAGE = AtMost(MAX_IMAGE, "pixels per side")
+"""``--image``: 1 .. :data:`MAX_IMAGE`."""
 
 NON_NEGATIVE = click.IntRange(min=0)
 """A whole number of at least 0 (seeds)."""
@@ -412,3 +455,33 @@ POSITIVE_FLOAT = FiniteRange(min=0, min_open=True)
 
 RECOMPUTE = FiniteRange(min=1)
 """A recompute factor: at least 1 (plain autograd), finite."""
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+class CoreCount(click.IntRange):
+    """Threads: a whole number from 1 to the cores this process may use (:func:`usable_cores`)."""
+
+    def __init__(self) -> None:
+        super().__init__(min=1)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        cores = usable_cores()
+        if number > cores:
+            self.fail(
+                f"{number} threads is more than the {cores} cores this machine gives us; "
+                f"give at most {cores}",
+                param,
+                ctx,
+            )
+        return number
+
+
+THREADS = CoreCount()
+"""Threads per process: 1 .. the usable cores."""

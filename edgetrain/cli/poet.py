@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from edgetrain.cli.options import OutputFile
+from edgetrain.cli.options import BATCH, IMAGE, OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.planners.poet.check import ACCOUNTINGS
@@ -27,8 +27,8 @@ def _graph_options(command: Any) -> Any:
     for option in reversed(
         [
             click.option("--model", "model_name", default="resnet18", show_default=True),
-            click.option("--batch", default=2, show_default=True, type=int),
-            click.option("--image", default=32, show_default=True, type=int),
+            click.option("--batch", default=2, show_default=True, type=BATCH),
+            click.option("--image", default=32, show_default=True, type=IMAGE),
             click.option(
                 "--graph",
                 "graph_path",

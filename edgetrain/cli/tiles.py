@@ -6,9 +6,10 @@ from typing import Any
 
 import click
 
-from edgetrain.cli.options import POSITIVE, POSITIVE_FLOAT
+from edgetrain.cli.options import BATCH, MAX_IMAGE, POSITIVE, POSITIVE_FLOAT, THREADS
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices.catalog import CLUSTERS
+from edgetrain.errors import InvalidInput
 from edgetrain.tiles.supported import CHAIN, TILE_MODELS
 from edgetrain.units import format_bytes
 
@@ -31,7 +32,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
     show_default=True,
     help="Image size in pixels: 416, or height x width (480x640); any size the model accepts.",
 )
-@click.option("--batch", type=POSITIVE, default=1, show_default=True, help="Images per step.")
+@click.option("--batch", type=BATCH, default=1, show_default=True, help="Images per step.")
 @click.option(
     "--groups",
     default="auto",
@@ -52,7 +53,13 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 @click.option(
     "--timeout", type=POSITIVE_FLOAT, default=120.0, show_default=True, help="Seconds per op."
 )
-@click.option("--threads", type=POSITIVE, default=1, show_default=True, help="Threads per worker.")
+@click.option(
+    "--threads",
+    type=THREADS,
+    default=1,
+    show_default=True,
+    help="Threads per worker, at most the machine's cores.",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--check", is_flag=True, help="Also run one process and compare (max_rel_diff).")
@@ -76,6 +83,7 @@ def tiles(
 
     Trains the models --model lists, at any image size and batch they accept. Prints per rank the
     peak tensor memory, the median step time and the bytes sent, and the layer groups used.
+    At most 16 workers (tiles) run on one machine; they stop when the command is stopped.
     Across boards use torchrun (docs/tiles.md).
     """
     import torch
@@ -83,14 +91,20 @@ def tiles(
     from edgetrain.devices import load
     from edgetrain.models import build
     from edgetrain.tiles.grouping import choose_grouping, plan_cost
-    from edgetrain.tiles.launch import run_local
+    from edgetrain.tiles.launch import check_local_workers, run_local
     from edgetrain.tiles.layers import describe
     from edgetrain.tiles.supported import tile_model
     from edgetrain.tiles.tiling import format_grouping, parse_grid, parse_image, plan
     from edgetrain.tiles.worker import TileJob
 
     image = parse_image(image_text)
+    if max(image) > MAX_IMAGE:
+        raise InvalidInput(
+            f"image {image[0]}x{image[1]} is more than {MAX_IMAGE:,} pixels per side; give at "
+            f"most {MAX_IMAGE}"
+        )
     grid = parse_grid(grid_text)
+    check_local_workers(grid.size, str(grid))
     name = tile_model(model)
     torch.manual_seed(seed)
     network_model = build(name)

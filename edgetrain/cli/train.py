@@ -4,6 +4,8 @@ memory budget, and report the measured peak beside the predicted one."""
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from dataclasses import asdict
 from typing import Any
 
@@ -28,7 +30,7 @@ from edgetrain.cli.output import console, emit_json, table
 from edgetrain.core.accounting import OPTIMIZER_STATES
 from edgetrain.core.schedule import Schedule
 from edgetrain.errors import InvalidInput
-from edgetrain.models import build, sample_input
+from edgetrain.models import MODELS, build, sample_input
 from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
 from edgetrain.runtime.checkpointed import Checkpointed
@@ -160,6 +162,7 @@ def run_training(
         raise InvalidInput(f"--steps must be at least 1, got {steps}")
     if lr <= 0:
         raise InvalidInput(f"--lr must be above 0, got {lr}; e.g. --lr 0.01")
+    _check_input_fits(choice)
     with contextlib.ExitStack() as stack:
         if not progress:
             stack.enter_context(progress_api.quiet())
@@ -211,3 +214,28 @@ def run_training(
     }
     report["measured_over_predicted"] = result.measured_peak_bytes / result.predicted_peak_bytes
     return report
+
+
+def machine_memory_bytes() -> int:
+    """This machine's physical memory in bytes."""
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def _check_input_fits(choice: ModelChoice) -> None:
+    """InvalidInput when the input batch alone (float32 images, int64 tokens) exceeds this
+    machine's memory: it could never be allocated, so no training starts."""
+    if choice.name is not None:
+        tokens = MODELS[choice.name].input == "tokens"
+        values = choice.batch * (choice.image if tokens else 3 * choice.image**2)
+        needed = values * (8 if tokens else 4)
+    elif choice.shape is not None:
+        needed = math.prod(choice.shape) * 4
+    else:
+        return  # the factory's own example input, or one the factory sizes
+    available = machine_memory_bytes()
+    if needed > available:
+        raise InvalidInput(
+            f"the input alone ({input_words(choice.shape or choice.default_shape)}) needs "
+            f"{format_bytes(needed)}, more than this machine's {format_bytes(available)} of "
+            "memory; lower --batch or --image"
+        )

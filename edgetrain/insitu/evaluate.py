@@ -11,6 +11,7 @@ tracks and the accuracy by angle as a PNG with Pillow.
 
 from __future__ import annotations
 
+import io
 import itertools
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from edgetrain.insitu.detect import square_crop
+from edgetrain.insitu.files import atomic_write_bytes
 from edgetrain.insitu.network import INPUT
 from edgetrain.insitu.scene import MAX_ANGLE_DEG, SyntheticScene
 from edgetrain.insitu.store import Store
@@ -184,7 +186,8 @@ def evaluate(
 
 
 def picture(report: Report, store: Store, scene: SyntheticScene | None, path: Path) -> None:
-    """Sample frames with their tracks (left) and accuracy by angle (right), as a PNG."""
+    """Sample frames with their tracks (left) and accuracy by angle (right), as a PNG written
+    atomically; :class:`~edgetrain.insitu.files.DiskFull` when the disk has no room for it."""
     width, height = 320, 240
     panels: list[Image.Image] = []
     if scene is not None:
@@ -239,9 +242,9 @@ def picture(report: Report, store: Store, scene: SyntheticScene | None, path: Pa
     out = Image.new("RGB", (width + chart.width, chart.height), "white")
     out.paste(left, (0, 0))
     out.paste(chart, (width, 0))
-    buffer = path.with_suffix(".tmp.png")
-    out.save(buffer, format="PNG")
-    buffer.replace(path)
+    encoded = io.BytesIO()
+    out.save(encoded, format="PNG")
+    atomic_write_bytes(path, encoded.getvalue())  # a full disk is DiskFull, one line
 
 
 def resize_for_model(crop: np.ndarray) -> np.ndarray:

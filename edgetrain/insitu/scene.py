@@ -18,6 +18,7 @@ for evaluation only; the pipeline's labels come from the teacher and the tracker
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ CLASS_NAMES = ("disc", "square", "triangle", "cross", "ring", "bar")
 SPRITE = 64  # side of a canonical sprite, pixels
 MAX_ANGLE_DEG = 72.0  # off-axis angle at the left and right edges of the frame
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+MAX_FRAMES = 10**6
+"""Longest synthetic video, in frames: 11 hours at 25 frames per second (its object schedule is
+made up front: about 29,000 objects and a few seconds at this length)."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,10 @@ def paste(frame: np.ndarray, image: np.ndarray, alpha: np.ndarray, cx: float, cy
     frame[fy0:fy1, fx0:fx1] = frame[fy0:fy1, fx0:fx1] * (1 - a) + patch * a
 
 
+_SLOWEST = 3.5
+"""Slowest object speed, pixels per frame."""
+
+
 class SyntheticScene:
     """A seeded fixed-camera video of objects crossing the frame.
 
@@ -195,6 +203,11 @@ class SyntheticScene:
             raise InvalidInput(f"classes must be 2..{len(CLASS_NAMES)}, got {classes}")
         if frames < 1:
             raise InvalidInput(f"the scene needs at least one frame, got {frames}")
+        if frames > MAX_FRAMES:
+            raise InvalidInput(
+                f"the synthetic scene has at most {MAX_FRAMES:,} frames, got {frames:,}; give "
+                f"--frames {MAX_FRAMES} or fewer"
+            )
         self.seed, self.frames, self.width, self.height = seed, frames, width, height
         self.classes, self.fps, self.stream = classes, fps, stream
         self.background = background(width, height, seed)
@@ -202,6 +215,9 @@ class SyntheticScene:
         bank = np.random.default_rng([seed, 999])
         self._noise = bank.normal(0.0, 2.5, (8, height, width, 3)).astype(np.float32)
         self.objects = self._schedule()
+        self._starts = [obj.start for obj in self.objects]
+        longest = (self.width + 2 * self.size_at(self.height)) / _SLOWEST
+        self._longest_frames = math.ceil(longest) + 1
 
     @property
     def class_names(self) -> tuple[str, ...]:
@@ -218,6 +234,7 @@ class SyntheticScene:
         f = 30  # the first second is empty: the background model learns the scene
         while f < self.frames:
             lanes = np.linspace(0.26 * self.height, 0.84 * self.height, 5)
+            busy = [entry for entry in busy if entry[0] >= f]  # ended lanes stay free
             free = [
                 y
                 for y in lanes
@@ -225,7 +242,7 @@ class SyntheticScene:
             ]
             if free:
                 y = float(rng.choice(free)) + float(rng.uniform(-4, 4))
-                speed = float(rng.uniform(3.5, 5.5))
+                speed = float(rng.uniform(_SLOWEST, 5.5))
                 size = self.size_at(y)
                 duration = int((self.width + 2 * size) / speed) + 2
                 hue = int(rng.integers(0, 180))
@@ -258,7 +275,10 @@ class SyntheticScene:
         """Frame ``index`` (0-based), rendered on its own (no earlier frame is needed)."""
         canvas = self.background.astype(np.float32)
         truths: list[Truth] = []
-        for obj in self.objects:
+        # only objects that entered within the longest crossing can be in view
+        first = bisect.bisect_left(self._starts, index - self._longest_frames)
+        last = bisect.bisect_right(self._starts, index)
+        for obj in self.objects[first:last]:
             where = self._position(obj, index)
             if where is None:
                 continue

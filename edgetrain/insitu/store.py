@@ -9,13 +9,19 @@ Layout of a store directory::
 
 A new store is made only in a new or empty directory, and the store deletes only files it
 names itself (its image names, their temporary files, its checkpoint's temporary files): a
-user's files are never touched. One process at a time: a second one opening the store gets one
-line saying it is in use.
+user's files are never touched. Its database carries the store's mark (SQLite's
+``application_id``, :data:`APPLICATION_ID`), written when it is made: a ``store.sqlite`` without
+it is someone else's database and is refused before anything in the directory changes (no
+journal mode set, no table added, no file created); a store made before the mark existed (exactly
+the store's tables) is marked at its next open. One process at a time: a second one
+opening the store gets one line saying it is in use.
 
 Crash safety. A track's images are written first, each atomically (temporary file, fsync,
 rename), then its rows in one SQLite transaction. A crash before the commit leaves image files
 no row points to; :meth:`Store.open` deletes them (and stray temporary files) and reports how
-many. A row is never written before its image is on disk, so no row points to a missing file.
+many. An image is deleted only when no row claims it, by its name or by its SHA-256 (the name is
+the hash's first 20 hex digits): a row whose ``file`` was damaged gets its name back from its
+hash. A row is never written before its image is on disk, so no row points to a missing file.
 Each row keeps its image's SHA-256: an image altered or torn later is detected when read,
 skipped and reported (:meth:`Store.images`), never trained on.
 
@@ -254,10 +260,12 @@ def _row_or_reason(raw: tuple[object, ...], classes: int | None) -> StoredImage 
 
 @dataclass(frozen=True)
 class OpenReport:
-    """What :meth:`Store.open` cleaned up: image files without a row, temporary files."""
+    """What :meth:`Store.open` cleaned up: image files without a row, temporary files, and rows
+    whose damaged ``file`` it named again from their hash."""
 
     orphans_removed: int
     temporaries_removed: int
+    rows_repaired: int = 0
 
 
 def encode_webp(image: np.ndarray) -> bytes:
@@ -298,7 +306,10 @@ class Store:
         if path.exists() and not path.is_dir():
             raise InvalidInput(f"store {path} is a file, not a directory; give a directory")
         db_path = path / "store.sqlite"
-        if not db_path.exists():
+        marked = True
+        if db_path.exists():
+            marked = _is_marked(db_path)  # refuses another's database before any change
+        else:
             if not create:
                 raise StoreError(
                     f"{path} is not an in-situ store (no store.sqlite); run `insitu run`"
@@ -316,7 +327,11 @@ class Store:
                 raise DiskFull(f"no room to create the store in {path}; free space") from exc
             raise InvalidInput(f"cannot create the store in {path}: {exc.strerror}") from exc
         try:
+            if not db_path.exists():
+                _create_database(db_path)
             store = cls(path, _connect(db_path), cap_bytes, lock)
+            if not marked:
+                store.db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
         except BaseException:
             os.close(lock)
             raise
@@ -341,7 +356,8 @@ class Store:
     def _clean(self) -> OpenReport:
         """Delete what an interrupted write left: images no row names, temporary files of the
         store's own writes. Any other file is left alone."""
-        known = {row[0] for row in self.db.execute("SELECT file FROM images")}
+        repaired = self._repair_names()
+        known = _claimed_names(self.db)
         orphans = temporaries = 0
         for path in [*self.images_dir.iterdir(), *self.directory.iterdir()]:
             if _TEMPORARY.fullmatch(path.name):
@@ -354,7 +370,25 @@ class Store:
             ):
                 path.unlink(missing_ok=True)
                 orphans += 1
-        return OpenReport(orphans, temporaries)
+        return OpenReport(orphans, temporaries, repaired)
+
+    def _repair_names(self) -> int:
+        """Give each row whose ``file`` is not its image's name (the first 20 hex digits of its
+        ``sha256`` + ``.webp``) that name back, when that image is on disk and no other row
+        holds the name; returns how many rows were repaired."""
+        fixes: list[tuple[str, int]] = []
+        taken = {str(row[0]) for row in self.db.execute("SELECT file FROM images")}
+        for row_id, file, digest in self.db.execute("SELECT id, file, sha256 FROM images"):
+            name = _name_of(digest)
+            if name is None or file == name or name in taken:
+                continue
+            if (self.images_dir / name).is_file():
+                fixes.append((name, int(row_id)))
+                taken.add(name)
+        if fixes:
+            with self._transaction() as db:
+                db.executemany("UPDATE images SET file = ? WHERE id = ?", fixes)
+        return len(fixes)
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -580,7 +614,7 @@ def _holds_other_files(path: Path) -> bool:
     if not path.is_dir():
         return False
     for entry in path.iterdir():
-        if entry.name == "store.lock":
+        if entry.name in ("store.lock", _NEW_DATABASE, f"{_NEW_DATABASE}-journal"):
             continue
         if entry.name != "images" or not entry.is_dir() or any(entry.iterdir()):
             return True
@@ -602,3 +636,115 @@ def _lock(path: Path) -> int:
             ) from exc
         raise
     return fd
+
+
+# -- the store's own database ------------------------------------------------------------------
+
+APPLICATION_ID = int.from_bytes(b"edgT", "big")
+"""SQLite ``PRAGMA application_id`` of a store's database: the mark of a database the store made
+(bytes 68-71 of the file's header)."""
+
+_NEW_DATABASE = ".store.sqlite.new"
+"""Where a new database is made (under the store's lock) before it is renamed ``store.sqlite``."""
+
+_HEADER = b"SQLite format 3\x00"
+
+
+def _name_of(digest: object) -> str | None:
+    """The image name of a row's ``sha256`` (None when the hash is not 64 hex digits)."""
+    text = str(digest)
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        return None
+    return f"{text[:20]}.webp"
+
+
+def _claimed_names(db: sqlite3.Connection) -> set[str]:
+    """Every image name a row claims: its ``file``, and the name its ``sha256`` gives."""
+    names: set[str] = set()
+    for file, digest in db.execute("SELECT file, sha256 FROM images"):
+        names.add(str(file))
+        name = _name_of(digest)
+        if name is not None:
+            names.add(name)
+    return names
+
+
+def _is_marked(db_path: Path) -> bool:
+    """True when ``db_path`` is a store's database with the mark; False for one the store made
+    before it wrote the mark (exactly the store's tables, not in WAL mode); StoreError for any
+    other SQLite database and CorruptFile for a file that is not one. Reads only: the file, its
+    journal and its directory are left as they are."""
+    try:
+        with open(db_path, "rb") as handle:
+            header = handle.read(100)
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {db_path} ({exc.strerror}); check the directory") from exc
+    if len(header) < 100 or not header.startswith(_HEADER):
+        raise CorruptFile(
+            f"{db_path} is not a readable SQLite database (no SQLite header); move the store "
+            "away and start a new one with another --store"
+        )
+    if int.from_bytes(header[68:72], "big") == APPLICATION_ID:
+        return True
+    unmarked = int.from_bytes(header[68:72], "big") == 0 and header[18:20] == b"\x01\x01"
+    if unmarked and _has_store_schema(db_path):
+        return False
+    raise StoreError(
+        f"{db_path} is an SQLite database edgetrain did not create; it is left untouched: "
+        "give --store a new or empty directory"
+    )
+
+
+def _has_store_schema(db_path: Path) -> bool:
+    """Whether the database holds exactly the store's tables and index (read-only; False when it
+    cannot be read without writing, e.g. it has a journal to roll back)."""
+    expected = sqlite3.connect(":memory:")
+    try:
+        expected.executescript(_SCHEMA)
+        want = set(expected.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+    finally:
+        expected.close()
+    if Path(f"{db_path}-journal").exists() or Path(f"{db_path}-wal").exists():
+        return False
+    try:
+        db = sqlite3.connect(f"{db_path.resolve().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return False
+    try:
+        have = set(db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
+    except sqlite3.Error:
+        return False
+    finally:
+        db.close()
+    return have == want
+
+
+def _create_database(db_path: Path) -> None:
+    """Make the store's database, with its mark and tables, as ``db_path`` in one step: built
+    under a temporary name, flushed, then renamed (a crash leaves no half-made database)."""
+    new = db_path.with_name(_NEW_DATABASE)
+    new.unlink(missing_ok=True)
+    Path(f"{new}-journal").unlink(missing_ok=True)
+    try:
+        db = sqlite3.connect(new, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=DELETE")
+            db.executescript(f"BEGIN; PRAGMA application_id = {APPLICATION_ID}; {_SCHEMA} COMMIT;")
+        finally:
+            db.close()
+        with open(new, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(new, db_path)
+        directory = os.open(db_path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except sqlite3.Error as exc:
+        new.unlink(missing_ok=True)
+        _raise_sqlite(exc, db_path, "create")
+    except OSError as exc:
+        new.unlink(missing_ok=True)
+        if exc.errno in DISK_FULL:
+            raise DiskFull(f"no room to create the store in {db_path.parent}; free space") from exc
+        raise InvalidInput(f"cannot create {db_path}: {exc.strerror}") from exc

@@ -9,14 +9,19 @@ file is imported as a fresh module (not added to ``sys.modules``; its directory 
 Every way this can go wrong that the user controls is an :class:`~edgetrain.errors.InvalidInput`
 with one line: no colon or no function name, no such file (checked before anything runs, see
 :func:`model_file_path`), an import that raises, no such function, a factory that raises, a
-result that is neither a module nor a (module, tensor) pair.
+result that is neither a module nor a (module, tensor) pair, and a file or factory that runs
+longer than :data:`FACTORY_SECONDS` (an endless loop): a timer interrupts the import or the call
+(in the main thread; elsewhere they run unbounded).
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import importlib.util
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,14 @@ from edgetrain.errors import InvalidInput
 
 FACTORY_FORMS = "return model or (model, example_input)"
 """What a factory may return, in the words error messages use."""
+
+FACTORY_SECONDS = 300.0
+"""Longest time, in seconds, importing a model file and then calling its factory may each take."""
+
+
+class _OutOfTime(BaseException):
+    """Raised by the timer inside the user's code; a BaseException so that the code's own
+    ``except Exception`` does not swallow it."""
 
 
 @dataclass(frozen=True)
@@ -77,9 +90,11 @@ def model_file_path(spec: str) -> tuple[Path, str]:
     return path, function
 
 
-def load_model_file(spec: str) -> UserModel:
+def load_model_file(spec: str, seconds: float | None = None) -> UserModel:
     """Import ``path.py`` and call ``function()`` for ``spec = "path.py:function"``; see the
-    module docstring for what the function may return."""
+    module docstring for what the function may return. The import and the call may each take
+    ``seconds`` (default :data:`FACTORY_SECONDS`)."""
+    limit = FACTORY_SECONDS if seconds is None else seconds
     path, function = model_file_path(spec)
     module_spec = importlib.util.spec_from_file_location(f"_edgetrain_user_{path.stem}", path)
     if module_spec is None or module_spec.loader is None:
@@ -87,7 +102,13 @@ def load_model_file(spec: str) -> UserModel:
     module = importlib.util.module_from_spec(module_spec)
     with _importable_from(path.resolve().parent):
         try:
-            module_spec.loader.exec_module(module)
+            with _time_limit(limit):
+                module_spec.loader.exec_module(module)
+        except _OutOfTime as exc:
+            raise InvalidInput(
+                f"importing {str(path)!r} did not finish within {limit:g} s (an endless loop?); "
+                "fix the file"
+            ) from exc
         except SystemExit as exc:
             raise InvalidInput(
                 f"importing {str(path)!r} called sys.exit({exc.code!r}); put the script's own "
@@ -104,7 +125,13 @@ def load_model_file(spec: str) -> UserModel:
                 f"define def {function}(): {FACTORY_FORMS}"
             )
         try:
-            built = factory()
+            with _time_limit(limit):
+                built = factory()
+        except _OutOfTime as exc:
+            raise InvalidInput(
+                f"{spec} did not return within {limit:g} s (an endless loop?); make it return "
+                "the model"
+            ) from exc
         except SystemExit as exc:
             raise InvalidInput(
                 f"{spec} called sys.exit({exc.code!r}); the factory must return the model"
@@ -130,6 +157,40 @@ def load_factory(spec: str) -> nn.Module:
     """Import ``path.py`` and return the model ``function()`` builds for
     ``spec = "path.py:function"`` (an example input it returns with it is dropped)."""
     return load_model_file(spec).model
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`_OutOfTime` in the main thread after ``seconds``: a timer thread delivers
+    SIGALRM to this process's Python handler (``_thread.interrupt_main``; no OS timer is set, so
+    one already running is left alone), and the previous handler is restored after. Off the
+    main thread the block runs without a limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    lock = threading.Lock()
+    running = True
+
+    def expire(signum: int, frame: object) -> None:
+        if running:
+            raise _OutOfTime
+
+    def ring() -> None:
+        with lock:
+            if running:
+                _thread.interrupt_main(signal.SIGALRM)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    timer = threading.Timer(seconds, ring)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        with lock:
+            running = False
+        timer.cancel()
+        signal.signal(signal.SIGALRM, previous)
 
 
 @contextlib.contextmanager

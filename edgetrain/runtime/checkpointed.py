@@ -78,6 +78,8 @@ model's logits) comes on top; leave room for it with ``reserve_bytes``.
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -135,6 +137,7 @@ from edgetrain.core.schedule import (
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import (
+    analytic_chain,
     graph_step_peaks,
     merged_chain,
     profile_chain,
@@ -144,7 +147,7 @@ from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan, plan_for_device
 from edgetrain.runtime.paging import PageStore
 from edgetrain.runtime.peak_probe import PeakProbe
-from edgetrain.runtime.stage_cost import stage_seconds, time_factor, with_stage_cost
+from edgetrain.runtime.stage_cost import cached_stage_seconds, time_factor, with_stage_cost
 from edgetrain.units import format_bytes, parse_bytes
 
 _NEW_SHAPE = ("replan", "error")
@@ -1311,3 +1314,50 @@ def _page_store(net: Checkpointed, directory: Path) -> PageStore:
         weakref.finalize(net, store.close)
     store.clear()
     return store
+
+
+CALIBRATION_STAGES = 32
+CALIBRATION_ROUNDS = 21
+
+
+def stage_seconds() -> float:
+    """The executor's cost per stage operation on this machine, in seconds: measured once by
+    :func:`measure_stage_seconds` and cached
+    (:func:`~edgetrain.runtime.stage_cost.cached_stage_seconds`;
+    ``$EDGETRAIN_STAGE_SECONDS`` sets it instead)."""
+    return cached_stage_seconds(measure_stage_seconds)
+
+
+def measure_stage_seconds(
+    stages: int = CALIBRATION_STAGES, rounds: int = CALIBRATION_ROUNDS
+) -> float:
+    """One measurement of the executor's cost per stage operation (seconds, at least 0)."""
+
+    class StageByStage(Checkpointed):
+        _merge_graph_runs = False
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(stages)))
+    x = torch.randn(2, 4)
+    chain = replace(analytic_chain(model, x), autograd_peak_bytes=None)
+    executor = StageByStage(model, x, chain=chain, schedule=store_all(chain))
+
+    def step(net: torch.nn.Module) -> float:
+        start = time.process_time()
+        net(x).sum().backward()
+        seconds = time.process_time() - start
+        model.zero_grad()
+        return seconds
+
+    differences = []
+    for round_ in range(rounds + 2):
+        plain, staged = step(model), step(executor)
+        if round_ >= 2:  # the first rounds warm up
+            differences.append(staged - plain)
+    return max(0.0, statistics.median(differences) / (2 * stages))
+
+
+def _tiny_chain(model: object, x: object) -> Chain:
+    from edgetrain.frontend.profiling import analytic_chain
+
+    return analytic_chain(model, x)  # type: ignore[arg-type]

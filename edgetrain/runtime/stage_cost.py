@@ -2,7 +2,8 @@
 
 Plans run stage by stage pay, per stage operation (a forward or a backward), the executor's Python
 and autograd work (taps, hands, parameter leaves, an engine call) on top of the stage's compute,
-which the profile measures and the planners count. :func:`stage_seconds` measures that cost on
+which the profile measures and the planners count. :func:`cached_stage_seconds` keeps that cost,
+measured (by :func:`edgetrain.runtime.checkpointed.measure_stage_seconds`) on
 this machine: one step of a chain of tiny stages (``Linear(4, 4)``, whose compute is negligible)
 run stage by stage through :class:`~edgetrain.runtime.checkpointed.Checkpointed`, over the same
 step of plain
@@ -22,8 +23,7 @@ import contextlib
 import json
 import os
 import platform
-import statistics
-import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from edgetrain.cache import cache_dir
@@ -31,8 +31,6 @@ from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import atomic_write_text
 
 CACHE_FILE = "stage_seconds.json"
-CALIBRATION_STAGES = 32
-CALIBRATION_ROUNDS = 21
 _memo: float | None = None
 
 
@@ -55,8 +53,9 @@ def _read(path: os.PathLike[str] | str) -> float | None:
     return value
 
 
-def stage_seconds() -> float:
-    """The executor's cost per stage operation on this machine, in seconds (see the module)."""
+def cached_stage_seconds(measure: Callable[[], float]) -> float:
+    """The executor's cost per stage operation on this machine, in seconds: ``measure()`` once per
+    machine and torch version, kept in the cache directory (see the module)."""
     global _memo
     given = os.environ.get("EDGETRAIN_STAGE_SECONDS")
     if given is not None:
@@ -66,52 +65,13 @@ def stage_seconds() -> float:
     path = cache_dir() / CACHE_FILE
     value = _read(path)
     if value is None:
-        value = measure_stage_seconds()
+        value = measure()
         with contextlib.suppress(OSError):  # unwritable: measured again by the next process
             atomic_write_text(
                 path, json.dumps({"machine": _machine(), "stage_seconds": value}) + "\n"
             )
     _memo = value
     return value
-
-
-def measure_stage_seconds(
-    stages: int = CALIBRATION_STAGES, rounds: int = CALIBRATION_ROUNDS
-) -> float:
-    """One measurement of the executor's cost per stage operation (seconds, at least 0)."""
-    import torch
-
-    from edgetrain.planners.optimal import store_all
-    from edgetrain.runtime.checkpointed import Checkpointed
-
-    class StageByStage(Checkpointed):
-        _merge_graph_runs = False
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(stages)))
-    x = torch.randn(2, 4)
-    chain = replace(_tiny_chain(model, x), autograd_peak_bytes=None)
-    executor = StageByStage(model, x, chain=chain, schedule=store_all(chain))
-
-    def step(net: torch.nn.Module) -> float:
-        start = time.process_time()
-        net(x).sum().backward()
-        seconds = time.process_time() - start
-        model.zero_grad()
-        return seconds
-
-    differences = []
-    for round_ in range(rounds + 2):
-        plain, staged = step(model), step(executor)
-        if round_ >= 2:  # the first rounds warm up
-            differences.append(staged - plain)
-    return max(0.0, statistics.median(differences) / (2 * stages))
-
-
-def _tiny_chain(model: object, x: object) -> Chain:
-    from edgetrain.frontend.profiling import analytic_chain
-
-    return analytic_chain(model, x)  # type: ignore[arg-type]
 
 
 def with_stage_cost(chain: Chain, seconds: float) -> Chain:

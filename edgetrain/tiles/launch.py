@@ -7,28 +7,50 @@ makes progress for ``progress_timeout`` seconds, the others are terminated (then
 :class:`WorkerFailed` is raised with one line naming the rank and the cause. Surviving workers
 blocked on the dead one fail by themselves too: every gloo operation has ``timeout`` seconds.
 
+Workers die with the launcher: each asks for a SIGKILL when its parent exits and watches its
+parent's pid (:mod:`edgetrain.tiles.lifeline`), so a launcher killed by SIGKILL leaves no
+orphan; a SIGTERM to the launcher stops its workers and removes the temporary directory, then
+exits with status 143. At most :data:`MAX_LOCAL_WORKERS` workers run on one machine.
+
 Across boards use ``torchrun`` instead (see :mod:`edgetrain.tiles.worker` and
 docs/tiles.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
 import pickle
 import queue as queues
 import signal
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from edgetrain.errors import EdgetrainError
+from edgetrain.errors import EdgetrainError, InvalidInput
 from edgetrain.tiles.worker import RankResult, TileJob, serve
+
+MAX_LOCAL_WORKERS = 16
+"""Most workers (tiles) one local launch starts: each is a process that imports torch (about
+200-300 MB of memory before any work), and more processes than a board has cores only queue."""
 
 
 class WorkerFailed(EdgetrainError):
     """A worker died, failed or hung; the others were stopped."""
+
+
+def check_local_workers(world: int, grid: str = "") -> None:
+    """InvalidInput when ``world`` workers (``grid``) exceed :data:`MAX_LOCAL_WORKERS`."""
+    if world > MAX_LOCAL_WORKERS:
+        raise InvalidInput(
+            f"{f'grid {grid} needs ' if grid else ''}{world} local workers, more than the "
+            f"{MAX_LOCAL_WORKERS} one machine runs; use a smaller grid, or torchrun across boards "
+            "(docs/tiles.md)"
+        )
 
 
 def _describe_exit(code: int) -> str:
@@ -58,6 +80,7 @@ def run_local(
     world = jobs[0].grid.size
     if any(job.grid.size != world for job in jobs):
         raise AssertionError("all jobs of one launch need the same number of ranks")
+    check_local_workers(world, str(jobs[0].grid))
     limit = progress_timeout if progress_timeout is not None else 2 * timeout + 60.0
     context = multiprocessing.get_context("spawn")
     inbox: Any = context.Queue()
@@ -72,19 +95,43 @@ def run_local(
             context.Process(
                 target=serve,
                 args=(rank, world, store, address, timeout, threads, blob, inbox),
+                kwargs={"parent_pid": os.getpid()},
                 name=f"edgetrain-tile-{rank}",
                 daemon=True,
             )
             for rank in range(world)
         ]
-        for process in processes:
-            process.start()
-        try:
-            return _watch(processes, inbox, len(jobs), limit)
-        finally:
-            _stop(processes)
-            inbox.close()
-            inbox.cancel_join_thread()
+        with _exit_on_sigterm():
+            try:
+                for process in processes:
+                    process.start()
+                return _watch(processes, inbox, len(jobs), limit)
+            finally:
+                _stop(processes)
+                inbox.close()
+                inbox.cancel_join_thread()
+
+
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """While the workers run, a SIGTERM raises SystemExit(143) so that they are stopped and the
+    temporary directory removed; only in the main thread, and only where SIGTERM still has its
+    default action (a handler the program installed is kept)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _watch(processes: list[Any], inbox: Any, jobs: int, limit: float) -> list[list[RankResult]]:

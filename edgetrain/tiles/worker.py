@@ -41,6 +41,7 @@ from torch import nn
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.tiles.comm import Comm, listening_addresses
 from edgetrain.tiles.layers import describe
+from edgetrain.tiles.lifeline import die_with_parent
 from edgetrain.tiles.tiled import TiledNetwork, region_slices
 from edgetrain.tiles.tiling import Grid, Grouping, Network, Region, TilePlan, plan
 
@@ -319,12 +320,16 @@ def serve(
     threads: int,
     jobs_path: str,
     queue: Any,
+    parent_pid: int | None = None,
 ) -> None:
     """Process entry of a local worker: run the pickled jobs and report on ``queue``.
 
     ``jobs_path`` holds ``pickle.dumps(list_of_jobs)``, written by the launcher (our parent
-    process) into its private temporary directory.
+    process) into its private temporary directory. With ``parent_pid`` (the launcher's pid) the
+    worker dies with the launcher (:func:`~edgetrain.tiles.lifeline.die_with_parent`).
     """
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     try:
         torch.set_num_threads(threads)
         _pin(rank, world, threads)

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
+from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import Op
-from edgetrain.runtime.checkpointed import Checkpointed
+from edgetrain.runtime.checkpointed import Checkpointed, measure_stage_seconds
 from edgetrain.runtime.stage_cost import (
     _machine,
     _read,
-    measure_stage_seconds,
     time_factor,
     with_stage_cost,
 )
@@ -32,9 +32,13 @@ def _model() -> nn.Sequential:
 X = torch.randn(4, 8, 16, 16)
 
 
-def _net(monkeypatch: pytest.MonkeyPatch, seconds: float, rho: float) -> Checkpointed:
+def _net(
+    monkeypatch: pytest.MonkeyPatch, seconds: float, rho: float, chain: Chain | None = None
+) -> Checkpointed:
+    """Planned with a stage cost of ``seconds``; on ``chain`` when given, so that two plans
+    compared share one profile's times (two profiles of one model differ on a busy machine)."""
     monkeypatch.setenv("EDGETRAIN_STAGE_SECONDS", repr(seconds))
-    return Checkpointed(_model(), X, max_recompute=rho)
+    return Checkpointed(_model(), X, max_recompute=rho, chain=chain)
 
 
 def _recomputations(net: Checkpointed) -> int:
@@ -46,7 +50,7 @@ def test_the_predicted_time_with_the_stage_cost_keeps_to_rho(monkeypatch, rho):
     free = _net(monkeypatch, 0.0, rho)
     plain = free.chain.forward_seconds + free.chain.backward_seconds
     per_stage = plain / free.chain.length / 4  # a stage costs the executor a quarter of its mean
-    net = _net(monkeypatch, per_stage, rho)
+    net = _net(monkeypatch, per_stage, rho, free.chain)
     assert net.predicted_recompute_factor <= rho + 1e-9
     assert net.predicted_seconds <= rho * plain + 1e-12
     assert _recomputations(net) <= _recomputations(free)
@@ -59,7 +63,7 @@ def test_a_stage_cost_that_eats_the_slack_stores_everything(monkeypatch):
     free = _net(monkeypatch, 0.0, 1.5)
     assert _recomputations(free) > 0
     plain = free.chain.forward_seconds + free.chain.backward_seconds
-    net = _net(monkeypatch, plain, 1.5)  # each stage operation costs a whole plain step
+    net = _net(monkeypatch, plain, 1.5, free.chain)  # each stage operation costs a whole plain step
     assert _recomputations(net) == 0
     assert net.predicted_recompute_factor <= 1.5
 
