@@ -163,14 +163,16 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
     samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
     defaults = _defaulted_arguments(model, len(samples))
     before = _snapshot(model)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     failure: Exception | None = None
     try:
         with _tracing() as attribute_reads, torch.enable_grad():
-            graph = _Tracer().trace(model, concrete_args=defaults or None)
+            graph = _trace_keeping_updaters_whole(model, defaults, buffers)
     except Exception as exc:
         failure = exc
     finally:
         stored = _restore(before)
+        _put_back(buffers)
     if stored:  # the first thing to fix, when tracing also failed (fx on a submodule it made)
         raise InvalidInput(
             f"cannot capture {type(model).__name__}: forward() assigns to {stored} (fx records "
@@ -442,7 +444,33 @@ for _name in ("iadd", "isub", "imul", "itruediv"):
 
 class _Tracer(fx.Tracer):
     """``torch.fx.symbolic_trace``'s tracer, keeping augmented assignments in place and noting
-    on each node the grad mode and autocast region it was traced in (see :func:`_context`)."""
+    on each node the grad mode and autocast region it was traced in (see :func:`_context`).
+
+    fx hands a traced ``forward()`` the module's buffers themselves, not proxies, so a forward
+    that updates a buffer in place (``self.num_batches_tracked.add_(1)`` in a BatchNorm subclass)
+    updates it once while tracing and never in the graph. The tracer notes each module whose own
+    forward did so (:attr:`updaters`, by path, the innermost module called); ``leaves`` are kept
+    as single calls, which run their forward, updates included, at every step."""
+
+    def __init__(self, leaves: frozenset[int] = frozenset()) -> None:
+        super().__init__()
+        self.leaves = leaves  # ids of the modules kept whole
+        self.updaters: dict[str, nn.Module] = {}
+        self._updated: set[int] = set()  # ids of the buffers a noted module updated
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return id(m) in self.leaves or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(
+        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        versions = [(b, b._version) for b in m.buffers()]
+        result = super().call_module(m, forward, args, kwargs)
+        updated = {id(b) for b, seen in versions if b._version != seen} - self._updated
+        if updated:
+            self.updaters[self.path_of_module(m)] = m
+            self._updated |= updated
+        return result
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _InplaceProxy(node, self)
@@ -602,6 +630,41 @@ def _fold(graph_module: fx.GraphModule, name: str, state: Context, members: list
             user.replace_input_with(result, replacement)
     for member in reversed(members):
         graph.erase_node(member)
+
+
+def _trace_keeping_updaters_whole(
+    model: nn.Module, defaults: dict[str, Any], buffers: list[tuple[torch.Tensor, torch.Tensor]]
+) -> fx.Graph:
+    """Trace ``model``; when a submodule's forward updates its buffers in place (fx runs it on
+    the real buffers), trace again with each such submodule kept as one call, so that the
+    captured step runs its update as plain autograd does. InvalidInput when ``model``'s own
+    forward updates a buffer in place (it cannot be kept whole)."""
+    versions = [b._version for b, _ in buffers]
+    tracer = _Tracer()
+    graph = tracer.trace(model, concrete_args=defaults or None)
+    if tracer.updaters:
+        _put_back(buffers)
+        versions = [b._version for b, _ in buffers]
+        tracer = _Tracer(frozenset(id(m) for m in tracer.updaters.values()))
+        graph = tracer.trace(model, concrete_args=defaults or None)
+    names = {id(b): n for n, b in model.named_buffers()}
+    changed = [
+        names[id(b)] for (b, _), seen in zip(buffers, versions, strict=True) if b._version != seen
+    ]
+    if changed:
+        raise InvalidInput(
+            f"cannot capture {type(model).__name__}: its forward() updates the buffer "
+            f"{changed[0]!r} in place itself (torch.fx would run that update once, while "
+            "tracing); update it in a submodule's forward() or outside the model"
+        )
+    return graph
+
+
+def _put_back(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each buffer's saved value back into it (what tracing updated in place)."""
+    with torch.no_grad():
+        for buffer, value in buffers:
+            buffer.copy_(value)
 
 
 _Snapshot = list[tuple[str, nn.Module, dict[str, Any], list[dict[str, Any]]]]
