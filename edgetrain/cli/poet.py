@@ -107,10 +107,9 @@ def load_graph(
     return graphs.from_chain(chain, profile, chain_flops_per_second=NOMINAL_FLOPS)
 
 
-def ram_budget(text: str | None, graph: TrainingGraph, accounting: str) -> float | None:
-    """``--ram``: bytes ("2MB") or a percentage of the keep-everything peak ("50%")."""
-    from edgetrain.planners import poet_check
-
+def read_ram(text: str | None) -> tuple[float, bool] | None:
+    """``--ram`` read without the graph: (bytes, False) for "2MB", (percent, True) for "50%";
+    InvalidInput for anything else, before the graph is built."""
     if text is None:
         return None
     stripped = text.strip()
@@ -119,11 +118,27 @@ def ram_budget(text: str | None, graph: TrainingGraph, accounting: str) -> float
             percent = float(stripped[:-1])
         except ValueError as exc:
             raise InvalidInput(f"cannot read --ram {text!r}; write e.g. 50% or 2MB") from exc
-        if not percent > 0:
+        if not 0 < percent < float("inf"):
             raise InvalidInput(f"--ram {text!r} must be positive")
+        return percent, True
+    try:
+        return float(parse_bytes(stripped)), False
+    except InvalidInput as exc:
+        raise InvalidInput(f"cannot read --ram {text!r}; write e.g. 50% or 2MB") from exc
+
+
+def ram_budget(text: str | None, graph: TrainingGraph, accounting: str) -> float | None:
+    """``--ram``: bytes ("2MB") or a percentage of the keep-everything peak ("50%")."""
+    from edgetrain.planners import poet_check
+
+    read = read_ram(text)
+    if read is None:
+        return None
+    value, percent = read
+    if percent:
         everything = poet_check.evaluate(graph, poet_check.store_all(graph), accounting)  # type: ignore[arg-type]
-        return everything.peak_ram_bytes * percent / 100
-    return float(parse_bytes(stripped))
+        return everything.peak_ram_bytes * value / 100
+    return value
 
 
 class _Progress:
@@ -216,6 +231,7 @@ def poet_command(
         raise InvalidInput("--time-limit must be positive seconds, e.g. 60")
     if runtime is not None and not 0 < runtime < float("inf"):
         raise InvalidInput("--runtime must be a positive factor, e.g. 1.5")
+    read_ram(ram)  # its format, before the graph is built
     graph = load_graph(model_name, batch, image, graph_path, device, page_dir, watts)
     budget = ram_budget(ram, graph, accounting)
     if export_graph:

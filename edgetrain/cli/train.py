@@ -27,7 +27,7 @@ from edgetrain.cli.options import (
 )
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InvalidInput
-from edgetrain.execute import Checkpointed
+from edgetrain.execute import Checkpointed, as_stages, check_plan_for
 from edgetrain.memory import OPTIMIZER_STATES
 from edgetrain.models import build, sample_input
 from edgetrain.models.factory import load_model_file
@@ -166,6 +166,7 @@ def run_training(
             stack.enter_context(progress_api.quiet())
         torch.manual_seed(seed)
         if choice.name is not None:
+            _check_on_meta(choice, memory, optimizer, schedule)
             progress_api.note(f"building {choice.name} and profiling it on this machine")
             model = build(choice.name, image=choice.image)
             sample = sample_input(choice.name, choice.batch, choice.image)
@@ -178,6 +179,8 @@ def run_training(
         state = OPTIMIZER_STATES[optimizer] * sum(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
         )
+        if schedule is not None and choice.name is None:
+            check_plan_for(schedule, as_stages(model, sample), sample, choice.label)
         net = Checkpointed(
             model,
             sample,
@@ -209,6 +212,24 @@ def run_training(
     }
     report["measured_over_predicted"] = result.measured_peak_bytes / result.predicted_peak_bytes
     return report
+
+
+def _check_on_meta(
+    choice: ModelChoice, memory: int | None, optimizer: str, schedule: Schedule | None
+) -> None:
+    """A registered model's memory budget and given plan checked against its sizes, built on
+    the meta device (in a moment, before it is built and profiled)."""
+    from edgetrain.cli.plan import check_memory
+
+    assert choice.name is not None
+    with torch.device("meta"):
+        sample = sample_input(choice.name, choice.batch, choice.image)
+        model = build(choice.name, image=choice.image) if schedule is not None else None
+    if memory is not None:
+        check_memory(memory, choice.name, tuple(sample.shape), optimizer)
+    if schedule is not None and model is not None:
+        # a registered model uses every parameter: its stages hold them all
+        check_plan_for(schedule, model, sample, choice.label)
 
 
 register(train_command)
