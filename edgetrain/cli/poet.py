@@ -8,12 +8,12 @@ the answer states whether it is optimal, feasible with a gap, proven infeasible 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import click
 
+from edgetrain import progress
 from edgetrain.cli.main import register
 from edgetrain.cli.options import OutputFile
 from edgetrain.cli.output import console, emit_json, table
@@ -361,7 +361,7 @@ def poet_figure(
     as_json: bool,
 ) -> None:
     """POET's picture: energy against RAM budget for hybrid, remat-only and paging-only."""
-    from edgetrain.planners import milp, poet_check
+    from edgetrain.planners import poet_check
 
     if points < 2:
         raise InvalidInput("--points must be at least 2")
@@ -375,35 +375,18 @@ def poet_figure(
     everything = poet_check.evaluate(graph, poet_check.store_all(graph), accounting)  # type: ignore[arg-type]
     fractions = [smallest + (1 - smallest) * i / (points - 1) for i in range(points)]
     curves: dict[str, list[dict[str, Any]]] = {}
-    began = time.perf_counter()
-    for mode in MODES:
-        curves[mode] = []
-        for fraction in fractions:
-            budget = everything.peak_ram_bytes * fraction
-            click.echo(
-                f"\rsolving {mode} at {100 * fraction:.0f} % ({time.perf_counter() - began:.0f} s)",
-                err=True,
-                nl=False,
-            )
-            result = milp.solve(
+    with progress.task("solving POET's MILP", total=len(MODES) * points) as step:
+        for mode in MODES:
+            curves[mode] = _curve(
                 graph,
-                ram_bytes=budget,
-                runtime_factor=runtime,
-                mode=mode,
-                accounting=accounting,  # type: ignore[arg-type]
-                time_limit=time_limit,
-                find_smallest_ram=False,
+                mode,
+                fractions,
+                everything.peak_ram_bytes,
+                step,
+                runtime,
+                accounting,
+                time_limit,
             )
-            curves[mode].append(
-                {
-                    "fraction": fraction,
-                    "ram_bytes": budget,
-                    "status": result.status,
-                    "energy_J": result.energy_joules,
-                    "gap": result.gap,
-                }
-            )
-    click.echo("", err=True)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, rows in curves.items():
         xs = [r["ram_bytes"] / 2**20 for r in rows if r["energy_J"] is not None]
@@ -440,6 +423,45 @@ def poet_figure(
     ]
     console.print(table("energy (J) by RAM budget", ["RAM", *MODES], rows_out))
     console.print(f"figure written to {out}")
+
+
+def _curve(
+    graph: TrainingGraph,
+    mode: str,
+    fractions: list[float],
+    everything_bytes: float,
+    step: progress.Task,
+    runtime: float | None,
+    accounting: str,
+    time_limit: float,
+) -> list[dict[str, Any]]:
+    """One mode's solves at each fraction of the keep-everything peak, each reported to
+    ``step`` (a line each off a terminal, a bar on one)."""
+    from edgetrain.planners import milp
+
+    rows = []
+    for fraction in fractions:
+        budget = everything_bytes * fraction
+        result = milp.solve(
+            graph,
+            ram_bytes=budget,
+            runtime_factor=runtime,
+            mode=mode,  # type: ignore[arg-type]
+            accounting=accounting,  # type: ignore[arg-type]
+            time_limit=time_limit,
+            find_smallest_ram=False,
+        )
+        rows.append(
+            {
+                "fraction": fraction,
+                "ram_bytes": budget,
+                "status": result.status,
+                "energy_J": result.energy_joules,
+                "gap": result.gap,
+            }
+        )
+        step(detail=f"{mode} at {100 * fraction:.0f} %: {result.status}")
+    return rows
 
 
 def _pyplot() -> Any:
