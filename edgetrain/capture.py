@@ -62,6 +62,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from edgetrain import progress
+from edgetrain.containers import is_container, kept_whole_reason, traced_forward
 from edgetrain.errors import InvalidInput
 from edgetrain.measure import storage_key
 
@@ -129,6 +131,9 @@ class Captured:
             too; not ``training`` nor what ``nn.Module`` itself keeps on every module)
             ``forward()`` read while traced, as (module, name): fx traced
             their values into the graph, so a step must be planned again when one changes.
+        kept_whole: the torch.nn containers with layers inside that stay one node, as (path,
+            why), e.g. ``("rnn", "nn.LSTM runs its 2 layers in one fused kernel")``; the others
+            are traced into (:mod:`edgetrain.containers`).
     """
 
     model: nn.Module
@@ -139,6 +144,7 @@ class Captured:
     nodes: tuple[CapturedNode, ...]
     outputs: tuple[str, ...]
     reads: tuple[tuple[nn.Module, str], ...] = ()
+    kept_whole: tuple[tuple[str, str], ...] = ()
     _cache: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def node(self, name: str) -> CapturedNode:
@@ -167,7 +173,7 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
     failure: Exception | None = None
     try:
         with _tracing() as attribute_reads, torch.enable_grad():
-            graph = _trace_keeping_updaters_whole(model, defaults, buffers)
+            graph, kept_whole = _trace_keeping_updaters_whole(model, defaults, buffers)
     except Exception as exc:
         failure = exc
     finally:
@@ -239,6 +245,7 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
         nodes=tuple(nodes),
         outputs=tuple(returned),
         reads=tuple(attribute_reads),
+        kept_whole=tuple(kept_whole.items()),
     )
 
 
@@ -456,14 +463,25 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self.leaves = leaves  # ids of the modules kept whole
         self.updaters: dict[str, nn.Module] = {}
+        self.kept_whole: dict[str, str] = {}  # container path -> why it stays one call
+        self._into: set[int] = set()  # ids of the containers traced into
         self._updated: set[int] = set()  # ids of the buffers a noted module updated
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if id(m) in self._into:
+            return False
         return id(m) in self.leaves or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(
         self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if is_container(m) and id(m) not in self.leaves:
+            reason = kept_whole_reason(m, args, kwargs)
+            if reason:
+                self.kept_whole[self.path_of_module(m)] = reason
+            else:  # traced into: its layers become nodes, cut between like any others
+                self._into.add(id(m))
+                forward = traced_forward(m)
         versions = [(b, b._version) for b in m.buffers()]
         result = super().call_module(m, forward, args, kwargs)
         updated = {id(b) for b, seen in versions if b._version != seen} - self._updated
@@ -634,7 +652,7 @@ def _fold(graph_module: fx.GraphModule, name: str, state: Context, members: list
 
 def _trace_keeping_updaters_whole(
     model: nn.Module, defaults: dict[str, Any], buffers: list[tuple[torch.Tensor, torch.Tensor]]
-) -> fx.Graph:
+) -> tuple[fx.Graph, dict[str, str]]:
     """Trace ``model``; when a submodule's forward updates its buffers in place (fx runs it on
     the real buffers), trace again with each such submodule kept as one call, so that the
     captured step runs its update as plain autograd does. InvalidInput when ``model``'s own
@@ -657,7 +675,9 @@ def _trace_keeping_updaters_whole(
             f"{changed[0]!r} in place itself (torch.fx would run that update once, while "
             "tracing); update it in a submodule's forward() or outside the model"
         )
-    return graph
+    for path, reason in tracer.kept_whole.items():
+        progress.note(f"{path or type(model).__name__} is one stage: {reason}")
+    return graph, tracer.kept_whole
 
 
 def _put_back(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
