@@ -3,8 +3,9 @@
 The table's first column holds one backticked example command per row. The rows run in table
 order in one scratch directory (a later row may read what an earlier one wrote: a plan, a
 graph), in-process through click. Rows of ``scripts/...`` are not edgetrain commands and are
-skipped, and so are ``insitu`` and ``tiles`` (minutes each on a 2-core machine: a teacher to
-train, processes to start; ``tests/test_insitu_cli.py`` and ``tests/test_tiles_cli.py`` run them).
+skipped, and so are ``insitu``, ``tiles``, ``figure1`` and ``demo`` (minutes each on a 2-core
+machine: a teacher to train, processes to start, five models' trade-off curves, the paper's 80
+table cells; their own tests run them).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from edgetrain.cli.commands import COMMAND_MODULES  # noqa: F401  (registers the
 from edgetrain.cli.main import cli
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-SLOW = ("insitu", "tiles")
+SLOW = ("insitu", "tiles", "figure1", "demo")
 
 
 def table_commands(markdown: str) -> list[str]:
