@@ -5,10 +5,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from click.testing import CliRunner
 from torch import nn
 
+import edgetrain.cli.demo
+import edgetrain.cli.plan
 import edgetrain.execute
 from edgetrain import plan
+from edgetrain.cli.main import cli
 from edgetrain.errors import InfeasibleBudget, InvalidSchedule
 from edgetrain.execute import Checkpointed
 from edgetrain.profile import analytic_chain, model_chain
@@ -46,15 +50,31 @@ def test_a_plan_for_another_model_is_refused_before_the_profile_naming_both(monk
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["poet", "--ram", "lots"], "cannot read --ram 'lots'; write e.g. 50% or 2MB"),
+        (["poet", "--ram", "lots"], "cannot read size 'lots'"),
+        (["poet", "--ram", "half%"], "cannot read --ram 'half%'; write e.g. 50% or 2MB"),
         (["poet", "--ram", "-5%"], "must be positive"),
-        (["plan", "--model", "resnet101", "--memory", "100MB"], "does not hold the weights"),
-        (["demo", "--memory", "10MB"], "does not hold the weights"),
-        (["train", "--model", "resnet18", "--memory", "10MB"], "does not hold the weights"),
     ],
 )
-def test_the_cli_refuses_before_any_work(args, message):
+def test_poet_reads_its_flags_before_any_work(args, message):
     assert message in refused(args)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "--model", "resnet101", "--memory", "100MB"],
+        ["demo", "--memory", "10MB"],
+        ["train", "--model", "resnet18", "--memory", "10MB"],
+    ],
+)
+def test_a_budget_below_the_weights_is_refused_before_any_chain_or_profile(args, monkeypatch):
+    for module in (edgetrain.cli.plan, edgetrain.cli.demo):
+        monkeypatch.setattr(module, "model_chain", _no_profile)
+    monkeypatch.setattr(edgetrain.execute, "profile", _no_profile)
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and "does not hold the weights" in lines[0], result.output
 
 
 def test_train_refuses_a_plan_for_another_model_before_any_work(tmp_path):

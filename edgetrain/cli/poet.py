@@ -121,10 +121,7 @@ def read_ram(text: str | None) -> tuple[float, bool] | None:
         if not 0 < percent < float("inf"):
             raise InvalidInput(f"--ram {text!r} must be positive")
         return percent, True
-    try:
-        return float(parse_bytes(stripped)), False
-    except InvalidInput as exc:
-        raise InvalidInput(f"cannot read --ram {text!r}; write e.g. 50% or 2MB") from exc
+    return float(parse_bytes(stripped)), False
 
 
 def ram_budget(text: str | None, graph: TrainingGraph, accounting: str) -> float | None:
