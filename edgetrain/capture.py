@@ -169,7 +169,7 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
     samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
     defaults = _defaulted_arguments(model, len(samples))
     before = _snapshot(model)
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    buffers = [(b, b.detach().clone(), b._version) for b in model.buffers()]
     failure: Exception | None = None
     try:
         with _tracing() as attribute_reads, torch.enable_grad():
@@ -651,23 +651,25 @@ def _fold(graph_module: fx.GraphModule, name: str, state: Context, members: list
 
 
 def _trace_keeping_updaters_whole(
-    model: nn.Module, defaults: dict[str, Any], buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    model: nn.Module, defaults: dict[str, Any], buffers: _Saved
 ) -> tuple[fx.Graph, dict[str, str]]:
     """Trace ``model``; when a submodule's forward updates its buffers in place (fx runs it on
     the real buffers), trace again with each such submodule kept as one call, so that the
     captured step runs its update as plain autograd does. InvalidInput when ``model``'s own
     forward updates a buffer in place (it cannot be kept whole)."""
-    versions = [b._version for b, _ in buffers]
+    versions = [b._version for b, _, _ in buffers]
     tracer = _Tracer()
     graph = tracer.trace(model, concrete_args=defaults or None)
     if tracer.updaters:
         _put_back(buffers)
-        versions = [b._version for b, _ in buffers]
+        versions = [b._version for b, _, _ in buffers]
         tracer = _Tracer(frozenset(id(m) for m in tracer.updaters.values()))
         graph = tracer.trace(model, concrete_args=defaults or None)
     names = {id(b): n for n, b in model.named_buffers()}
     changed = [
-        names[id(b)] for (b, _), seen in zip(buffers, versions, strict=True) if b._version != seen
+        names[id(b)]
+        for (b, _, _), seen in zip(buffers, versions, strict=True)
+        if b._version != seen
     ]
     if changed:
         raise InvalidInput(
@@ -680,11 +682,16 @@ def _trace_keeping_updaters_whole(
     return graph, tracer.kept_whole
 
 
-def _put_back(buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each buffer's saved value back into it (what tracing updated in place)."""
+_Saved = list[tuple[torch.Tensor, torch.Tensor, int]]
+"""Each buffer, a copy of its value and its version counter, before tracing."""
+
+
+def _put_back(buffers: _Saved) -> None:
+    """Copy each buffer's saved value back into it if tracing updated it in place."""
     with torch.no_grad():
-        for buffer, value in buffers:
-            buffer.copy_(value)
+        for buffer, value, version in buffers:
+            if buffer._version != version:
+                buffer.copy_(value)
 
 
 _Snapshot = list[tuple[str, nn.Module, dict[str, Any], list[dict[str, Any]]]]
