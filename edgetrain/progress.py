@@ -146,16 +146,28 @@ class Task:
     def _log(self, text: str) -> None:
         _write_line(self._stream, text)
 
-    def close(self) -> None:
-        """End the task: remove its bar, or log its duration if it logged anything."""
+    def close(self, *, stopped: bool = False) -> None:
+        """End the task: remove its bar, or log its duration if it logged anything. ``stopped``
+        (an exception or an interrupt ended it): say "stopped", never "done", on a terminal
+        too, with how far it came."""
         if not self.active:
             return
         self.active = False
+        seconds = self._clock() - self._start
+        if stopped:
+            done = f"{self.completed}/{self.total}" if self.total else f"{self.completed}"
+            text = f"{self.description}: stopped at {done} after {seconds:.1f} s"
+            if self._bar is not None:
+                _bars.remove(self._bar_id)
+                note(text, stream=self._stream)
+            elif self._last_line is not None:
+                self._log(text)
+            return
         if self._bar is not None:
             _bars.remove(self._bar_id)
         elif self._last_line is not None:
             last = f" (last: {self.detail})" if self.detail else ""
-            self._log(f"{self.description}: done in {self._clock() - self._start:.1f} s{last}")
+            self._log(f"{self.description}: done in {seconds:.1f} s{last}")
 
 
 def _write_line(stream: IO[str], text: str) -> None:
@@ -228,8 +240,10 @@ def task(
     current = Task(description, total, mode=_mode(out), stream=out)
     try:
         yield current
-    finally:
-        current.close()
+    except BaseException:
+        current.close(stopped=True)
+        raise
+    current.close()
 
 
 def note(text: str, *, stream: IO[str] | None = None) -> None:

@@ -34,6 +34,7 @@ def demo(steps: int, memory: int, batch: int) -> None:
     Models: ResNet-18..152 for the tables, ResNet-18 for the run. The tables are in the paper's
     MB, which is 2^20 bytes (MiB); Table III in its GB (2^30 bytes).
     """
+    _check_memory(memory, batch)
     results: dict[tuple[str, int, int, int], tuple[float, float]] = {}
     paper_list = list(paper_cells())
     with progress.task("paper tables I-III", total=len(paper_list)) as step:
@@ -98,3 +99,11 @@ def demo(steps: int, memory: int, batch: int) -> None:
             ],
         )
     )
+
+
+def _check_memory(memory: int, batch: int) -> None:
+    """Refuse a --memory below ResNet-18's weights, buffers, input and momentum state before
+    the tables and the profile."""
+    from edgetrain.cli.plan import check_memory
+
+    check_memory(memory, "resnet18", (batch, 3, 224, 224), "momentum")

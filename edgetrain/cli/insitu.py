@@ -8,6 +8,7 @@ CPU is idle, then prints the evaluation and writes the picture. Run it again on 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -15,8 +16,10 @@ from typing import Any
 
 import click
 import torch
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from edgetrain import progress as progress_api
 from edgetrain.cli.options import (
     BATCH,
     NON_NEGATIVE,
@@ -203,20 +206,12 @@ def run_command(
                 "checksums, their images kept"
             )
         if not as_json:
-            console.print("teacher: loading (trained once on canonical views, then cached)")
+            progress_api.note("teacher: loading (trained once on canonical views, then cached)")
         teacher = load_teacher(classes, per_class=teacher_views)
         if teacher.retrained:
             notes.append(f"teacher trained on canonical views and cached in {teacher.path}")
-        with Progress(
-            TextColumn("{task.description:<16}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=console,
-            disable=as_json,
-            transient=False,
-        ) as bars:
+        with contextlib.ExitStack() as stack:
+            bars = _bars(stack, as_json)
             f_task = bars.add_task("frames", total=len(source) or None, info="")
             t_task = bars.add_task("tracks", total=None, info="")
             i_task = bars.add_task("labelled images", total=None, info="")
@@ -443,3 +438,50 @@ def eval_command(store_dir: str, picture_path: str | None, as_json: bool) -> Non
         return
     notes = [_skipped_note(skipped)] if skipped else []
     _print_report(report, {"picture": str(out), "skipped_rows": rows, "notes": notes})
+
+
+class _LoggedBars:
+    """``rich.progress.Progress``'s ``add_task`` / ``update`` as :mod:`edgetrain.progress`
+    tasks: lines on stderr when it is not a terminal (a bar each when it is one)."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._tasks: list[progress_api.Task] = []
+
+    def add_task(self, description: str, total: int | None = None, **_fields: Any) -> int:
+        self._tasks.append(self._stack.enter_context(progress_api.task(description, total)))
+        return len(self._tasks) - 1
+
+    def update(
+        self,
+        key: int,
+        *,
+        completed: int | None = None,
+        total: int | None = None,
+        info: str | None = None,
+    ) -> None:
+        task = self._tasks[key]
+        if total is not None:
+            task.total = total
+        task(0 if completed is None else completed - task.completed, detail=info)
+
+
+def _bars(stack: contextlib.ExitStack, as_json: bool) -> Any:
+    """The progress of a run, on stderr only (stdout holds the report and the JSON): rich's
+    four bars on a terminal, else timestamped lines; none with ``--json``."""
+    if as_json:
+        stack.enter_context(progress_api.quiet())
+    errors = Console(stderr=True)
+    if as_json or not errors.is_terminal:
+        return _LoggedBars(stack)
+    return stack.enter_context(
+        Progress(
+            TextColumn("{task.description:<16}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=errors,
+            transient=False,
+        )
+    )

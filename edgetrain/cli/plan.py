@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 import click
+import torch
 
 from edgetrain import progress
 from edgetrain.cli.options import (
@@ -25,11 +26,12 @@ from edgetrain.core.explain import PeakExplanation, explain_plan
 from edgetrain.core.schedule import Op, Schedule, simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.profiling import NOMINAL_FLOPS, analytic_chain
-from edgetrain.models import MODELS, model_chain
+from edgetrain.models import MODELS, build, model_chain
 from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
+from edgetrain.runtime.checkpointed import check_budget_holds_weights
 from edgetrain.units import format_bytes, mib
 
 
@@ -97,7 +99,7 @@ def plan_command(
     if memory is not None and recompute is not None:
         raise InvalidInput("give --memory or --recompute, not both")
     choice = choose_model(model_name, model_file, input_shape, batch, image, default="resnet101")
-    chain, shape = _chain(choice)
+    chain, shape = _chain(choice, memory, optimizer)
     fixed = fixed_training_bytes(chain, optimizer)
     budget = (
         "everything stored"
@@ -181,24 +183,48 @@ def _explain(chain: Chain, schedule: Schedule, optimizer: str) -> PeakExplanatio
     return explain_plan(chain, schedule, grads_exist=True, fixed=fixed, plain_peak_bytes=plain)
 
 
-def _chain(choice: ModelChoice) -> tuple[Chain, tuple[int, ...]]:
+def _chain(
+    choice: ModelChoice, memory: int | None = None, optimizer: str = "sgd"
+) -> tuple[Chain, tuple[int, ...]]:
     """The analytic chain of the chosen model and the input shape it is for: a registered model
-    on meta tensors, a user's built by their factory and captured on its input."""
+    on meta tensors, a user's built by their factory and captured on its input. A ``memory``
+    below the weights, buffers, input and ``optimizer``'s state is refused before the chain is
+    built (:func:`check_memory`)."""
     if choice.name is not None:
         shape = (
             (choice.batch, choice.image)
             if MODELS[choice.name].input == "tokens"
             else choice.default_shape
         )
+        if memory is not None:
+            check_memory(memory, choice.name, shape, optimizer)
         progress.note(f"building the chain of {choice.name} ({input_words(shape)})")
         return model_chain(choice.name, choice.batch, choice.image), shape
     progress.note(f"running {choice.file} to build the model")
     user = load_model_file(str(choice.file))
     sample = user.sample(choice.shape, choice.default_shape)
+    if memory is not None:
+        check_budget_holds_weights(memory, user.model, sample, _state_bytes(user.model, optimizer))
     progress.note(f"capturing {type(user.model).__name__} on an input {tuple(sample.shape)}")
     chain = analytic_chain(user.model, sample)
     named = replace(chain, name=choice.label)
     return named, tuple(sample.shape)
+
+
+def check_memory(memory: int, name: str, shape: tuple[int, ...], optimizer: str) -> None:
+    """InfeasibleBudget when ``memory`` cannot hold the registered model ``name``'s weights,
+    buffers, an input of ``shape`` and ``optimizer``'s state, counted on the meta device (in a
+    moment, before any chain is built)."""
+    with torch.device("meta"):
+        model = build(name, image=shape[-1])
+    tokens = MODELS[name].input == "tokens"
+    sample = torch.empty(shape, dtype=torch.long if tokens else torch.float32, device="meta")
+    check_budget_holds_weights(memory, model, sample, _state_bytes(model, optimizer))
+
+
+def _state_bytes(model: torch.nn.Module, optimizer: str) -> int:
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return OPTIMIZER_STATES[optimizer] * trained
 
 
 _FIRST = {

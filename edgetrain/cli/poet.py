@@ -8,12 +8,12 @@ the answer states whether it is optimal, feasible with a gap, proven infeasible 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import click
 
+from edgetrain import progress
 from edgetrain.cli.options import BATCH, IMAGE, OutputFile
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.errors import InfeasibleBudget, InvalidInput
@@ -107,10 +107,9 @@ def load_graph(
     return graphs.from_chain(chain, profile, chain_flops_per_second=NOMINAL_FLOPS)
 
 
-def ram_budget(text: str | None, graph: TrainingGraph, accounting: str) -> float | None:
-    """``--ram``: bytes ("2MB") or a percentage of the keep-everything peak ("50%")."""
-    from edgetrain.planners.poet import check as poet_check
-
+def read_ram(text: str | None) -> tuple[float, bool] | None:
+    """``--ram`` read without the graph: (bytes, False) for "2MB", (percent, True) for "50%";
+    InvalidInput for anything else, before the graph is built."""
     if text is None:
         return None
     stripped = text.strip()
@@ -119,11 +118,24 @@ def ram_budget(text: str | None, graph: TrainingGraph, accounting: str) -> float
             percent = float(stripped[:-1])
         except ValueError as exc:
             raise InvalidInput(f"cannot read --ram {text!r}; write e.g. 50% or 2MB") from exc
-        if not percent > 0:
+        if not 0 < percent < float("inf"):
             raise InvalidInput(f"--ram {text!r} must be positive")
+        return percent, True
+    return float(parse_bytes(stripped)), False
+
+
+def ram_budget(text: str | None, graph: TrainingGraph, accounting: str) -> float | None:
+    """``--ram``: bytes ("2MB") or a percentage of the keep-everything peak ("50%")."""
+    from edgetrain.planners.poet import check as poet_check
+
+    read = read_ram(text)
+    if read is None:
+        return None
+    value, percent = read
+    if percent:
         everything = poet_check.evaluate(graph, poet_check.store_all(graph), accounting)  # type: ignore[arg-type]
-        return everything.peak_ram_bytes * percent / 100
-    return float(parse_bytes(stripped))
+        return everything.peak_ram_bytes * value / 100
+    return value
 
 
 class _Progress:
@@ -216,6 +228,7 @@ def poet_command(
         raise InvalidInput("--time-limit must be positive seconds, e.g. 60")
     if runtime is not None and not 0 < runtime < float("inf"):
         raise InvalidInput("--runtime must be a positive factor, e.g. 1.5")
+    read_ram(ram)  # its format, before the graph is built
     graph = load_graph(model_name, batch, image, graph_path, device, page_dir, watts)
     budget = ram_budget(ram, graph, accounting)
     if export_graph:
@@ -346,7 +359,6 @@ def poet_figure(
 ) -> None:
     """POET's picture: energy against RAM budget for hybrid, remat-only and paging-only."""
     from edgetrain.planners.poet import check as poet_check
-    from edgetrain.planners.poet import milp
 
     if points < 2:
         raise InvalidInput("--points must be at least 2")
@@ -360,35 +372,18 @@ def poet_figure(
     everything = poet_check.evaluate(graph, poet_check.store_all(graph), accounting)  # type: ignore[arg-type]
     fractions = [smallest + (1 - smallest) * i / (points - 1) for i in range(points)]
     curves: dict[str, list[dict[str, Any]]] = {}
-    began = time.perf_counter()
-    for mode in MODES:
-        curves[mode] = []
-        for fraction in fractions:
-            budget = everything.peak_ram_bytes * fraction
-            click.echo(
-                f"\rsolving {mode} at {100 * fraction:.0f} % ({time.perf_counter() - began:.0f} s)",
-                err=True,
-                nl=False,
-            )
-            result = milp.solve(
+    with progress.task("solving POET's MILP", total=len(MODES) * points) as step:
+        for mode in MODES:
+            curves[mode] = _curve(
                 graph,
-                ram_bytes=budget,
-                runtime_factor=runtime,
-                mode=mode,
-                accounting=accounting,  # type: ignore[arg-type]
-                time_limit=time_limit,
-                find_smallest_ram=False,
+                mode,
+                fractions,
+                everything.peak_ram_bytes,
+                step,
+                runtime,
+                accounting,
+                time_limit,
             )
-            curves[mode].append(
-                {
-                    "fraction": fraction,
-                    "ram_bytes": budget,
-                    "status": result.status,
-                    "energy_J": result.energy_joules,
-                    "gap": result.gap,
-                }
-            )
-    click.echo("", err=True)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, rows in curves.items():
         xs = [r["ram_bytes"] / 2**20 for r in rows if r["energy_J"] is not None]
@@ -425,6 +420,45 @@ def poet_figure(
     ]
     console.print(table("energy (J) by RAM budget", ["RAM", *MODES], rows_out))
     console.print(f"figure written to {out}")
+
+
+def _curve(
+    graph: TrainingGraph,
+    mode: str,
+    fractions: list[float],
+    everything_bytes: float,
+    step: progress.Task,
+    runtime: float | None,
+    accounting: str,
+    time_limit: float,
+) -> list[dict[str, Any]]:
+    """One mode's solves at each fraction of the keep-everything peak, each reported to
+    ``step`` (a line each off a terminal, a bar on one)."""
+    from edgetrain.planners.poet import milp
+
+    rows = []
+    for fraction in fractions:
+        budget = everything_bytes * fraction
+        result = milp.solve(
+            graph,
+            ram_bytes=budget,
+            runtime_factor=runtime,
+            mode=mode,  # type: ignore[arg-type]
+            accounting=accounting,  # type: ignore[arg-type]
+            time_limit=time_limit,
+            find_smallest_ram=False,
+        )
+        rows.append(
+            {
+                "fraction": fraction,
+                "ram_bytes": budget,
+                "status": result.status,
+                "energy_J": result.energy_joules,
+                "gap": result.gap,
+            }
+        )
+        step(detail=f"{mode} at {100 * fraction:.0f} %: {result.status}")
+    return rows
 
 
 def _pyplot() -> Any:

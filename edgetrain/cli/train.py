@@ -30,10 +30,11 @@ from edgetrain.cli.output import console, emit_json, table
 from edgetrain.core.accounting import OPTIMIZER_STATES
 from edgetrain.core.schedule import Schedule
 from edgetrain.errors import InvalidInput
+from edgetrain.frontend.cuts import as_stages
 from edgetrain.models import MODELS, build, sample_input
 from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
-from edgetrain.runtime.checkpointed import Checkpointed
+from edgetrain.runtime.checkpointed import Checkpointed, check_plan_for
 from edgetrain.runtime.training import train
 from edgetrain.units import format_bytes
 
@@ -168,6 +169,7 @@ def run_training(
             stack.enter_context(progress_api.quiet())
         torch.manual_seed(seed)
         if choice.name is not None:
+            _check_on_meta(choice, memory, optimizer, schedule)
             progress_api.note(f"building {choice.name} and profiling it on this machine")
             model = build(choice.name, image=choice.image)
             sample = sample_input(choice.name, choice.batch, choice.image)
@@ -183,6 +185,8 @@ def run_training(
         for p in model.parameters():  # train() keeps gradients (zero_grad(set_to_none=False)):
             if p.requires_grad and p.grad is None:  # plan for that loop from the first step
                 p.grad = torch.zeros_like(p)
+        if schedule is not None and choice.name is None:
+            check_plan_for(schedule, as_stages(model, sample), sample, choice.label)
         net = Checkpointed(
             model,
             sample,
@@ -239,3 +243,21 @@ def _check_input_fits(choice: ModelChoice) -> None:
             f"{format_bytes(needed)}, more than this machine's {format_bytes(available)} of "
             "memory; lower --batch or --image"
         )
+
+
+def _check_on_meta(
+    choice: ModelChoice, memory: int | None, optimizer: str, schedule: Schedule | None
+) -> None:
+    """A registered model's memory budget and given plan checked against its sizes, built on
+    the meta device (in a moment, before it is built and profiled)."""
+    from edgetrain.cli.plan import check_memory
+
+    assert choice.name is not None
+    with torch.device("meta"):
+        sample = sample_input(choice.name, choice.batch, choice.image)
+        model = build(choice.name, image=choice.image) if schedule is not None else None
+    if memory is not None:
+        check_memory(memory, choice.name, tuple(sample.shape), optimizer)
+    if schedule is not None and model is not None:
+        # a registered model uses every parameter: its stages hold them all
+        check_plan_for(schedule, model, sample, choice.label)

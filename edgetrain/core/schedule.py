@@ -881,6 +881,7 @@ def made_for(schedule: Schedule, chain: Chain) -> Schedule:
         "chain": chain.fingerprint(),
         "model": chain.name,
         "input_bytes": chain.input_bytes,
+        "weight_bytes": chain.weight_bytes,
         "stages": chain.length,
     }
     params = {**schedule.params, "made_for": record}

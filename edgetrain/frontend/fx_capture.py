@@ -62,8 +62,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from edgetrain import progress
 from edgetrain.autograd.storage_counter import storage_key
 from edgetrain.errors import InvalidInput
+from edgetrain.frontend.containers import is_container, kept_whole_reason, traced_forward
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _KINDS = {"call_module": "module", "call_function": "function", "call_method": "method"}
@@ -129,6 +131,9 @@ class Captured:
             too; not ``training`` nor what ``nn.Module`` itself keeps on every module)
             ``forward()`` read while traced, as (module, name): fx traced
             their values into the graph, so a step must be planned again when one changes.
+        kept_whole: the torch.nn containers with layers inside that stay one node, as (path,
+            why), e.g. ``("rnn", "nn.LSTM runs its 2 layers in one fused kernel")``; the others
+            are traced into (:mod:`edgetrain.frontend.containers`).
     """
 
     model: nn.Module
@@ -139,6 +144,7 @@ class Captured:
     nodes: tuple[CapturedNode, ...]
     outputs: tuple[str, ...]
     reads: tuple[tuple[nn.Module, str], ...] = ()
+    kept_whole: tuple[tuple[str, str], ...] = ()
     _cache: dict[str, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def node(self, name: str) -> CapturedNode:
@@ -163,14 +169,16 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
     samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
     defaults = _defaulted_arguments(model, len(samples))
     before = _snapshot(model)
+    buffers = [(b, b.detach().clone(), b._version) for b in model.buffers()]
     failure: Exception | None = None
     try:
         with _tracing() as attribute_reads, torch.enable_grad():
-            graph = _Tracer().trace(model, concrete_args=defaults or None)
+            graph, kept_whole = _trace_keeping_updaters_whole(model, defaults, buffers)
     except Exception as exc:
         failure = exc
     finally:
         stored = _restore(before)
+        _put_back(buffers)
     if stored:  # the first thing to fix, when tracing also failed (fx on a submodule it made)
         raise InvalidInput(
             f"cannot capture {type(model).__name__}: forward() assigns to {stored} (fx records "
@@ -237,6 +245,7 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
         nodes=tuple(nodes),
         outputs=tuple(returned),
         reads=tuple(attribute_reads),
+        kept_whole=tuple(kept_whole.items()),
     )
 
 
@@ -442,7 +451,44 @@ for _name in ("iadd", "isub", "imul", "itruediv"):
 
 class _Tracer(fx.Tracer):
     """``torch.fx.symbolic_trace``'s tracer, keeping augmented assignments in place and noting
-    on each node the grad mode and autocast region it was traced in (see :func:`_context`)."""
+    on each node the grad mode and autocast region it was traced in (see :func:`_context`).
+
+    fx hands a traced ``forward()`` the module's buffers themselves, not proxies, so a forward
+    that updates a buffer in place (``self.num_batches_tracked.add_(1)`` in a BatchNorm subclass)
+    updates it once while tracing and never in the graph. The tracer notes each module whose own
+    forward did so (:attr:`updaters`, by path, the innermost module called); ``leaves`` are kept
+    as single calls, which run their forward, updates included, at every step."""
+
+    def __init__(self, leaves: frozenset[int] = frozenset()) -> None:
+        super().__init__()
+        self.leaves = leaves  # ids of the modules kept whole
+        self.updaters: dict[str, nn.Module] = {}
+        self.kept_whole: dict[str, str] = {}  # container path -> why it stays one call
+        self._into: set[int] = set()  # ids of the containers traced into
+        self._updated: set[int] = set()  # ids of the buffers a noted module updated
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if id(m) in self._into:
+            return False
+        return id(m) in self.leaves or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(
+        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if is_container(m) and id(m) not in self.leaves:
+            reason = kept_whole_reason(m, args, kwargs)
+            if reason:
+                self.kept_whole[self.path_of_module(m)] = reason
+            else:  # traced into: its layers become nodes, cut between like any others
+                self._into.add(id(m))
+                forward = traced_forward(m)
+        versions = [(b, b._version) for b in m.buffers()]
+        result = super().call_module(m, forward, args, kwargs)
+        updated = {id(b) for b, seen in versions if b._version != seen} - self._updated
+        if updated:
+            self.updaters[self.path_of_module(m)] = m
+            self._updated |= updated
+        return result
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _InplaceProxy(node, self)
@@ -602,6 +648,50 @@ def _fold(graph_module: fx.GraphModule, name: str, state: Context, members: list
             user.replace_input_with(result, replacement)
     for member in reversed(members):
         graph.erase_node(member)
+
+
+def _trace_keeping_updaters_whole(
+    model: nn.Module, defaults: dict[str, Any], buffers: _Saved
+) -> tuple[fx.Graph, dict[str, str]]:
+    """Trace ``model``; when a submodule's forward updates its buffers in place (fx runs it on
+    the real buffers), trace again with each such submodule kept as one call, so that the
+    captured step runs its update as plain autograd does. InvalidInput when ``model``'s own
+    forward updates a buffer in place (it cannot be kept whole)."""
+    versions = [b._version for b, _, _ in buffers]
+    tracer = _Tracer()
+    graph = tracer.trace(model, concrete_args=defaults or None)
+    if tracer.updaters:
+        _put_back(buffers)
+        versions = [b._version for b, _, _ in buffers]
+        tracer = _Tracer(frozenset(id(m) for m in tracer.updaters.values()))
+        graph = tracer.trace(model, concrete_args=defaults or None)
+    names = {id(b): n for n, b in model.named_buffers()}
+    changed = [
+        names[id(b)]
+        for (b, _, _), seen in zip(buffers, versions, strict=True)
+        if b._version != seen
+    ]
+    if changed:
+        raise InvalidInput(
+            f"cannot capture {type(model).__name__}: its forward() updates the buffer "
+            f"{changed[0]!r} in place itself (torch.fx would run that update once, while "
+            "tracing); update it in a submodule's forward() or outside the model"
+        )
+    for path, reason in tracer.kept_whole.items():
+        progress.note(f"{path or type(model).__name__} is one stage: {reason}")
+    return graph, tracer.kept_whole
+
+
+_Saved = list[tuple[torch.Tensor, torch.Tensor, int]]
+"""Each buffer, a copy of its value and its version counter, before tracing."""
+
+
+def _put_back(buffers: _Saved) -> None:
+    """Copy each buffer's saved value back into it if tracing updated it in place."""
+    with torch.no_grad():
+        for buffer, value, version in buffers:
+            if buffer._version != version:
+                buffer.copy_(value)
 
 
 _Snapshot = list[tuple[str, nn.Module, dict[str, Any], list[dict[str, Any]]]]

@@ -301,8 +301,15 @@ def _operations(segment: nn.Module) -> list[str]:
 
 def _meta_copy(model: nn.Module) -> nn.Module:
     """The model with every parameter and buffer on the meta device, without copying data; a
-    tensor shared by several modules (a tied weight) stays one tensor."""
-    return _copy_on(model, _meta_like)
+    tensor shared by several modules (a tied weight) stays one tensor. An integer scalar buffer
+    (a counter such as ``num_batches_tracked``) is copied as it is: a forward may read its value
+    (``1 / float(self.num_batches_tracked)``), which a meta tensor has not."""
+
+    def meta_unless_counter(t: torch.Tensor) -> torch.Tensor:
+        counter = t.dim() == 0 and not t.is_floating_point() and not t.is_complex()
+        return t.detach().clone() if counter else _meta_like(t)
+
+    return _copy_on(model, meta_unless_counter)
 
 
 def _copy_on(model: nn.Module, tensor: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:

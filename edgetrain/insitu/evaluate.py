@@ -206,36 +206,14 @@ def picture(report: Report, store: Store, scene: SyntheticScene | None, path: Pa
                     color = (200, 200, 200)
                 draw.rectangle(c[1:5], outline=color, width=2)
                 name = scene.class_names[c[6]] if c[6] >= 0 else "dropped"
-                draw.text((c[1], max(0, c[2] - 11)), f"t{c[5]} {name}", fill=color)
-            draw.text((4, 4), f"frame {index}", fill=(255, 255, 255))
+                label = f"t{c[5]} {name}"
+                size = _text_size(draw, label)
+                x, y = label_position(tuple(c[1:5]), size, image.size)
+                draw.rectangle((x - 1, y - 1, x + size[0] + 1, y + size[1] + 1), fill=(0, 0, 0))
+                write(draw, (x, y), label, color)
+            write(draw, (4, 4), f"frame {index}", (255, 255, 255))
             panels.append(image.resize((width, height)))
-    chart = Image.new("RGB", (420, height * max(1, len(panels))), "white")
-    draw = ImageDraw.Draw(chart)
-    draw.text((10, 8), "accuracy on held-out frames by off-axis angle", fill="black")
-    legend = "grey: teacher   blue: student"
-    if report.student_accuracy is None and report.teacher_accuracy is not None:
-        legend = "grey: teacher   (no student trained yet)"
-    draw.text((10, 22), legend, fill="black")
-    draw.text((10, 34), "frames: green label right, red wrong, grey track dropped", fill="black")
-    top, bottom = 64, chart.height - 40
-    if report.by_angle:
-        slot = (chart.width - 40) / len(report.by_angle)
-        for k, b in enumerate(report.by_angle):
-            x = 30 + k * slot
-            for j, (value, color) in enumerate(
-                ((b.teacher, (150, 150, 150)), (b.student, (40, 90, 220)))
-            ):
-                if value is None:
-                    continue
-                h = (bottom - top) * value
-                x0 = x + 6 + j * (slot - 12) / 2
-                draw.rectangle((x0, bottom - h, x0 + (slot - 12) / 2 - 2, bottom), fill=color)
-                draw.text((x0, bottom - h - 12), f"{100 * value:.0f}", fill="black")
-            draw.text((x + 6, bottom + 6), f"{b.from_deg:.0f}-{b.to_deg:.0f} deg", fill="black")
-    else:
-        draw.text((10, 60), "no ground truth (real video)", fill="black")
-    draw.line((28, top, 28, bottom), fill="black")
-    draw.line((28, bottom, chart.width - 10, bottom), fill="black")
+    chart = _chart(report, height * max(1, len(panels)))
     left = Image.new("RGB", (width, chart.height), "white")
     for k, p in enumerate(panels):
         left.paste(p, (0, k * height))
@@ -245,6 +223,79 @@ def picture(report: Report, store: Store, scene: SyntheticScene | None, path: Pa
     encoded = io.BytesIO()
     out.save(encoded, format="PNG")
     atomic_write_bytes(path, encoded.getvalue())  # a full disk is DiskFull, one line
+
+
+AXIS_X = 44
+"""The chart's y axis: room on its left for the scale's labels ("100 %")."""
+
+
+def _chart(report: Report, height: int) -> Image.Image:
+    """Accuracy by angle as bars, teacher beside student, on a 0-100 % scale."""
+    chart = Image.new("RGB", (440, height), "white")
+    draw = ImageDraw.Draw(chart)
+    write(draw, (10, 8), "accuracy on held-out frames by off-axis angle", "black")
+    legend = "grey: teacher   blue: student"
+    if report.student_accuracy is None and report.teacher_accuracy is not None:
+        legend = "grey: teacher   (no student trained yet)"
+    write(draw, (10, 22), legend, "black")
+    write(draw, (10, 34), "frames: green label right, red wrong, grey track dropped", "black")
+    top, bottom = 64, chart.height - 40
+    for percent in range(0, 101, 25):
+        y = bottom - (bottom - top) * percent / 100
+        draw.line((AXIS_X - 4, y, AXIS_X, y), fill="black")
+        if percent:
+            draw.line((AXIS_X + 1, y, chart.width - 10, y), fill=(225, 225, 225))
+        label = f"{percent} %"
+        write(draw, (AXIS_X - 6 - _text_size(draw, label)[0], y - 6), label, "black")
+    if report.by_angle:
+        slot = (chart.width - AXIS_X - 12) / len(report.by_angle)
+        for k, b in enumerate(report.by_angle):
+            x = AXIS_X + 2 + k * slot
+            for j, (value, color) in enumerate(
+                ((b.teacher, (150, 150, 150)), (b.student, (40, 90, 220)))
+            ):
+                if value is None:
+                    continue
+                h = (bottom - top) * value
+                x0 = x + 6 + j * (slot - 12) / 2
+                draw.rectangle((x0, bottom - h, x0 + (slot - 12) / 2 - 2, bottom), fill=color)
+                write(draw, (x0, bottom - h - 12), f"{100 * value:.0f}", "black")
+            write(draw, (x + 6, bottom + 6), f"{b.from_deg:.0f}-{b.to_deg:.0f} deg", "black")
+    else:
+        write(draw, (AXIS_X + 10, 60), "no ground truth (real video)", "black")
+    draw.line((AXIS_X, top, AXIS_X, bottom), fill="black")
+    draw.line((AXIS_X, bottom, chart.width - 10, bottom), fill="black")
+    return chart
+
+
+WORD_GAP = 4
+"""Pixels between two words of a picture's text (the default font's space is 1-2 pixels)."""
+
+
+def write(draw: ImageDraw.ImageDraw, xy: tuple[float, float], text: str, fill: Any) -> None:
+    """Draw ``text`` at ``xy`` word by word, :data:`WORD_GAP` pixels apart at least."""
+    x, y = xy
+    for word in text.split():
+        draw.text((x, y), word, fill=fill)
+        x += _text_size(draw, word)[0] + WORD_GAP
+
+
+def _text_size(draw: ImageDraw.ImageDraw, text: str) -> tuple[int, int]:
+    """Width and height of ``text`` as :func:`write` draws it."""
+    words = text.split()
+    boxes = [draw.textbbox((0, 0), w) for w in words] or [(0, 0, 0, 0)]
+    width = sum(b[2] - b[0] for b in boxes) + WORD_GAP * max(0, len(words) - 1)
+    return int(width), int(max(b[3] for b in boxes))
+
+
+def label_position(
+    box: tuple[int, ...], size: tuple[int, int], frame: tuple[int, int]
+) -> tuple[int, int]:
+    """Where a track's label of ``size`` goes: above its ``box`` (x0, y0, x1, y1), or below it
+    when there is no room above, moved left or down as far as needed to lie inside ``frame``."""
+    (x0, y0, _, y1), (w, h), (fw, fh) = box, size, frame
+    y = y0 - h - 2 if y0 - h - 2 >= 0 else y1 + 2
+    return max(0, min(x0, fw - w - 1)), max(0, min(y, fh - h - 1))
 
 
 def resize_for_model(crop: np.ndarray) -> np.ndarray:

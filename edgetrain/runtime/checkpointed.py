@@ -120,7 +120,7 @@ from edgetrain.autograd.stages import (
     signature,
     stage_params,
 )
-from edgetrain.autograd.storage_counter import StorageCounter, storage_key
+from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes, storage_key
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.core.explain import UNSPLIT, PeakExplanation, explain_plan
@@ -218,12 +218,16 @@ class Checkpointed(nn.Module):
         _refuse_hooks(model)
         if on_new_shape not in _NEW_SHAPE:
             raise InvalidInput(f"on_new_shape must be one of {', '.join(_NEW_SHAPE)}")
-        self.module = model
-        self.model = as_stages(model, sample_input)
-        self.strategy = strategy
-        self.on_new_shape = on_new_shape
         self.reserve_bytes = 0 if reserve_bytes in (0, "0") else parse_bytes(reserve_bytes)
         self._device = None if memory_budget is None else parse_bytes(memory_budget)
+        if self._device is not None:  # before the capture and the profile: from the sizes alone
+            check_budget_holds_weights(self._device, model, sample_input, self.reserve_bytes)
+        self.module = model
+        self.model = as_stages(model, sample_input)
+        if schedule is not None:
+            check_plan_for(schedule, self.model, sample_input, type(model).__name__)
+        self.strategy = strategy
+        self.on_new_shape = on_new_shape
         self._max_recompute = max_recompute
         self._params = list(self.model.parameters())
         self._grads_exist: bool | None = None
@@ -869,8 +873,58 @@ def _check_made_for(schedule: Schedule, chain: Chain) -> None:
     if made_for.get("chain") != chain.fingerprint():
         raise InvalidSchedule(
             f"this plan was made for {made_for.get('model') or 'another model'} with an input of "
-            f"{made_for.get('input_bytes')} bytes, not for this model with {chain.input_bytes} "
-            "(another model, batch, image size or dtype); re-plan it for this one"
+            f"{made_for.get('input_bytes')} bytes, not for {chain.name} with "
+            f"{chain.input_bytes} (another model, batch, image size or dtype); re-plan it for "
+            "this one"
+        )
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters, a tied one counted once (as a chain counts them)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _input_bytes(sample: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in leaves(sample))
+
+
+def check_budget_holds_weights(
+    device_bytes: int, model: nn.Module, sample: Any, reserve_bytes: int = 0
+) -> None:
+    """InfeasibleBudget when ``device_bytes`` cannot hold the model's parameters, its buffers,
+    the input and ``reserve_bytes``: counted from their sizes, before any capture or profile
+    (what every plan holds at least; the plan's own check, after the profile, adds the
+    gradients and what the step holds besides)."""
+    held = parameter_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers())
+    floor = held + _input_bytes(sample) + reserve_bytes
+    if device_bytes <= floor:
+        reserve = (
+            f" plus the optimizer state or reserve ({format_bytes(reserve_bytes)})"
+            if reserve_bytes
+            else ""
+        )
+        raise InfeasibleBudget(
+            f"{format_bytes(device_bytes)} does not hold the weights, buffers and input "
+            f"({format_bytes(floor - reserve_bytes)}){reserve}; give more memory",
+            floor,
+        )
+
+
+def check_plan_for(schedule: Schedule, stages: nn.Module, sample: Any, name: str) -> None:
+    """InvalidSchedule when ``schedule`` records that it was made for a model whose weights or
+    input differ from ``stages`` (the model as stages, :func:`as_stages`) and ``sample``: from
+    their sizes, before any profile. The chain's fingerprint, checked once the model is
+    profiled, decides the rest."""
+    made_for = schedule.params.get("made_for")
+    if not isinstance(made_for, dict):
+        return
+    weights, given = parameter_bytes(stages), storage_bytes(leaves(sample))
+    recorded = made_for.get("weight_bytes", weights), made_for.get("input_bytes", given)
+    if recorded != (weights, given):
+        raise InvalidSchedule(
+            f"this plan was made for {made_for.get('model') or 'another model'} "
+            f"({recorded[0]} bytes of weights, an input of {recorded[1]} bytes), not for {name} "
+            f"({weights} bytes of weights, an input of {given} bytes); re-plan it for this one"
         )
 
 

@@ -17,9 +17,9 @@ from torch import nn
 
 from edgetrain.autograd.stages import run_backward, run_forward_with_grad
 from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes
+from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.fx_capture import capture, live_values, segments
 from edgetrain.frontend.profiling import analytic_chain
-from edgetrain.runtime.checkpointed import as_stages
 
 
 class OneRead(nn.Module):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.models import build, model_chain
-from edgetrain.runtime.checkpointed import as_stages
 
 
 class Block(nn.Module):

@@ -18,6 +18,7 @@ import edgetrain
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.core.schedule import Op, Schedule, simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
+from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.fx_capture import ALL_CUTS_UP_TO, all_cuts, capture
 from edgetrain.frontend.profiling import analytic_chain
 from edgetrain.models import build, sample_input
@@ -31,7 +32,7 @@ from edgetrain.planners.blocks import (
 )
 from edgetrain.planners.optimal import OptimalTable, TableMaker, fastest, store_all
 from edgetrain.planners.search import FLAT_UP_TO
-from edgetrain.runtime.checkpointed import Checkpointed, as_stages
+from edgetrain.runtime.checkpointed import Checkpointed
 from tests.conftest import random_chain
 from tests.runtime.test_any_model import F64, ResidualMLP, measured_peak, same_state, train_step
 

@@ -16,6 +16,7 @@ from torch import nn
 import edgetrain
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.schedule import simulate
+from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.models import build, sample_input
 from edgetrain.models.mobilenetv2 import MobileNetV2
@@ -25,7 +26,7 @@ from edgetrain.models.vit import ViT
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
-from edgetrain.runtime.checkpointed import Checkpointed, as_stages
+from edgetrain.runtime.checkpointed import Checkpointed
 
 F64 = torch.float64
 

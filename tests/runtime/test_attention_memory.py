@@ -22,9 +22,10 @@ from torch import nn
 import edgetrain
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.schedule import simulate
+from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
-from edgetrain.runtime.checkpointed import Checkpointed, as_stages
+from edgetrain.runtime.checkpointed import Checkpointed
 
 # The caller's loss (a sum of squares of a 4 × 10 output) is not part of the model's step: at
 # most its scalar and the squares' 160 bytes come on top of the prediction.

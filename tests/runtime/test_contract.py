@@ -14,15 +14,11 @@ from edgetrain.autograd.replay import GraphRunModule
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.schedule import Op, Schedule, simulate
 from edgetrain.errors import InvalidInput, InvalidSchedule
+from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
-from edgetrain.runtime.checkpointed import (
-    STAGE_SECONDS,
-    Checkpointed,
-    as_stages,
-    fixed_training_bytes,
-)
+from edgetrain.runtime.checkpointed import STAGE_SECONDS, Checkpointed, fixed_training_bytes
 
 F64 = torch.float64
 # Every strategy, and budgets from storing everything down to the tightest.
