@@ -657,6 +657,16 @@ def _fastest_within(maker: TableMaker, memory_bytes: float, slots: int) -> Sched
     return Schedule(schedule.length, schedule.kinds, schedule.indices, maker.strategy, params)
 
 
+def fastest_at(maker: TableMaker, memory_bytes: float, slots: int) -> Schedule | None:
+    """The fastest plan that fits ``memory_bytes`` from a table at that budget's resolution
+    (a little above it too, and widened where the chain carries tensors: see
+    :func:`_widened`); None when that table has none (coarser or finer tables may)."""
+    slot_bytes, count = maker.resolution(memory_bytes, slots)
+    top = max(count, min(count + max(1, int(count * _MARGIN)), max_slots(maker.stages)))
+    found = fastest_fitting(maker.table(slot_bytes, top), memory_bytes, top)
+    return None if found is None else _widened(maker, memory_bytes, slots, found)
+
+
 _WIDEN_BELOW = 0.95
 """A plan whose simulated peak is below this share of the budget has the table widened."""
 

@@ -25,7 +25,7 @@ from edgetrain.planners.budget import (
     frontier_for,
     optimal_candidates,
 )
-from edgetrain.planners.optimal import DEFAULT_SLOTS, TableMaker, fastest_fitting, max_slots
+from edgetrain.planners.optimal import DEFAULT_SLOTS, TableMaker, fastest_at
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
 from edgetrain.schedule import Schedule, simulate
@@ -193,8 +193,7 @@ def _refined(
     best = point
     plain = chain.forward_seconds + chain.backward_seconds
     for maker in _makers(chain, strategy, slots, grads_exist):
-        slot_bytes, count = maker.resolution(memory, min(slots, max_slots(maker.stages)))
-        found = fastest_fitting(maker.table(slot_bytes, count), memory, count)
+        found = fastest_at(maker, memory, slots)
         if found is None:
             continue
         cost = simulate(chain, found, grads_exist=grads_exist)
