@@ -302,7 +302,9 @@ class Checkpointed(nn.Module):
         the plain Python attributes its ``forward()`` read while traced
         (:attr:`~edgetrain.capture.Captured.reads`: fx traced their values in, so a temperature
         annealed after planning would otherwise stay the old one; an attribute forward() does
-        not read, a step counter the loop keeps on the model, plans nothing again)."""
+        not read, a step counter the loop keeps on the model, plans nothing again), and
+        whether the loop keeps gradients between steps (what a step starts with, see
+        :attr:`fixed_bytes`, and what its backward creates differ)."""
         return (
             shapes(x),
             tuple(t.requires_grad for t in leaves(x)),
@@ -310,6 +312,7 @@ class Checkpointed(nn.Module):
             tuple(m.training for m in self.module.modules()),
             tuple(autocast_state()),
             tuple(getattr(m, name, None) for m, name in getattr(self.model, "traced_reads", ())),
+            _kept(p for p in self._params if p.requires_grad),
         )
 
     def _planned(self, device: int | None) -> Schedule:
@@ -327,7 +330,7 @@ class Checkpointed(nn.Module):
                 self.chain,
                 self.strategy,
                 device_bytes=device,
-                fixed_bytes=fixed_training_bytes(self.chain) + self.reserve_bytes,
+                fixed_bytes=self.fixed_bytes + self.reserve_bytes,
                 recompute=self._max_recompute,
                 grads_exist=self.grads_exist,
             )
@@ -343,7 +346,7 @@ class Checkpointed(nn.Module):
             raise InvalidSchedule(f"the plan does not fit this model: {exc}") from exc
         if self._device is not None:
             limit = self._device - self.reserve_bytes
-            worst = self.fixed_bytes + self._costs[True].peak_bytes
+            worst = self.fixed_bytes + self._costs[self.grads_exist].peak_bytes
             if worst > limit:
                 raise InfeasibleBudget(
                     f"the given plan needs {format_bytes(worst)}, more than "
@@ -574,11 +577,11 @@ class Checkpointed(nn.Module):
         inputs = leaves(x)
         if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or params):
             return self.module(x)
+        self._grads_exist = _kept(params)  # the loop this step runs in
         key = self._state(x)
         if key != self._key or self._unplanned:
             self._plan_for(x, key)
             return self.forward(x)  # the step, on the plan (and parameter list) for this state
-        self._grads_exist = _kept(params)  # the loop this step runs in
         if self._stores_everything:
             # Every stage once with its graph, nothing recomputed: plain autograd on the module,
             # whose step's peak was measured (Chain.autograd_peak_bytes); no executor overhead.
@@ -969,6 +972,8 @@ def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
                 "another train/eval mode",
                 "another torch.autocast state",
                 "another value of a module attribute (fx traced the old one into the stages)",
+                "a training loop that keeps gradients (or sets them to None) where the plan's "
+                "did not",
             ),
             planned,
             now,

@@ -98,7 +98,12 @@ def plan_command(
     )
     progress.note(f"planning {chain.length} stages ({strategy}, {budget})")
     schedule = plan_for_device(
-        chain, strategy, device_bytes=memory, fixed_bytes=fixed, recompute=recompute
+        chain,
+        strategy,
+        device_bytes=memory,
+        fixed_bytes=fixed,
+        recompute=recompute,
+        grads_exist=True,  # fixed holds the gradients kept from the last step
     )
     if save_path:
         try:
