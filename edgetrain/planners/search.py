@@ -255,14 +255,12 @@ def plan_for_device(
     least = frontier_for(chain, strategy, grads_exist, slots).smallest_bytes
     smallest = int(fixed_bytes + least)
     if device_bytes < smallest:
-        held = (
-            f"{format_bytes(fixed_bytes)} for weights, buffers, input"
-            f"{', gradients' if grads_exist else ''} and optimizer state, and at least "
-            f"{format_bytes(least)} for activations"
-        )
+        gradients = ", gradients" if grads_exist else ""
         raise InfeasibleBudget(
-            f"{strategy} cannot train in {format_bytes(device_bytes)}: it needs {held}; the "
-            f"smallest memory that works is {format_bytes(smallest)} ({smallest} bytes)",
+            f"{strategy} cannot train in {format_bytes(device_bytes)}: the step starts with "
+            f"{format_bytes(fixed_bytes)} (weights{gradients}, buffers, input, reserve) and its "
+            f"activations need at least {format_bytes(least)}; the smallest memory that works "
+            f"is {format_bytes(smallest)} ({smallest} bytes)",
             smallest,
         )
     return plan(
