@@ -6,6 +6,7 @@ made on a machine without it; the torch side (profiling, execution, models) load
     import edgetrain
     net = edgetrain.Checkpointed(model, sample, memory_budget="512MB")   # torch
     schedule = edgetrain.plan(chain, "optimal", recompute=1.5)             # pure
+    points = edgetrain.frontier(chain)      # pure; edgetrain.frontier(model, x) profiles
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from edgetrain.errors import (
     InvalidInput,
     InvalidSchedule,
 )
+from edgetrain.frontiers import FrontierPoint, frontier, knee
 from edgetrain.planners import STRATEGIES, plan
 from edgetrain.schedule import Cost, Op, Schedule, simulate
 
@@ -42,12 +44,15 @@ __all__ = [
     "CorruptFile",
     "Cost",
     "EdgetrainError",
+    "FrontierPoint",
     "InfeasibleBudget",
     "InvalidInput",
     "InvalidSchedule",
     "Op",
     "Schedule",
     "Stage",
+    "frontier",
+    "knee",
     "plan",
     "simulate",
     "uniform_chain",

@@ -164,7 +164,12 @@ class Checkpointed(nn.Module):
             module torch.fx can trace (cut between the blocks that a single tensor leaves).
         sample_input: an input of the shape training will use; profiled on this device.
         memory_budget: bytes (or "512MB") the step may use for weights, gradients, buffers,
-            the input and activations together; the plan is the fastest that fits.
+            the input and activations together; the plan is the fastest that fits. ``"min"``:
+            the smallest budget that plans; ``"auto"``: the knee of the memory/time frontier
+            (:func:`edgetrain.frontiers.knee`: with memory and time each scaled to [0, 1]
+            between the smallest budget's plan and storing everything, the plan farthest below
+            the straight line between those two). Either is chosen again for each input shape
+            and loop planned for.
         max_recompute: alternatively, the largest recompute factor (time over plain autograd's,
             >= 1); the plan then uses the least memory that keeps to it.
         strategy: "optimal" (dynamic program), "revolve" or "sequential".
@@ -214,7 +219,13 @@ class Checkpointed(nn.Module):
         self.strategy = strategy
         self.on_new_shape = on_new_shape
         self.reserve_bytes = 0 if reserve_bytes in (0, "0") else parse_bytes(reserve_bytes)
-        self._device = None if memory_budget is None else parse_bytes(memory_budget)
+        self._rule = memory_budget if memory_budget in _BUDGET_RULES else None
+        if self._rule is not None and schedule is not None:
+            raise InvalidInput(
+                f"memory_budget={self._rule!r} chooses a plan; give no schedule, or a budget in "
+                "bytes to check the schedule against"
+            )
+        self._device = None if memory_budget is None else _device_bytes(memory_budget)
         self._max_recompute = max_recompute
         self._params = list(self.model.parameters())
         self._grads_exist: bool | None = None
@@ -267,6 +278,8 @@ class Checkpointed(nn.Module):
                     made_for if isinstance(made_for, int) else self._costs[False].peak_bytes
                 )
             return
+        if self._rule is not None:
+            self._device = self._ruled_device()
         planned = self._planned(self._device)
         self._adopt(planned, sample)
         excess = self._one_graph_excess
@@ -292,6 +305,18 @@ class Checkpointed(nn.Module):
             excess = self._one_graph_excess
         if not self._one_graph or self.cost.seconds + STAGE_SECONDS > first:
             self._adopt(planned, sample)
+
+    def _ruled_device(self) -> int:
+        """The budget ``memory_budget="min"`` or ``"auto"`` stands for on this chain and loop."""
+        from edgetrain.frontiers import frontier, knee
+
+        points = frontier(
+            self.chain,
+            strategy=self.strategy,
+            grads_exist=self.grads_exist,
+            fixed_bytes=self.fixed_bytes + self.reserve_bytes,
+        )
+        return (points[0] if self._rule == "min" else knee(points)).budget_bytes
 
     def _state(self, x: Any) -> tuple[Any, ...]:
         """What a plan is made for besides the model: the input's shapes and dtypes, which
@@ -916,7 +941,19 @@ class _Run:
         return autocasting(self.autocast) if self.autocast else nullcontext()
 
 
+_BUDGET_RULES = ("min", "auto")
+"""Budgets read off the frontier instead of given in bytes (see :class:`Checkpointed`)."""
+
+
+def _device_bytes(memory_budget: int | float | str) -> int:
+    """A budget's bytes: 0 until planning reads a rule off the frontier."""
+    if memory_budget in _BUDGET_RULES:
+        return 0
+    return parse_bytes(memory_budget)
+
+
 _PLANNED = (
+    "_device",
     "model",
     "_params",
     "chain",

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -64,3 +66,24 @@ def test_the_fixed_part_holds_the_gradients_in_the_loop_that_keeps_them():
     assert f"the step starts with {format_bytes(net.fixed_bytes)}" in str(info.value)
     again = Checkpointed(model, x, memory_budget=info.value.smallest, chain=net.chain)
     assert again.grads_exist and again.predicted_peak_bytes <= info.value.smallest
+
+
+def test_min_and_auto_budgets_are_points_of_the_models_frontier():
+    from edgetrain.frontiers import frontier, knee
+
+    model, x = linear_bn_tanh(), sample()
+    assert len(frontier(model, x)) > 2  # profiled as Checkpointed profiles it
+    net = Checkpointed(model, x)
+    points = frontier(net.chain, fixed_bytes=net.fixed_bytes, grads_exist=net.grads_exist)
+    assert points[-1].recompute_factor == 1.0 and len(points) > 2
+    assert all(a.budget_bytes < b.budget_bytes for a, b in itertools.pairwise(points))
+    smallest = Checkpointed(model, x, memory_budget="min", chain=net.chain)
+    assert smallest.predicted_peak_bytes <= points[0].budget_bytes
+    with pytest.raises(InfeasibleBudget):
+        Checkpointed(model, x, memory_budget=points[0].budget_bytes - 1, chain=net.chain)
+    auto = Checkpointed(model, x, memory_budget="auto", chain=net.chain)
+    chosen = knee(points)
+    assert points[0].budget_bytes < chosen.budget_bytes < points[-1].budget_bytes
+    assert auto.predicted_peak_bytes <= chosen.budget_bytes
+    assert auto.cost.seconds <= chosen.seconds + 1e-12
+    step(auto, x)
