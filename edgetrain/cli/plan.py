@@ -9,6 +9,7 @@ import click
 
 from edgetrain import progress
 from edgetrain.chain import Chain
+from edgetrain.cli.frontier import print_frontier, require_matplotlib
 from edgetrain.cli.main import register
 from edgetrain.cli.options import (
     RECOMPUTE,
@@ -61,6 +62,19 @@ from edgetrain.units import format_bytes, mib
     default=None,
     help="Write the plan to this .json file (its directory must exist).",
 )
+@click.option(
+    "--frontier",
+    "show_frontier",
+    is_flag=True,
+    help="Print the memory/time frontier (every Pareto plan, smallest budget to storing "
+    "everything, the knee marked) instead of one plan.",
+)
+@click.option(
+    "--out",
+    type=OutputFile(".png", ".pdf", ".svg"),
+    default=None,
+    help="With --frontier: plot it to this image (needs the plot extra: matplotlib).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (sizes in bytes) instead.")
 def plan_command(
     model_name: str | None,
@@ -73,6 +87,8 @@ def plan_command(
     recompute: float | None,
     optimizer: str,
     save_path: str | None,
+    show_frontier: bool,
+    out: str | None,
     as_json: bool,
 ) -> None:
     """Plan which activations to store and which to recompute.
@@ -88,9 +104,18 @@ def plan_command(
     """
     if memory is not None and recompute is not None:
         raise InvalidInput("give --memory or --recompute, not both")
+    if out is not None and not show_frontier:
+        raise InvalidInput("--out plots the frontier; add --frontier")
+    if show_frontier and (memory is not None or recompute is not None or save_path):
+        raise InvalidInput("--frontier shows every budget; drop --memory, --recompute and --save")
+    if out is not None:
+        require_matplotlib("plan --out")
     choice = choose_model(model_name, model_file, input_shape, batch, image, default="resnet101")
     chain, shape = _chain(choice)
     fixed = fixed_training_bytes(chain, optimizer)
+    if show_frontier:
+        print_frontier(chain, strategy, fixed, shape, out, as_json)
+        return
     budget = (
         "everything stored"
         if memory is None and recompute is None
