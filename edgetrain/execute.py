@@ -246,19 +246,47 @@ class Checkpointed(nn.Module):
 
     # -- planning ----------------------------------------------------------------------------------
 
-    def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
-        """Plan (or adopt ``schedule``) for ``sample``, and remember the plan for its state."""
-        self._make_plan(sample, chain, schedule)
+    def _plan(
+        self, sample: Any, chain: Chain | None, schedule: Schedule | None, as_is: bool = False
+    ) -> None:
+        """Plan (or adopt ``schedule``) for ``sample``, and remember the plan for its state
+        (``as_is``: ``chain`` is this model's as profiled, nothing to measure again)."""
+        self._make_plan(sample, chain, schedule, as_is)
+        self._remember()
+        if schedule is None and not as_is:
+            self._plan_other_loop(sample)
+
+    def _remember(self) -> None:
         self._plans[self._key] = {name: getattr(self, name) for name in _PLANNED}
         while len(self._plans) > KEPT_PLANS:  # the oldest first; the one just made stays
             del self._plans[next(iter(self._plans))]
 
-    def _make_plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
+    def _plan_other_loop(self, sample: Any) -> None:
+        """Plan for the other training loop too (gradients kept between steps, or set to
+        None), now: a step that finds the loop changed then takes that plan as it is, with
+        nothing planned or measured inside it. A budget that loop cannot meet is planned for
+        (and refused) when it comes."""
+        key, exist = self._key, self._grads_exist
+        self._grads_exist = not self.grads_exist
+        try:
+            self._make_plan(sample, self.chain, None, as_is=True)
+            self._key = (*key[:-1], self._grads_exist)
+            self._remember()
+        except InfeasibleBudget:
+            pass
+        finally:
+            for name, value in self._plans[key].items():
+                setattr(self, name, value)
+            self._grads_exist = exist
+
+    def _make_plan(
+        self, sample: Any, chain: Chain | None, schedule: Schedule | None, as_is: bool = False
+    ) -> None:
         if chain is None:
             chain = profile(self.model, sample, autocast=autocast_state())
         elif chain.autocast != autocast_label(autocast_state()):
             raise InvalidInput(_autocast_mismatch(chain.autocast, autocast_label(autocast_state())))
-        if self.model is not self.module:
+        if self.model is not self.module and not as_is:
             # The store-all plan runs the module itself: its own step's peak counts too.
             chain = with_module_step(chain, self.module, sample)
         self.chain = chain
@@ -646,13 +674,16 @@ class Checkpointed(nn.Module):
                 setattr(self, name, value)
             self._unplanned = False
             return
-        if self.model is not self.module:
+        # Only the loop changed: the same chain, planned for the other loop (nothing profiled
+        # or measured again inside the step).
+        loop_only = key[:-1] == self._key[:-1] and not self._unplanned
+        if self.model is not self.module and not loop_only:
             self.model = as_stages(self.module, x)
             self._params = list(self.model.parameters())
         planned, change = self._key, _change(self._key, key, shapes_now)
         self._unplanned = True  # until this plan is made: half planned, every call plans
         try:
-            self._plan(x, None, None)
+            self._plan(x, self.chain if loop_only else None, None, as_is=loop_only)
         except InfeasibleBudget as exc:
             self._key = planned
             raise InfeasibleBudget(f"planning again for {change}: {exc}", exc.smallest) from exc
