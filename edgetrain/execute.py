@@ -253,7 +253,9 @@ class Checkpointed(nn.Module):
         (``as_is``: ``chain`` is this model's as profiled, nothing to measure again)."""
         self._make_plan(sample, chain, schedule, as_is)
         self._remember()
-        if schedule is None and not as_is:
+        if schedule is not None:  # a given plan runs in either loop
+            self._plans[(*self._key[:-1], not self._key[-1])] = self._plans[self._key]
+        elif not as_is:
             self._plan_other_loop(sample)
 
     def _remember(self) -> None:
