@@ -8,6 +8,7 @@ budget, given back as a budget, plans that point (or a faster one). :func:`knee`
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,9 +63,9 @@ def frontier(
     else:
         if x is None:
             raise InvalidInput("frontier(model, x) needs a sample input x for a model")
-        from edgetrain.execute import Checkpointed
-
-        net = Checkpointed(model_or_chain, x)
+        # The torch side, loaded on first use (the pure core imports no torch).
+        checkpointed = importlib.import_module("edgetrain.execute").Checkpointed
+        net = checkpointed(model_or_chain, x)
         chain = net.chain
         exist = net.grads_exist if grads_exist is None else grads_exist
         fixed = net.fixed_bytes if fixed_bytes is None else int(fixed_bytes)
