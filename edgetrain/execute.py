@@ -254,7 +254,8 @@ class Checkpointed(nn.Module):
         self._make_plan(sample, chain, schedule, as_is)
         self._remember()
         if schedule is not None:  # a given plan runs in either loop
-            self._plans[(*self._key[:-1], not self._key[-1])] = self._plans[self._key]
+            other = (*self._key[:-1], not self._key[-1])
+            self._plans[other] = {**self._plans[self._key], "_key": other}
         elif not as_is:
             self._plan_other_loop(sample)
 
