@@ -81,10 +81,11 @@ def curve(
 ) -> Curve:
     """The curve of LinearResNet-``depth`` built from ResNet-``depth``'s weights and layer
     outputs at that image size and batch: the Pareto frontier of ``strategy``'s plans, memory
-    counted with 4 × weights."""
+    counted with 4 × weights. The fixed part holds the gradients, so the plans are those of
+    the loop that keeps them (the step does not create them again)."""
     chain = linear_resnet_chain(depth, weight_bytes, activation_bytes)
     fixed = 4 * weight_bytes
-    points = tuple((rho, fixed + peak) for rho, peak in tradeoff(chain, strategy))
+    points = tuple((rho, fixed + peak) for rho, peak in tradeoff(chain, strategy, grads_exist=True))
     return Curve(depth, image, batch, strategy, weight_bytes, points)
 
 
