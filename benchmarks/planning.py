@@ -15,13 +15,20 @@ over its blocks): least activation memory, the recompute factor ρ at budgets of
 0.7, 0.5 and 0.3 × plain autograd's peak, and planning seconds (medians), in the loop that sets
 gradients to None.
 
-    python benchmarks/planning.py [--runs 5] [--json] [--only blocks|speed]
+A third table times the one budget search on the held-out mixed chain of 200 stages (stages
+saving all, half or none of their output, half of them not saving their input): a first call of
+``plan(chain, "optimal", memory=f × store-all peak)`` for f = 0.9, 0.5, 0.3, and of the smallest
+budget (``InfeasibleBudget.smallest`` from a budget of 1 byte), each with the kept frontiers
+dropped first; process CPU and wall seconds, medians of rounds run interleaved.
+
+    python benchmarks/planning.py [--runs 5] [--json] [--only blocks|speed|budget]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import sys
 import time
@@ -30,9 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
-from _common import emit
+from _common import emit, interleaved_samples, sample_medians
 
-from edgetrain.core.chain import Chain, uniform_chain
+from edgetrain.core.chain import Chain, Stage, uniform_chain
 from edgetrain.core.schedule import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.fx_capture import all_cuts, block_cuts, capture, segments
@@ -48,6 +55,7 @@ from edgetrain.planners.optimal import (
     store_all,
 )
 from edgetrain.planners.revolve import optimal_forward_steps, revolve_steps
+from edgetrain.planners.search import forget, frontier
 
 
 def median_seconds(work: Callable[[], object], runs: int) -> float:
@@ -140,12 +148,103 @@ def _try_plan(chain: Chain, planner: str, budget: float) -> None:
         fastest(_maker(chain, planner), budget)
 
 
+def mixed_chain(length: int = 200, seed: int = 0) -> Chain:
+    """The held-out shape: every stage saves all, half (one of two output tensors) or none of
+    its output, half of them do not save their input; sizes in pages of 4 KiB."""
+    rng = random.Random(seed)
+    page = 4096
+    stages = []
+    for i in range(length):
+        out = rng.randint(1, 64) * page
+        saved = rng.randint(0, 32) * page
+        kind = rng.choice(("all", "half", "none"))
+        stages.append(
+            Stage(
+                name=f"s{i}",
+                output_bytes=out,
+                saved_bytes=saved,
+                saves_input=rng.random() < 0.5,
+                saves_output=kind != "none",
+                saved_outputs=(0,) if kind == "half" else None,
+                leaf_bytes=(out // 2, out - out // 2) if kind == "half" else (),
+                forward_peak_bytes=out + rng.randint(0, 8) * page,
+                forward_grad_peak_bytes=out + saved + rng.randint(0, 8) * page,
+                backward_peak_bytes=rng.randint(1, 64) * page,
+                weight_bytes=page,
+                gradient_bytes=page,
+                forward_seconds=rng.uniform(0.5, 2.0),
+                backward_seconds=rng.uniform(0.5, 3.0),
+            )
+        )
+    return Chain(tuple(stages), input_bytes=64 * page, name=f"mixed{length}")
+
+
+def _smallest(chain: Chain) -> float:
+    try:
+        plan(chain, "optimal", memory=1)
+    except InfeasibleBudget as exc:
+        assert exc.smallest is not None
+        return exc.smallest
+    return 1.0
+
+
+def budget_rows(runs: int) -> list[dict[str, object]]:
+    """First calls of the budget search on the mixed 200-stage chain (kept frontiers dropped)."""
+    chain = mixed_chain()
+    peak = simulate(chain, store_all(chain)).peak_bytes
+
+    def cold(work: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            forget()
+            return work()
+
+        return run
+
+    steps: dict[str, Callable[[], object]] = {
+        f"{f} x store-all": cold(lambda f=f: plan(chain, "optimal", memory=f * peak))
+        for f in (0.9, 0.5, 0.3)
+    }
+    steps["smallest budget"] = cold(lambda: _smallest(chain))
+    samples = interleaved_samples(steps, runs, warmup=0)
+    smallest = _smallest(chain)
+    rows = []
+    for name, budget in (
+        *((f"{f} x store-all", f * peak) for f in (0.9, 0.5, 0.3)),
+        ("smallest budget", smallest),
+    ):
+        cost = simulate(chain, plan(chain, "optimal", memory=budget))
+        cpu, wall = sample_medians(samples[name])
+        rows.append(
+            {
+                "query": name,
+                "budget_MiB": budget / MiB,
+                "peak/budget": cost.peak_bytes / budget,
+                "rho": cost.recompute_factor,
+                "cpu_s": cpu,
+                "wall_s": wall,
+                "target_s": 1.0,
+            }
+        )
+    rows.append({"query": "frontier points", "budget_MiB": len(frontier(chain).points)})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--only", choices=("blocks", "speed"), default=None)
+    parser.add_argument("--only", choices=("blocks", "speed", "budget"), default=None)
     args = parser.parse_args()
+    if args.only in (None, "budget"):
+        emit(
+            "The budget search on the mixed 200-stage chain: first calls (medians of "
+            f"{args.runs} interleaved rounds; target 1 s)",
+            ["query", "budget_MiB", "peak/budget", "rho", "cpu_s", "wall_s", "target_s"],
+            budget_rows(args.runs),
+            args.json,
+        )
+    if args.only == "budget":
+        return
     if args.only != "speed":
         emit(
             "Flat DP vs block-options DP on captured models (activation MiB; rho at budgets "

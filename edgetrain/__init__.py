@@ -6,6 +6,7 @@ made on a machine without it; the torch side (profiling, the executor) loads on 
     import edgetrain
     net = edgetrain.Checkpointed(model, sample, memory_budget="512MB")   # torch
     schedule = edgetrain.plan(chain, "optimal", max_recompute=1.5)       # pure
+    points = edgetrain.frontier(chain)      # pure; edgetrain.frontier(model, x) profiles
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from edgetrain.errors import (
     InvalidSchedule,
 )
 from edgetrain.planners import plan
+from edgetrain.runtime.frontier import FrontierPoint, frontier, knee
 
 __version__ = "0.1.0"
 
@@ -51,6 +53,7 @@ __all__ = [
     "CorruptFile",
     "Cost",
     "EdgetrainError",
+    "FrontierPoint",
     "InfeasibleBudget",
     "InvalidInput",
     "InvalidSchedule",
@@ -59,6 +62,8 @@ __all__ = [
     "Stage",
     "StorageCounter",
     "analytic_chain",
+    "frontier",
+    "knee",
     "plan",
     "profile_chain",
     "simulate",

@@ -50,6 +50,7 @@ EXECUTOR_TESTS = ("tests/test_independent_references.py", "tests/runtime/test_ch
 SIMULATOR_TESTS = ("tests/test_independent_references.py", "tests/core/test_schedule.py",
 "tests/planners/test_planners.py")
 TILE_TESTS = ("tests/tiles/test_geometry.py", "tests/tiles/test_exact.py")
+BUDGET_TESTS = ("tests/planners/test_budget_search.py", "tests/runtime/test_budget_fixed_part.py")
 
 
 @dataclass(frozen=True)
@@ -81,20 +82,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ------------------
     Mutation(
         "optimal-rho-store-all",
-        "edgetrain/planners/search.py",
-        "if ok.size:",
-        "if ok.size and False:",
-        PLANNER_TESTS,
-        "optimal's recompute-factor search returns the store-everything plan",
+        "edgetrain/planners/budget.py",
+        "return next((p for p in self.points if p.recompute_factor <= limit), None)",
+        "return next((p for p in reversed(self.points) if p.recompute_factor <= limit), None)",
+        BUDGET_TESTS + PLANNER_TESTS,
+        "the recompute-factor search returns the fastest plan within the factor (for optimal, "
+        "the store-everything plan) instead of the least memory",
         True,
     ),
     Mutation(
         "rho-pick-fastest",
-        "edgetrain/planners/search.py",
-        "return min(fitting, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds))[1]",
-        "return min(fitting, key=lambda cs: (cs[0].seconds, cs[0].peak_bytes))[1]",
-        PLANNER_TESTS,
-        "sequential/revolve ρ-search picks the fastest plan instead of the least memory",
+        "edgetrain/planners/budget.py",
+        "key=lambda cs: (cs[0].peak_bytes, cs[0].seconds, len(cs[1]))",
+        "key=lambda cs: (cs[0].peak_bytes, -cs[0].seconds, len(cs[1]))",
+        BUDGET_TESTS + PLANNER_TESTS,
+        "the frontier keeps the slowest plan of each peak: a recompute-factor search's tie goes "
+        "to the slower plan, a budget's to a slower one",
         True,
     ),
     Mutation(
@@ -135,12 +138,39 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "tradeoff-ignores-dp",
-        "edgetrain/planners/search.py",
-        "if math.isfinite(t)",
-        "if math.isfinite(t) and False",
-        PLANNER_TESTS,
-        "the optimal trade-off curve ignores the dynamic program's table",
+        "edgetrain/planners/budget.py",
+        "return [table.schedule(int(m)) for m in changes]",
+        "return [table.schedule(int(m)) for m in changes[:1]]",
+        BUDGET_TESTS + PLANNER_TESTS,
+        "the optimal frontier keeps only each table's least-memory plan (and storing everything)",
         True,
+    ),
+    # -- the budget search (issue 29, items 1 and 3; issue 33, item 1: optimal-rho-store-all) --
+    Mutation(
+        "device-smallest-is-fixed-part",
+        "edgetrain/planners/search.py",
+        "smallest = int(fixed_bytes + least)",
+        "smallest = int(fixed_bytes)",
+        BUDGET_TESTS,
+        "a device budget below the fixed part reports the fixed part as the smallest that works "
+        "(which is refused again)",
+    ),
+    Mutation(
+        "smallest-is-store-all",
+        "edgetrain/planners/budget.py",
+        "            smallest = self.smallest_bytes\n",
+        "            smallest = self.points[-1].peak_bytes\n",
+        BUDGET_TESTS,
+        "an infeasible budget reports the store-everything peak as the smallest that works",
+    ),
+    Mutation(
+        "feasibility-not-monotone",
+        "edgetrain/planners/budget.py",
+        'index = int(np.searchsorted(peaks, memory_bytes, side="right")) - 1',
+        'index = int(np.searchsorted(peaks, memory_bytes, side="right")) - 1 '
+        "if memory_bytes < 0.6 * peaks[-1] else -1",
+        BUDGET_TESTS,
+        "budgets above 0.6 x the store-everything peak are refused while smaller ones plan",
     ),
     Mutation(
         "no-grad-shortcut-removed",

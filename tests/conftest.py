@@ -14,6 +14,12 @@ from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.devices.energy import EnergyProfile
 
+# The executor's cost per stage operation (measured once per machine, about 60 us here) makes the
+# suite's small models store everything under max_recompute: they exist to exercise plans that
+# recompute, so the suite plans with that cost at 0 unless a test sets it
+# (tests/runtime/test_time_includes_stage_cost.py does).
+os.environ.setdefault("EDGETRAIN_STAGE_SECONDS", "0")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test runs two workers on two cores: one torch thread each (tests that compare two
     # runs make both in the same process, with the same thread count).
@@ -61,6 +67,64 @@ def random_chain(rng: random.Random, length: int, *, scale: int = 10) -> Chain:
     return Chain(
         tuple(stages), input_bytes=rng.randint(1, scale), input_requires_grad=rng.random() < 0.5
     )
+
+
+def every_kind_chain(rng: random.Random, length: int, *, scale: int = 10) -> Chain:
+    """A chain with every kind of stage the planners see: outputs of one tensor or two (the
+    graph saving all, one or none of them), inputs saved or not, a parameter tied to an earlier
+    stage's (its gradient summed before it is added), a backward peaking otherwise when
+    gradients are kept, leading stages without a gradient, tensors carried through unchanged."""
+    stages: list[Stage] = []
+    two_in = False  # whether the last output has two tensors
+    needs_grad = rng.random() < 0.5
+    for i in range(length):
+        out = rng.randint(1, scale)
+        saved = rng.randint(0, scale)
+        weights = rng.randint(0, scale // 2)
+        grads = weights if rng.random() < 0.6 else 0
+        needs_grad = needs_grad or grads > 0
+        two_out = rng.random() < 0.4
+        leaves = (out, rng.randint(1, scale)) if two_out else ()
+        carried: tuple[tuple[int, int], ...] = ()
+        if two_out and two_in and rng.random() < 0.5:
+            previous = stages[-1].leaf_bytes[1]  # the skip, passed on unchanged
+            leaves = (out, previous)
+            carried = ((1, 1),)
+        save_output = rng.choice(("all", "one", "none"))
+        stages.append(
+            Stage(
+                name=f"s{i}",
+                output_bytes=sum(leaves) if leaves else out,
+                saved_bytes=saved,
+                saves_input=rng.random() < 0.5,
+                saves_output=save_output != "none",
+                saved_outputs=(0,) if two_out and save_output == "one" else None,
+                leaf_bytes=leaves,
+                carried=carried,
+                forward_peak_bytes=out + rng.randint(0, scale // 2),
+                forward_grad_peak_bytes=out + saved + rng.randint(0, scale // 2),
+                backward_peak_bytes=rng.randint(1, scale + 2),
+                backward_peak_kept_bytes=(
+                    rng.randint(1, scale + 2) if rng.random() < 0.3 else None
+                ),
+                weight_bytes=weights,
+                gradient_bytes=grads,
+                shared_gradient_bytes=grads if grads and rng.random() < 0.3 else 0,
+                output_requires_grad=needs_grad,
+                forward_seconds=rng.uniform(0.5, 2.0),
+                backward_seconds=rng.uniform(0.5, 3.0),
+            )
+        )
+        two_in = two_out
+    return Chain(tuple(stages), input_bytes=rng.randint(1, scale), input_requires_grad=False)
+
+
+@st.composite
+def every_kind_chains(draw: st.DrawFn, min_length: int = 1, max_length: int = 8) -> Chain:
+    """Hypothesis strategy for :func:`every_kind_chain`."""
+    seed = draw(st.integers(0, 2**32 - 1))
+    length = draw(st.integers(min_length, max_length))
+    return every_kind_chain(random.Random(seed), length)
 
 
 def output_saving_chain(rng: random.Random, length: int, *, saves_input: bool) -> Chain:

@@ -21,14 +21,21 @@ from edgetrain.core.schedule import Op, Schedule
 
 
 def fastest_schedule(
-    chain: Chain, budget: int, *, nested: bool = True, release: bool = False
+    chain: Chain,
+    budget: int,
+    *,
+    nested: bool = True,
+    release: bool = False,
+    grads_exist: bool = False,
 ) -> tuple[float, Schedule | None]:
     """The least time of any valid schedule whose peak stays within ``budget`` bytes.
 
     ``nested``: only schedules of the dynamic program's form, in which no stage runs forward while
     the graph of a later stage is held (rotor's class). Without it, every schedule; that can be
     faster in rare cases (recomputing an earlier stage with grad before a later backward, about
-    4 in 10 000 random chain/budget pairs). ``release``: ``Fr`` too (a graph that holds nothing
+    4 in 10 000 random chain/budget pairs). ``grads_exist``: the loop that keeps parameter
+    gradients (a backward holds only those it must sum with an earlier stage's, and peaks as
+    its stage says for that loop). ``release``: ``Fr`` too (a graph that holds nothing
     of its input, which must be held again for its backward, which drops it); nested then also
     lets a stage run forward while the released graph of the next stage is held (rebuilding its
     input).
@@ -49,7 +56,7 @@ def fastest_schedule(
         total += sum(st[k].saved_bytes for k in range(n) if (graph >> k) & 1)
         if loss:
             total += grad[nb + 1] + (grad[n] if nb + 1 < n else 0)
-            total += sum(st[k].gradient_bytes for k in range(nb + 1, n))
+            total += sum(st[k].made_gradient_bytes(grads_exist) for k in range(nb + 1, n))
         return total
 
     State = tuple[int, int, int, int, bool]
@@ -132,7 +139,7 @@ def fastest_schedule(
             moves.append(
                 (
                     st[nb].backward_seconds,
-                    before + st[nb].backward_peak_bytes,
+                    before + st[nb].backward_peak(grads_exist),
                     new,
                     (Op.BACKWARD, nb),
                 )

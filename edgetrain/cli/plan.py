@@ -9,6 +9,7 @@ import click
 import torch
 
 from edgetrain import progress
+from edgetrain.cli.frontier import print_frontier, require_matplotlib
 from edgetrain.cli.options import (
     RECOMPUTE,
     SIZE_HELP,
@@ -70,6 +71,19 @@ from edgetrain.units import format_bytes, mib
     is_flag=True,
     help="Also show what is held at the predicted peak, by category and stage, and where.",
 )
+@click.option(
+    "--frontier",
+    "show_frontier",
+    is_flag=True,
+    help="Print the memory/time frontier (every Pareto plan, smallest budget to storing "
+    "everything, the knee marked) instead of one plan.",
+)
+@click.option(
+    "--out",
+    type=OutputFile(".png", ".pdf", ".svg"),
+    default=None,
+    help="With --frontier: plot it to this image (needs the plot extra: matplotlib).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (sizes in bytes) instead.")
 def plan_command(
     model_name: str | None,
@@ -83,6 +97,8 @@ def plan_command(
     optimizer: str,
     save_path: str | None,
     explain: bool,
+    show_frontier: bool,
+    out: str | None,
     as_json: bool,
 ) -> None:
     """Plan which activations to store and which to recompute.
@@ -98,9 +114,18 @@ def plan_command(
     """
     if memory is not None and recompute is not None:
         raise InvalidInput("give --memory or --recompute, not both")
+    if out is not None and not show_frontier:
+        raise InvalidInput("--out plots the frontier; add --frontier")
+    if show_frontier and (memory is not None or recompute is not None or save_path):
+        raise InvalidInput("--frontier shows every budget; drop --memory, --recompute and --save")
+    if out is not None:
+        require_matplotlib("plan --out")
     choice = choose_model(model_name, model_file, input_shape, batch, image, default="resnet101")
     chain, shape = _chain(choice, memory, optimizer)
     fixed = fixed_training_bytes(chain, optimizer)
+    if show_frontier:
+        print_frontier(chain, strategy, fixed, shape, out, as_json)
+        return
     budget = (
         "everything stored"
         if memory is None and recompute is None
@@ -108,7 +133,12 @@ def plan_command(
     )
     progress.note(f"planning {chain.length} stages ({strategy}, {budget})")
     schedule = plan_for_device(
-        chain, strategy, device_bytes=memory, fixed_bytes=fixed, recompute=recompute
+        chain,
+        strategy,
+        device_bytes=memory,
+        fixed_bytes=fixed,
+        recompute=recompute,
+        grads_exist=True,  # fixed holds the gradients kept from the last step
     )
     if save_path:
         try:

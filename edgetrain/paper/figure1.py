@@ -56,13 +56,37 @@ def curves(strategies: tuple[str, ...] = ("revolve", "optimal")) -> list[Curve]:
         for image, batch in SETTINGS:
             for depth in DEPTHS:
                 resnet = model_chain(f"resnet{depth}", batch, image, timing=False)
-                chain = linear_resnet_chain(depth, resnet.weight_bytes, resnet.layer_output_bytes)
-                fixed = 4 * resnet.weight_bytes
                 for strategy in strategies:
-                    points = tuple((rho, fixed + peak) for rho, peak in tradeoff(chain, strategy))
-                    out.append(Curve(depth, image, batch, strategy, resnet.weight_bytes, points))
+                    out.append(
+                        curve(
+                            depth,
+                            image,
+                            batch,
+                            strategy,
+                            resnet.weight_bytes,
+                            resnet.layer_output_bytes,
+                        )
+                    )
                 step(detail=f"LinearResNet-{depth}, {image}x{image}, batch {batch}")
     return out
+
+
+def curve(
+    depth: int,
+    image: int,
+    batch: int,
+    strategy: str,
+    weight_bytes: int,
+    activation_bytes: int,
+) -> Curve:
+    """The curve of LinearResNet-``depth`` built from ResNet-``depth``'s weights and layer
+    outputs at that image size and batch: the Pareto frontier of ``strategy``'s plans, memory
+    counted with 4 × weights. The fixed part holds the gradients, so the plans are those of
+    the loop that keeps them (the step does not create them again)."""
+    chain = linear_resnet_chain(depth, weight_bytes, activation_bytes)
+    fixed = 4 * weight_bytes
+    points = tuple((rho, fixed + peak) for rho, peak in tradeoff(chain, strategy, grads_exist=True))
+    return Curve(depth, image, batch, strategy, weight_bytes, points)
 
 
 @dataclass(frozen=True)

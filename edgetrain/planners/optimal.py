@@ -636,18 +636,18 @@ def _fastest_within(maker: TableMaker, memory_bytes: float, slots: int) -> Sched
         top = min(count + max(1, int(count * _MARGIN)), max_slots(maker.stages))
         top = max(top, count)
         table = maker.table(slot_bytes, top)
-        found = _fastest_fitting(table, memory_bytes, top)
+        found = fastest_fitting(table, memory_bytes, top)
         if found is not None:
             found = _widened(maker, memory_bytes, slots, found)
         if found is None:
             # Rounding up every size of a long chain can hide every plan; to the nearest slot
             # the errors cancel (the simulator checks each plan).
             near = maker.table(slot_bytes, top, nearest=True)
-            found = _fastest_fitting(near, memory_bytes, top)
+            found = fastest_fitting(near, memory_bytes, top)
         if found is None:
             # Coarse rounding can hide the smallest plans: the least-memory tables have them.
             for table in _least_memory_tables(maker, slots):
-                found = _fastest_fitting(table, memory_bytes)
+                found = fastest_fitting(table, memory_bytes)
                 if found is not None:
                     break
         if found is None:
@@ -655,6 +655,16 @@ def _fastest_within(maker: TableMaker, memory_bytes: float, slots: int) -> Sched
         schedule = found
     params = {**schedule.params, "budget_bytes": int(memory_bytes)}
     return Schedule(schedule.length, schedule.kinds, schedule.indices, maker.strategy, params)
+
+
+def fastest_at(maker: TableMaker, memory_bytes: float, slots: int) -> Schedule | None:
+    """The fastest plan that fits ``memory_bytes`` from a table at that budget's resolution
+    (a little above it too, and widened where the chain carries tensors: see
+    :func:`_widened`); None when that table has none (coarser or finer tables may)."""
+    slot_bytes, count = maker.resolution(memory_bytes, slots)
+    top = max(count, min(count + max(1, int(count * _MARGIN)), max_slots(maker.stages)))
+    found = fastest_fitting(maker.table(slot_bytes, top), memory_bytes, top)
+    return None if found is None else _widened(maker, memory_bytes, slots, found)
 
 
 _WIDEN_BELOW = 0.95
@@ -685,7 +695,7 @@ def _widened(maker: TableMaker, memory_bytes: float, slots: int, found: Schedule
         reach *= memory_bytes / peak
         slot_bytes, count = maker.resolution(reach, slots)
         table = maker.table(slot_bytes, count)
-        wider = _fastest_fitting(table, memory_bytes, count)
+        wider = fastest_fitting(table, memory_bytes, count)
         if wider is None:
             break
         found = wider
@@ -695,7 +705,7 @@ def _widened(maker: TableMaker, memory_bytes: float, slots: int, found: Schedule
     return best
 
 
-def _fastest_fitting(
+def fastest_fitting(
     table: OptimalTable, memory_bytes: float, top: int | None = None
 ) -> Schedule | None:
     """The fastest of the table's plans (budgets ``top`` down to 0) whose exact peak fits."""

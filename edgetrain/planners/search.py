@@ -10,25 +10,25 @@ its row for the whole chain gives the least time for every budget at once.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
-import numpy as np
-
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import Cost, Schedule, made_for, simulate
+from edgetrain.core.schedule import Schedule, made_for, simulate
 from edgetrain.devices import energy
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.planners.blocks import block_plan, blocks_of
-from edgetrain.planners.optimal import (
-    DEFAULT_SLOTS,
-    OptimalTable,
-    TableMaker,
-    fastest,
-    least_memory,
-    store_all,
+from edgetrain.planners.budget import (
+    Frontier,
+    Measured,
+    Point,
+    family_candidates,
+    frontier_of,
+    optimal_candidates,
 )
+from edgetrain.planners.optimal import DEFAULT_SLOTS, TableMaker, fastest_at
 from edgetrain.planners.poet.to_schedule import plan_poet
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
@@ -82,13 +82,19 @@ def plan(
         )
     if memory is not None and memory <= 0:
         raise InvalidInput("the memory budget must be positive; give e.g. 512MB")
-    if strategy in ("optimal", "blocks"):
-        schedule = _plan_best(chain, strategy, memory, recompute, slots, grads_exist)
+    frontier = frontier_for(chain, strategy, grads_exist, slots)
+    if memory is not None:
+        point = frontier.within_memory(memory)
+        if strategy in ("optimal", "blocks") and not frontier.exact:
+            point = _refined(chain, strategy, slots, grads_exist, memory, point)
+        params: dict[str, object] = {"budget_bytes": int(memory)}
+    elif recompute is not None:
+        point = frontier.within_factor(recompute)
+        params = {"recompute_target": recompute}
     else:
-        family: Callable[[Chain], list[Schedule]] = (
-            _sequential_family if strategy == "sequential" else _revolve_family
-        )
-        schedule = _pick(chain, strategy, family(chain), memory, recompute, grads_exist)
+        point = frontier.points[-1]  # the fastest
+        params = {}
+    schedule = _as_strategy(point.schedule, strategy, params)
     return made_for(schedule, chain)
 
 
@@ -123,38 +129,39 @@ def _revolve_family(chain: Chain) -> list[Schedule]:
     return [revolve(chain, s) for s in range(1, chain.length + 1)]
 
 
-def _pick(
+def _as_strategy(schedule: Schedule, strategy: str, params: dict[str, object]) -> Schedule:
+    """``schedule`` labelled as ``strategy``'s, with ``params`` (and, for the DP, whether its
+    table was over the chain's stages or its blocks)."""
+    info = {**schedule.params, **params}
+    if strategy in ("optimal", "blocks"):
+        info["over"] = "blocks" if schedule.strategy == "blocks" else "stages"
+    return Schedule(schedule.length, schedule.kinds, schedule.indices, strategy, info)
+
+
+def candidates_of(
+    chain: Chain, strategy: str, slots: int, grads_exist: bool
+) -> Callable[[Measured], bool]:
+    """The plans a strategy chooses among, whatever the budget (see
+    :mod:`edgetrain.planners.budget`), and whether they are exact."""
+    if strategy == "sequential":
+        return family_candidates(lambda: _sequential_family(chain))
+    if strategy == "revolve":
+        return family_candidates(lambda: _revolve_family(chain))
+    return optimal_candidates(_makers(chain, strategy, slots, grads_exist), slots)
+
+
+def frontier(
     chain: Chain,
-    strategy: str,
-    candidates: list[Schedule],
-    memory: float | None,
-    recompute: float | None,
+    strategy: str = "optimal",
+    *,
     grads_exist: bool = False,
-) -> Schedule:
-    costs: list[tuple[Cost, Schedule]] = [
-        (simulate(chain, s, grads_exist=grads_exist), s) for s in candidates
-    ]
-    if memory is not None:
-        fitting = [(c, s) for c, s in costs if c.peak_bytes <= memory]
-        if not fitting:
-            smallest = min(c.peak_bytes for c, _ in costs)
-            raise InfeasibleBudget(
-                f"{strategy} needs at least {smallest} bytes of activation memory, "
-                f"the budget leaves {int(memory)}; give more memory or use strategy 'optimal'",
-                smallest,
-            )
-        return min(fitting, key=lambda cs: (cs[0].seconds, cs[0].peak_bytes))[1]
-    if recompute is not None:
-        fitting = [(c, s) for c, s in costs if c.recompute_factor <= recompute + _TOLERANCE]
-        if not fitting:
-            smallest_rho = min(c.recompute_factor for c, _ in costs)
-            raise InfeasibleBudget(
-                f"{strategy} cannot keep the recompute factor at {recompute}; the smallest it "
-                f"reaches is {smallest_rho:.3f}",
-                smallest_rho,
-            )
-        return min(fitting, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds))[1]
-    return min(costs, key=lambda cs: (cs[0].seconds, cs[0].peak_bytes))[1]
+    slots: int = DEFAULT_SLOTS,
+) -> Frontier:
+    """The Pareto frontier of ``strategy``'s plans on ``chain``: from the smallest feasible
+    budget to storing everything (see :mod:`edgetrain.planners.budget`)."""
+    if strategy not in STRATEGIES:
+        raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    return frontier_for(chain, strategy, grads_exist, slots)
 
 
 FLAT_UP_TO = 256
@@ -162,6 +169,25 @@ FLAT_UP_TO = 256
 longer one only over its blocks: fewer DP stages, so a finer memory resolution in less time
 (ResNet-152 captured, batch 8, 224²: 313 stages in 55 blocks, least memory 351.6 MiB in 1.3 s;
 flat, 895 MiB in 7 s)."""
+
+
+def _refined(
+    chain: Chain, strategy: str, slots: int, grads_exist: bool, memory: float, point: Point
+) -> Point:
+    """``point`` (the frontier's fastest plan within ``memory``), or a faster plan from a table
+    at the budget's own resolution (one per maker: its plans for budgets up to ``memory``,
+    each checked by the simulator). Only ever a plan that fits: a budget the frontier refuses is
+    refused whatever such a table finds, so feasibility stays the frontier's."""
+    best = point
+    plain = chain.forward_seconds + chain.backward_seconds
+    for maker in _makers(chain, strategy, slots, grads_exist):
+        found = fastest_at(maker, memory, slots)
+        if found is None:
+            continue
+        cost = simulate(chain, found, grads_exist=grads_exist)
+        if cost.peak_bytes <= memory and cost.seconds < best.seconds * (1 - 1e-12):
+            best = Point(cost.peak_bytes, cost.seconds, cost.seconds / plain, found)
+    return best
 
 
 def _makers(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> list[TableMaker]:
@@ -178,87 +204,12 @@ def _makers(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> list[
     return makers
 
 
-def _plan_best(
-    chain: Chain,
-    strategy: str,
-    memory: float | None,
-    recompute: float | None,
-    slots: int,
-    grads_exist: bool,
-) -> Schedule:
-    """The best of the plans of :func:`_makers`' tables: the fastest that fits ``memory``, or
-    the smallest peak within ``recompute`` (each checked by the simulator)."""
-    found: list[tuple[Cost, Schedule]] = []
-    smallest: list[float] = []
-    for maker in _makers(chain, strategy, slots, grads_exist):
-        try:
-            schedule = _plan_optimal(maker, memory, recompute, slots)
-        except InfeasibleBudget as exc:
-            if exc.smallest is not None:
-                smallest.append(exc.smallest)
-            error = exc
-            continue
-        found.append((simulate(chain, schedule, grads_exist=grads_exist), schedule))
-    if not found:
-        if len(smallest) > 1:
-            least = min(smallest)
-            raise InfeasibleBudget(
-                f"no plan fits in {memory:.0f} bytes; the smallest that works is {least:.0f} bytes",
-                least,
-            )
-        raise error
-    if recompute is not None:
-        _, best = min(found, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds, len(cs[1])))
-    else:
-        _, best = min(found, key=lambda cs: (cs[0].seconds, cs[0].peak_bytes, len(cs[1])))
-    over = "blocks" if best.strategy == "blocks" else "stages"
-    return Schedule(best.length, best.kinds, best.indices, strategy, {**best.params, "over": over})
-
-
 def least_memory_of(
     chain: Chain, *, grads_exist: bool = False, slots: int = DEFAULT_SLOTS
 ) -> float:
     """The smallest activation budget (bytes) with which ``plan(chain, "optimal", memory=...)``
-    finds a plan: the least of its tables' (see :func:`_makers`)."""
-    return min(
-        least_memory(maker, slots) for maker in _makers(chain, "optimal", slots, grads_exist)
-    )
-
-
-def _plan_optimal(
-    maker: TableMaker, memory: float | None, recompute: float | None, slots: int
-) -> Schedule:
-    chain = maker.chain
-    grads_exist = maker.grads_exist
-    if memory is not None:
-        return fastest(maker, memory, slots)
-    if recompute is None:
-        return maker.everything()
-    # One table over [0, the store-everything peak] answers every budget at once.
-    table = _curve_table(maker, slots)
-    limit = recompute * (chain.forward_seconds + chain.backward_seconds) * (1 + _TOLERANCE)
-    candidates = [maker.everything()]  # factor 1: always within any target >= 1
-    ok = np.flatnonzero(table.times() <= limit)
-    if ok.size:
-        candidates.append(table.schedule(int(ok[0]), {"recompute_target": recompute}))
-    costs = [(simulate(chain, s, grads_exist=grads_exist), s) for s in candidates]
-    fitting = [(c, s) for c, s in costs if c.recompute_factor <= recompute + _TOLERANCE]
-    best = min(fitting, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds))[1]
-    return Schedule(
-        best.length,
-        best.kinds,
-        best.indices,
-        maker.strategy,
-        {**best.params, "recompute_target": recompute},
-    )
-
-
-def _curve_table(maker: TableMaker, slots: int) -> OptimalTable:
-    """A table whose budgets run from 0 to the store-everything peak."""
-    chain = maker.chain
-    everything = simulate(chain, store_all(chain), grads_exist=maker.grads_exist).peak_bytes
-    slot_bytes, count = maker.resolution(max(everything, 1), slots)
-    return maker.table(slot_bytes, count)
+    finds a plan: the first point of its frontier."""
+    return float(frontier_for(chain, "optimal", grads_exist, slots).smallest_bytes)
 
 
 def plan_for_device(
@@ -273,66 +224,66 @@ def plan_for_device(
 ) -> Schedule:
     """:func:`plan` when the budget is a whole device's memory, not only the activations'.
 
-    ``fixed_bytes`` (weights, gradients, optimizer state, buffers, input) come off the top of
-    ``device_bytes``; an infeasible budget is reported in the same terms: the smallest device
-    memory that works.
+    ``fixed_bytes`` is what the step starts with in the loop ``grads_exist`` plans for (weights,
+    buffers, input, optimizer state, and the gradients when the loop keeps them: see
+    :func:`edgetrain.core.accounting.step_start_bytes`); it comes off the top of ``device_bytes``.
+    An
+    infeasible budget is reported in the same terms: ``fixed_bytes`` plus the least peak of any
+    plan, the smallest device memory that plans.
     """
     if device_bytes is None:
         return plan(chain, strategy, recompute=recompute, slots=slots, grads_exist=grads_exist)
     if recompute is not None:
         raise InvalidInput("give a memory budget or a recompute factor, not both")
-    if device_bytes <= fixed_bytes:
+    if strategy == "poet":
+        return plan(chain, strategy, memory=device_bytes - fixed_bytes, grads_exist=grads_exist)
+    if strategy not in STRATEGIES:
+        raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    least = frontier_for(chain, strategy, grads_exist, slots).smallest_bytes
+    smallest = int(fixed_bytes + least)
+    if device_bytes < smallest:
+        gradients = ", gradients" if grads_exist else ""
         raise InfeasibleBudget(
-            f"{format_bytes(device_bytes)} does not hold the weights, gradients, optimizer state, "
-            f"buffers and input ({format_bytes(fixed_bytes)}); give more memory",
-            fixed_bytes,
-        )
-    try:
-        # fixed_bytes holds gradients kept from the last step, so plan for that loop: a loop
-        # that sets them to None then needs no more (what it creates is at most what is kept).
-        return plan(
-            chain, strategy, memory=device_bytes - fixed_bytes, slots=slots, grads_exist=True
-        )
-    except InfeasibleBudget as exc:
-        if exc.smallest is None:
-            raise
-        smallest = int(fixed_bytes + exc.smallest)
-        raise InfeasibleBudget(
-            f"{strategy} cannot train in {format_bytes(device_bytes)}; the smallest memory that "
-            f"works is {format_bytes(smallest)} ({smallest} bytes)",
+            f"{strategy} cannot train in {format_bytes(device_bytes)}: the step starts with "
+            f"{format_bytes(fixed_bytes)} (weights{gradients}, buffers, input, reserve) and its "
+            f"activations need at least {format_bytes(least)}; the smallest memory that works "
+            f"is {format_bytes(smallest)} ({smallest} bytes)",
             smallest,
-        ) from exc
+        )
+    return plan(
+        chain, strategy, memory=device_bytes - fixed_bytes, slots=slots, grads_exist=grads_exist
+    )
 
 
 def tradeoff(
-    chain: Chain, strategy: str = "optimal", slots: int = DEFAULT_SLOTS
+    chain: Chain,
+    strategy: str = "optimal",
+    slots: int = DEFAULT_SLOTS,
+    *,
+    grads_exist: bool = False,
 ) -> list[tuple[float, int]]:
-    """The memory/recompute trade-off curve: Pareto points ``(recompute_factor, peak_bytes)``.
+    """The memory/recompute trade-off curve: the Pareto points ``(recompute_factor,
+    peak_bytes)`` of the strategy's plans (see :func:`frontier`), sorted by recompute factor,
+    each point using less memory than the last."""
+    points = frontier(chain, strategy, grads_exist=grads_exist, slots=slots).points
+    return [(p.recompute_factor, p.peak_bytes) for p in reversed(points)]
 
-    ``optimal`` (and ``blocks``, on the chain's blocks): one table over budgets up to the
-    store-everything peak, each point a budget
-    (peak bytes are the budget's upper bound, within one slot). ``revolve``/``sequential``: every
-    knob value, simulated. Sorted by recompute factor, each point using less memory than the last.
-    """
-    if strategy not in STRATEGIES:
-        raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    plain = chain.forward_seconds + chain.backward_seconds
-    points: list[tuple[float, int]]
-    if strategy in ("optimal", "blocks"):
-        table = _curve_table(_makers(chain, strategy, slots, False)[0], slots)
-        points = [
-            (float(t) / plain, math.ceil(m * table.slot_bytes))
-            for m, t in enumerate(table.times())
-            if math.isfinite(t)
-        ]
-        points.append((1.0, simulate(chain, store_all(chain)).peak_bytes))
-    else:
-        family = _sequential_family if strategy == "sequential" else _revolve_family
-        points = [
-            (c.recompute_factor, c.peak_bytes) for c in (simulate(chain, s) for s in family(chain))
-        ]
-    pareto: list[tuple[float, int]] = []
-    for rho, peak in sorted(points):
-        if not pareto or peak < pareto[-1][1]:
-            pareto.append((rho, peak))
-    return pareto
+
+# -- the kept frontiers ---------------------------------------------------------------------------
+
+KEPT = 8
+"""Frontiers kept (by chain, strategy, loop and slots), so that a retry, ``"min"``, ``"auto"``
+and the frontier itself plan once."""
+
+
+@functools.lru_cache(maxsize=KEPT)
+def frontier_for(chain: Chain, strategy: str, grads_exist: bool, slots: int) -> Frontier:
+    """The frontier of ``strategy``'s plans on ``chain`` (kept for the last :data:`KEPT`)."""
+    return frontier_of(
+        chain, strategy, candidates_of(chain, strategy, slots, grads_exist), grads_exist
+    )
+
+
+def forget() -> None:
+    """Drop the kept frontiers (benchmarks time a first call)."""
+    frontier_for.cache_clear()

@@ -134,7 +134,7 @@ from edgetrain.core.schedule import (
     simulate,
     stores_everything,
 )
-from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
+from edgetrain.errors import EdgetrainError, InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import (
     analytic_chain,
@@ -173,7 +173,12 @@ class Checkpointed(nn.Module):
             module torch.fx can trace (cut between the blocks that a single tensor leaves).
         sample_input: an input of the shape training will use; profiled on this device.
         memory_budget: bytes (or "512MB") the step may use for weights, gradients, buffers,
-            the input and activations together; the plan is the fastest that fits.
+            the input and activations together; the plan is the fastest that fits. ``"min"``:
+            the smallest budget that plans; ``"auto"``: the knee of the memory/time frontier
+            (:func:`edgetrain.runtime.frontier.knee`: with memory and time each scaled to [0, 1]
+            between the smallest budget's plan and storing everything, the plan farthest below
+            the straight line between those two). Either is chosen again for each input shape
+            and loop planned for.
         max_recompute: alternatively, the largest recompute factor (time over plain autograd's,
             >= 1); the plan then uses the least memory that keeps to it.
         strategy: "optimal" (dynamic program), "revolve" or "sequential".
@@ -219,9 +224,17 @@ class Checkpointed(nn.Module):
         if on_new_shape not in _NEW_SHAPE:
             raise InvalidInput(f"on_new_shape must be one of {', '.join(_NEW_SHAPE)}")
         self.reserve_bytes = 0 if reserve_bytes in (0, "0") else parse_bytes(reserve_bytes)
-        self._device = None if memory_budget is None else parse_bytes(memory_budget)
-        if self._device is not None:  # before the capture and the profile: from the sizes alone
-            check_budget_holds_weights(self._device, model, sample_input, self.reserve_bytes)
+        self._rule = memory_budget if memory_budget in _BUDGET_RULES else None
+        if self._rule is not None and schedule is not None:
+            raise InvalidInput(
+                f"memory_budget={self._rule!r} chooses a plan; give no schedule, or a budget in "
+                "bytes to check the schedule against"
+            )
+        self._device = None if memory_budget is None else _device_bytes(memory_budget)
+        if self._device:  # before the capture and the profile: from the sizes alone
+            check_budget_holds_weights(
+                self._device, model, sample_input, self.reserve_bytes, strategy
+            )
         self.module = model
         self.model = as_stages(model, sample_input)
         if schedule is not None:
@@ -250,26 +263,63 @@ class Checkpointed(nn.Module):
 
     # -- planning ----------------------------------------------------------------------------------
 
-    def _plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
-        """Plan (or adopt ``schedule``) for ``sample``, and remember the plan for its state."""
-        self._make_plan(sample, chain, schedule)
+    def _plan(
+        self, sample: Any, chain: Chain | None, schedule: Schedule | None, as_is: bool = False
+    ) -> None:
+        """Plan (or adopt ``schedule``) for ``sample``, and remember the plan for its state
+        (``as_is``: ``chain`` is this model's as profiled, nothing to measure again)."""
+        self._make_plan(sample, chain, schedule, as_is)
+        self._remember()
+        if schedule is not None:  # a given plan runs in either loop
+            other = (*self._key[:-1], not self._key[-1])
+            self._plans[other] = {**self._plans[self._key], "_key": other}
+        elif not as_is:
+            self._plan_other_loop(sample)
+
+    def _remember(self) -> None:
         self._plans[self._key] = {name: getattr(self, name) for name in _PLANNED}
         while len(self._plans) > KEPT_PLANS:  # the oldest first; the one just made stays
             del self._plans[next(iter(self._plans))]
 
-    def _make_plan(self, sample: Any, chain: Chain | None, schedule: Schedule | None) -> None:
+    def _plan_other_loop(self, sample: Any) -> None:
+        """Plan for the other training loop too (gradients kept between steps, or set to
+        None), now: a step that finds the loop changed then takes that plan as it is, with
+        nothing planned or measured inside it. A budget that loop cannot meet is planned for
+        (and refused) when it comes."""
+        key, exist = self._key, self._grads_exist
+        try:
+            self._make_plan(sample, self.chain, None, as_is=True, loop=not key[-1])
+            self._remember()
+        except InfeasibleBudget:
+            pass
+        finally:
+            for name, value in self._plans[key].items():
+                setattr(self, name, value)
+            self._grads_exist = exist
+
+    def _make_plan(
+        self,
+        sample: Any,
+        chain: Chain | None,
+        schedule: Schedule | None,
+        as_is: bool = False,
+        loop: bool | None = None,
+    ) -> None:
+        """Plan for ``sample``'s state in the training loop ``loop`` (gradients kept between
+        steps or not; None: the loop the gradients are in now)."""
         if chain is None:
             chain = profile_chain(self.model, sample, autocast=autocast_state())
         elif chain.autocast != autocast_label(autocast_state()):
             raise InvalidInput(_autocast_mismatch(chain.autocast, autocast_label(autocast_state())))
-        if self.model is not self.module:
+        if self.model is not self.module and not as_is:
             # The store-all plan runs the module itself: its own step's peak counts too.
             chain = with_module_step(chain, self.module, sample)
         self.chain = chain
         self._signature = signature(sample)
         self._key = self._state(sample)
-        if self._key[-1] is not None:
-            self._grads_exist = self._key[-1]  # plan for the loop the step starts in
+        if loop is not None:
+            self._key = (*self._key[:-1], loop)
+        self._grads_exist = self._key[-1]  # plan for the loop the step starts in
         # A run's merged stage depends on its stages and the sample only: sized once for every
         # plan tried here (see the tighter plan below).
         self._sized: dict[GraphRun, Stage] = {}
@@ -284,6 +334,8 @@ class Checkpointed(nn.Module):
                     made_for if isinstance(made_for, int) else self._costs[False].peak_bytes
                 )
             return
+        if self._rule is not None:
+            self._device = self._ruled_device()
         planned = self._planned(self._device)
         self._adopt(planned, sample)
         excess = self._one_graph_excess
@@ -310,6 +362,18 @@ class Checkpointed(nn.Module):
         if not self._one_graph or self.cost.seconds + STAGE_SECONDS > first:
             self._adopt(planned, sample)
 
+    def _ruled_device(self) -> int:
+        """The budget ``memory_budget="min"`` or ``"auto"`` stands for on this chain and loop."""
+        from edgetrain.runtime.frontier import frontier, knee
+
+        points = frontier(
+            self.chain,
+            strategy=self.strategy,
+            grads_exist=self.grads_exist,
+            fixed_bytes=self.fixed_bytes + self.reserve_bytes,
+        )
+        return (points[0] if self._rule == "min" else knee(points)).budget_bytes
+
     def _state(self, x: Any) -> tuple[Any, ...]:
         """What a plan is made for besides the model: the input's shapes and dtypes, which
         input tensors and parameters need a gradient, each module's train/eval mode (the chain
@@ -320,7 +384,9 @@ class Checkpointed(nn.Module):
         (:attr:`~edgetrain.frontend.fx_capture.Captured.reads`: fx traced their values in, so a
         temperature
         annealed after planning would otherwise stay the old one; an attribute forward() does
-        not read, a step counter the loop keeps on the model, plans nothing again)."""
+        not read, a step counter the loop keeps on the model, plans nothing again), and
+        whether the loop keeps gradients between steps (what a step starts with, see
+        :attr:`fixed_bytes`, and what its backward creates differ)."""
         return (
             shapes(x),
             tuple(t.requires_grad for t in leaves(x)),
@@ -328,16 +394,8 @@ class Checkpointed(nn.Module):
             tuple(m.training for m in self.module.modules()),
             tuple(autocast_state()),
             tuple(getattr(m, name, None) for m, name in getattr(self.model, "traced_reads", ())),
-            self._loop(),
+            _kept(p for p in self._params if p.requires_grad),
         )
-
-    def _loop(self) -> bool | None:
-        """The training loop a plan for a memory budget is made for: whether the gradients
-        exist now, at the step's start (kept from the last step) or not (``zero_grad()``); None
-        without a budget (the plan is the same in both)."""
-        if self._device is None:
-            return None
-        return _kept(p for p in self._params if p.requires_grad)
 
     def _planned(self, device: int | None) -> Schedule:
         """The planner's plan for a memory budget of ``device`` bytes (None: none)."""
@@ -350,15 +408,13 @@ class Checkpointed(nn.Module):
                     memory=self._given_bytes,
                     grads_exist=self.grads_exist,
                 )
-            if device is not None and not self.grads_exist:
-                return self._planned_without_grads(device)
             if device is None and self._max_recompute is not None:
                 return self._planned_within_time(self._max_recompute)
             return plan_for_device(
                 self.chain,
                 self.strategy,
                 device_bytes=device,
-                fixed_bytes=fixed_training_bytes(self.chain) + self.reserve_bytes,
+                fixed_bytes=self.fixed_bytes + self.reserve_bytes,
                 recompute=self._max_recompute,
                 grads_exist=self.grads_exist,
             )
@@ -378,33 +434,6 @@ class Checkpointed(nn.Module):
             recompute=max(factor, 1.0) if rho >= 1.0 else rho,
             grads_exist=self.grads_exist,
         )
-
-    def _planned_without_grads(self, device: int) -> Schedule:
-        """The plan for ``device`` bytes in the loop that sets gradients to None
-        (``zero_grad()``, PyTorch's default): the step starts without them and its backward
-        creates them, which the plan counts; a budget plain autograd fits in this loop is never
-        refused (its plan is then storing everything, if the planner finds nothing better)."""
-        fixed = self.fixed_bytes + self.reserve_bytes  # no gradients at the step's start
-        if device <= fixed:
-            raise InfeasibleBudget(
-                f"{format_bytes(device)} does not hold the weights, buffers and input "
-                f"({format_bytes(fixed)}); give more memory",
-                fixed,
-            )
-        try:
-            return plan(self.chain, self.strategy, memory=device - fixed, grads_exist=False)
-        except InfeasibleBudget as exc:
-            everything = store_all(self.chain)
-            if simulate(self.chain, everything).peak_bytes <= device - fixed:
-                return everything
-            if exc.smallest is None:
-                raise
-            smallest = int(fixed + exc.smallest)
-            raise InfeasibleBudget(
-                f"{self.strategy} cannot train in {format_bytes(device)}; the smallest memory "
-                f"that works is {format_bytes(smallest)} ({smallest} bytes)",
-                smallest,
-            ) from exc
 
     def _adopt(self, schedule: Schedule, sample: Any) -> None:
         """Make ``schedule`` the plan: its costs, the stages as they run (runs merged)."""
@@ -770,9 +799,6 @@ class Checkpointed(nn.Module):
         """Make the plan for the state ``key`` of a step on ``x`` (see :meth:`_state`) the
         current one: restored as it was if planned for before, else planned now (or refused
         with ``on_new_shape="error"``)."""
-        if key[:-1] == self._key[:-1] and not self._unplanned:
-            self._replan_for_loop(x, key)
-            return
         shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
         if self.on_new_shape == "error":
             raise InvalidInput(
@@ -786,51 +812,20 @@ class Checkpointed(nn.Module):
                 setattr(self, name, value)
             self._unplanned = False
             return
-        if self.model is not self.module:
+        # Only the loop changed: the same chain, planned for the other loop (nothing profiled
+        # or measured again inside the step).
+        loop_only = key[:-1] == self._key[:-1] and not self._unplanned
+        if self.model is not self.module and not loop_only:
             self.model = as_stages(self.module, x)
             self._params = list(self.model.parameters())
         planned, change = self._key, _change(self._key, key, shapes_now)
         self._unplanned = True  # until this plan is made: half planned, every call plans
         try:
-            self._plan(x, None, None)
+            self._plan(x, self.chain if loop_only else None, None, as_is=loop_only)
         except InfeasibleBudget as exc:
             self._key = planned
             raise InfeasibleBudget(f"planning again for {change}: {exc}", exc.smallest) from exc
         self._unplanned = False
-
-    def _replan_for_loop(self, x: Any, key: tuple[Any, ...]) -> None:
-        """The training loop changed (gradients kept, or set to None): the plan for the
-        budget in that loop, on the same profile (kept for coming back, as other states are)."""
-        known = self._plans.get(key)
-        if known is not None:
-            for name, value in known.items():
-                setattr(self, name, value)
-            return
-        loop = bool(key[-1])
-        grads = self.chain.gradient_bytes if loop else 0
-        fixed = fixed_training_bytes(self.chain) - self.chain.gradient_bytes + grads
-        assert self._device is not None
-        if fixed + self.reserve_bytes + self._costs[loop].peak_bytes <= self._device:
-            self._key = key  # the plan fits in this loop too: kept for both
-            self._plans[key] = {name: getattr(self, name) for name in _PLANNED}
-            return
-        self._grads_exist = loop
-        planned = self._key
-        try:
-            self._adopt(self._planned(self._device), x)
-        except InfeasibleBudget as exc:
-            self._grads_exist = not self._grads_exist
-            self._adopt(self._planned(self._device), x)  # the plan of the loop before
-            loop = "keeps gradients" if key[-1] else "sets gradients to None"
-            raise InfeasibleBudget(
-                f"planning again as the loop {loop}: {exc}", exc.smallest
-            ) from exc
-        finally:
-            self._key = planned
-        self._key = key
-        self._plans[key] = {name: getattr(self, name) for name in _PLANNED}
-        while len(self._plans) > KEPT_PLANS:
-            del self._plans[next(iter(self._plans))]
 
     def extra_repr(self) -> str:
         return (
@@ -889,14 +884,22 @@ def _input_bytes(sample: Any) -> int:
 
 
 def check_budget_holds_weights(
-    device_bytes: int, model: nn.Module, sample: Any, reserve_bytes: int = 0
+    device_bytes: int,
+    model: nn.Module,
+    sample: Any,
+    reserve_bytes: int = 0,
+    strategy: str | None = None,
 ) -> None:
     """InfeasibleBudget when ``device_bytes`` cannot hold the model's parameters, its buffers,
-    the input and ``reserve_bytes``: counted from their sizes, before any capture or profile
-    (what every plan holds at least; the plan's own check, after the profile, adds the
-    gradients and what the step holds besides)."""
+    the input and ``reserve_bytes``: counted from their sizes, before any profile (what every
+    plan holds at least). With a ``strategy``, the error's smallest budget is the one that
+    plans: the chain from shapes (:func:`~edgetrain.frontend.profiling.analytic_chain`, sized
+    on meta tensors as the profile sizes them, in moments) planned as :class:`Checkpointed`
+    plans it, for the loop the model's gradients are in now."""
     held = parameter_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers())
     floor = held + _input_bytes(sample) + reserve_bytes
+    if device_bytes <= floor and strategy is not None:
+        _refuse_with_the_smallest(device_bytes, model, sample, reserve_bytes, strategy)
     if device_bytes <= floor:
         reserve = (
             f" plus the optimizer state or reserve ({format_bytes(reserve_bytes)})"
@@ -908,6 +911,23 @@ def check_budget_holds_weights(
             f"({format_bytes(floor - reserve_bytes)}){reserve}; give more memory",
             floor,
         )
+
+
+def _refuse_with_the_smallest(
+    device_bytes: int, model: nn.Module, sample: Any, reserve_bytes: int, strategy: str
+) -> None:
+    """Raise the planner's own InfeasibleBudget for ``device_bytes`` on the model's chain from
+    shapes (its smallest plans); return when the chain cannot be made from shapes."""
+    try:
+        chain = analytic_chain(model, sample)
+    except EdgetrainError:
+        return  # not sizeable on meta tensors: the profile's check reports it
+    grads_exist = _kept(p for p in model.parameters() if p.requires_grad)
+    grads = chain.gradient_bytes if grads_exist else 0
+    fixed = fixed_training_bytes(chain) - chain.gradient_bytes + grads + reserve_bytes
+    plan_for_device(
+        chain, strategy, device_bytes=device_bytes, fixed_bytes=fixed, grads_exist=grads_exist
+    )
 
 
 def check_plan_for(schedule: Schedule, stages: nn.Module, sample: Any, name: str) -> None:
@@ -1161,7 +1181,19 @@ class _Run:
         return autocasting(self.autocast) if self.autocast else nullcontext()
 
 
+_BUDGET_RULES = ("min", "auto")
+"""Budgets read off the frontier instead of given in bytes (see :class:`Checkpointed`)."""
+
+
+def _device_bytes(memory_budget: int | float | str) -> int:
+    """A budget's bytes: 0 until planning reads a rule off the frontier."""
+    if memory_budget in _BUDGET_RULES:
+        return 0
+    return parse_bytes(memory_budget)
+
+
 _PLANNED = (
+    "_device",
     "model",
     "_params",
     "chain",
@@ -1219,7 +1251,9 @@ def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
                 "another train/eval mode",
                 "another torch.autocast state",
                 "another value of a module attribute (fx traced the old one into the stages)",
-                "another training loop (gradients kept, or set to None)",
+                "a training loop that keeps gradients between steps"
+                if now[-1]
+                else "a training loop that sets gradients to None (zero_grad())",
             ),
             planned,
             now,

@@ -32,9 +32,14 @@ def test_a_budget_below_the_weights_is_refused_before_the_profile(monkeypatch):
     monkeypatch.setattr(edgetrain.runtime.checkpointed, "profile_chain", _no_profile)
     model, x = _mlp(256), torch.randn(8, 32, dtype=torch.float64)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    with pytest.raises(InfeasibleBudget, match="does not hold the weights") as caught:
+    with pytest.raises(InfeasibleBudget, match="the step starts with") as caught:
         Checkpointed(model, x, memory_budget=weights)
-    assert caught.value.smallest == weights + x.numel() * x.element_size()
+    # Refused from the chain's shapes, before any profile, with a smallest budget that plans.
+    smallest = caught.value.smallest
+    assert smallest is not None and smallest > weights + x.numel() * x.element_size()
+    monkeypatch.undo()
+    net = Checkpointed(model, x, memory_budget=smallest)
+    assert net.predicted_peak_bytes <= smallest
 
 
 def test_a_plan_for_another_model_is_refused_before_the_profile_naming_both(monkeypatch):

@@ -57,7 +57,7 @@ def test_memory_measure_prints_measured_beside_predicted():
         (["memory", "--batch", "x"], "whole number"),
         (["memory", "--image", "16"], "too small"),
         (["memory", "--device-memory", "2XB"], "cannot read size"),
-        (["plan", "--memory", "1MB"], "does not hold the weights"),
+        (["plan", "--memory", "1MB"], "the step starts with"),
         (
             ["plan", "--model", "resnet18", "--batch", "2", "--image", "64", "--memory", "145MB"],
             "smallest memory that works is",

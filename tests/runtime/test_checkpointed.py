@@ -134,20 +134,20 @@ def test_a_budget_plans_the_fastest_fitting_schedule_and_too_small_says_what_fit
     x = torch.randn(2, 3, 64, 64)
     plain = Checkpointed(model, x)
     chain = plain.chain
-    fixed = fixed_training_bytes(chain)  # gradients kept: the loop planned for below
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # the step starts with gradients: the plan is for that loop
-    everything = simulate(chain, store_all(chain), grads_exist=True).peak_bytes
-    between = int(minimum_memory(chain, grads_exist=True) + everything) // 2
+    fixed = plain.fixed_bytes  # the loop planned for: gradients created by the step
+    assert not plain.grads_exist and fixed == fixed_training_bytes(chain) - chain.gradient_bytes
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    between = int(minimum_memory(chain) + everything) // 2
     tight = Checkpointed(model, x, memory_budget=fixed + between, chain=chain)
-    assert simulate(chain, tight.schedule, grads_exist=True).peak_bytes <= between
+    assert simulate(chain, tight.schedule).peak_bytes <= between
     assert tight.cost.recompute_factor > 1
     with pytest.raises(InfeasibleBudget, match="smallest memory that works is") as info:
         Checkpointed(model, x, memory_budget=fixed + 1000, chain=chain)
     assert info.value.smallest is not None and info.value.smallest > fixed
     Checkpointed(model, x, memory_budget=info.value.smallest, chain=chain)  # and it does work
-    with pytest.raises(InfeasibleBudget, match="does not hold the weights"):
+    with pytest.raises(InfeasibleBudget, match="the step starts with") as info:
         Checkpointed(model, x, memory_budget="1MB", chain=chain)
+    Checkpointed(model, x, memory_budget=info.value.smallest, chain=chain)
 
 
 def test_schedule_saves_and_loads_and_a_foreign_plan_is_refused(tmp_path):
