@@ -22,7 +22,7 @@ def test_the_pure_core_plans_without_importing_torch():
         "from edgetrain.core.chain import uniform_chain\n"
         "from edgetrain.paper.memory_model import paper_estimate\n"
         "chain = uniform_chain(50)\n"
-        "cost = simulate(chain, plan(chain, 'optimal', recompute=1.5))\n"
+        "cost = simulate(chain, plan(chain, 'optimal', max_recompute=1.5))\n"
         "assert cost.recompute_factor <= 1.5\n"
         "assert 'torch' not in sys.modules, 'the pure core imported torch'\n"
     )
@@ -75,3 +75,13 @@ def test_the_previous_names_still_work_and_say_what_replaces_them(old):
     assert any(
         issubclass(w.category, DeprecationWarning) and "use " in str(w.message) for w in caught
     )
+
+
+def test_plan_takes_max_recompute_as_checkpointed_does_and_the_old_name_warns():
+    from edgetrain.core.chain import uniform_chain
+
+    chain = uniform_chain(20)
+    new = edgetrain.plan(chain, "optimal", max_recompute=1.5)
+    with pytest.warns(DeprecationWarning, match="use max_recompute="):
+        old = edgetrain.plan(chain, "optimal", recompute=1.5)
+    assert new == old

@@ -101,7 +101,7 @@ def test_optimal_recompute_search_needs_at_most_rotors_least_memory(seed, rho):
     plain = chain.forward_seconds + chain.backward_seconds
     least = least_budget(exhaustive_times(chain), rho * plain)
     possible = least_budget(exhaustive_times(chain, release=True), rho * plain)
-    cost = simulate(chain, plan(chain, "optimal", recompute=rho))
+    cost = simulate(chain, plan(chain, "optimal", max_recompute=rho))
     assert cost.recompute_factor <= rho + TOLERANCE
     assert possible <= cost.peak_bytes <= least
 
@@ -111,7 +111,7 @@ def test_optimal_recompute_search_on_a_uniform_chain_beats_storing_everything(rh
     # 6 equal stages: at factor 1.5 or more a plan stores far less than everything.
     chain = uniform_chain(6)
     least = least_budget(exhaustive_times(chain), rho * 12)
-    cost = simulate(chain, plan(chain, "optimal", recompute=rho))
+    cost = simulate(chain, plan(chain, "optimal", max_recompute=rho))
     assert cost.peak_bytes == least
     assert least < simulate(chain, sequential(chain, 1)).peak_bytes
 
@@ -137,9 +137,9 @@ def test_family_recompute_search_picks_the_least_memory_within_the_factor(
     within = [c for c in family_costs(chain, strategy) if c.recompute_factor <= rho + TOLERANCE]
     if not within:
         with pytest.raises(InfeasibleBudget):
-            plan(chain, strategy, recompute=rho)
+            plan(chain, strategy, max_recompute=rho)
         return
-    cost = simulate(chain, plan(chain, strategy, recompute=rho))
+    cost = simulate(chain, plan(chain, strategy, max_recompute=rho))
     assert cost.recompute_factor <= rho + TOLERANCE
     assert cost.peak_bytes == min(c.peak_bytes for c in within)
 
@@ -335,7 +335,7 @@ def test_memory_table_marks_in_red_exactly_the_rows_above_the_device(monkeypatch
     from edgetrain.cli import memory as memory_command
     from edgetrain.cli.main import cli
 
-    args = ["memory", "--models", "resnet18", "--batch", "1,3,5,10", "--device-memory", "400MiB"]
+    args = ["memory", "--models", "resnet18", "--batch", "1,3,5,10", "--memory", "400MiB"]
     result = CliRunner().invoke(cli, [*args, "--json"], catch_exceptions=False)
     data = json.loads(result.stdout)
     rows = data["rows"]

@@ -24,3 +24,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 EXTRAS: dict[str, tuple[str, frozenset[str]]] = {
     "insitu": ("insitu", frozenset({"cv2", "PIL", "psutil", "motpy", "filterpy"})),
 }
+
+# Flags renamed for one name per concept (--memory: the device's memory; --device: the hardware
+# the plan is for). The old names still work for one release, with a note on stderr.
+RENAMED_FLAGS: dict[tuple[str, str], str] = {
+    ("memory", "--device-memory"): "--memory",
+    ("poet", "--ram"): "--memory",
+    ("tiles", "--profile"): "--device",
+}

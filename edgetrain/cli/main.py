@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from edgetrain.cli.commands import COMMANDS, EXTRAS
+from edgetrain.cli.commands import COMMANDS, EXTRAS, RENAMED_FLAGS
 from edgetrain.errors import EdgetrainError, InvalidInput
 
 
@@ -30,6 +30,9 @@ class _Group(click.Group):
     """A click group that turns EdgetrainError and click's usage errors (a bad flag or value)
     into a one-line message and exit status 2, and loads each command of
     :data:`~edgetrain.cli.commands.COMMANDS` when it is used."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _renamed(args))
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -82,6 +85,25 @@ def cli() -> None:
     --memory 1MB is 10^6 bytes, 1MiB is 2^20. Progress goes to stderr
     (EDGETRAIN_PROGRESS=0 silences it).
     """
+
+
+def _renamed(args: list[str]) -> list[str]:
+    """``args`` with a command's renamed flags (:data:`~edgetrain.cli.commands.RENAMED_FLAGS`)
+    written with their new names, each noted once on stderr."""
+    command = next((a for a in args if not a.startswith("-")), None)
+    out = []
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        new = RENAMED_FLAGS.get((command or "", flag))
+        if new is not None:
+            click.echo(
+                f"edgetrain: note: {command} {flag} is now {new}; the old name goes in the next "
+                "release",
+                err=True,
+            )
+            arg = new + eq + value
+        out.append(arg)
+    return out
 
 
 def _needs_extra(name: str, extra: str, missing: str) -> click.Command:

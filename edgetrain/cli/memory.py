@@ -47,7 +47,8 @@ from edgetrain.units import format_bytes, mib
     help="Square image sides (pixels).",
 )
 @click.option(
-    "--device-memory",
+    "--memory",
+    "device_memory",
     type=Size(),
     default="2GiB",
     show_default=True,

@@ -137,7 +137,7 @@ def plan_command(
         strategy,
         device_bytes=memory,
         fixed_bytes=fixed,
-        recompute=recompute,
+        max_recompute=recompute,
         grads_exist=True,  # fixed holds the gradients kept from the last step
     )
     if save_path:

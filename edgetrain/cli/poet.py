@@ -108,7 +108,7 @@ def load_graph(
 
 
 def read_ram(text: str | None) -> tuple[float, bool] | None:
-    """``--ram`` read without the graph: (bytes, False) for "2MB", (percent, True) for "50%";
+    """``--memory`` read without the graph: (bytes, False) for "2MB", (percent, True) for "50%";
     InvalidInput for anything else, before the graph is built."""
     if text is None:
         return None
@@ -117,15 +117,15 @@ def read_ram(text: str | None) -> tuple[float, bool] | None:
         try:
             percent = float(stripped[:-1])
         except ValueError as exc:
-            raise InvalidInput(f"cannot read --ram {text!r}; write e.g. 50% or 2MB") from exc
+            raise InvalidInput(f"cannot read --memory {text!r}; write e.g. 50% or 2MB") from exc
         if not 0 < percent < float("inf"):
-            raise InvalidInput(f"--ram {text!r} must be positive")
+            raise InvalidInput(f"--memory {text!r} must be positive")
         return percent, True
     return float(parse_bytes(stripped)), False
 
 
 def ram_budget(text: str | None, graph: TrainingGraph, accounting: str) -> float | None:
-    """``--ram``: bytes ("2MB") or a percentage of the keep-everything peak ("50%")."""
+    """``--memory``: bytes ("2MB") or a percentage of the keep-everything peak ("50%")."""
     from edgetrain.planners.poet import check as poet_check
 
     read = read_ram(text)
@@ -195,7 +195,12 @@ def result_json(result: MilpResult, graph: TrainingGraph) -> dict[str, Any]:
 
 @click.command(name="poet")
 @_graph_options
-@click.option("--ram", default=None, help="RAM budget: bytes (2MB) or % of keep-everything (50%).")
+@click.option(
+    "--memory",
+    "ram",
+    default=None,
+    help="RAM budget: bytes (2MB) or % of keep-everything (50%).",
+)
 @click.option("--mode", type=click.Choice(MODES), default="hybrid", show_default=True)
 @click.option(
     "--export-graph",
@@ -255,7 +260,7 @@ def poet_command(
         elif "runtime" in result.message:
             hint = "; raise --runtime"
         else:
-            hint = "; raise --ram or --runtime"
+            hint = "; raise --memory or --runtime"
         raise InfeasibleBudget(
             f"no plan fits {_budget_text(budget)} within "
             f"{'no runtime limit' if runtime is None else f'{runtime}x the runtime'}{hint}",

@@ -44,7 +44,8 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
     "--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True
 )
 @click.option(
-    "--profile",
+    "--device",
+    "profile",
     default="pi3-ethernet",
     show_default=True,
     help=f"Cluster profile --groups auto optimises for: {', '.join(CLUSTERS)}, or a .json file.",

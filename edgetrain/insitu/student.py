@@ -3,7 +3,7 @@
 Memory (paper §VI). :func:`plan_batch` finds the largest batch whose training step fits the
 device budget at the chosen recompute factor ρ: for each batch, the model's chain from shapes
 (``edgetrain.analytic_chain``), the least-memory plan within ρ
-(``plan_for_device(..., recompute=ρ)``), and the whole step's memory
+(``plan_for_device(..., max_recompute=ρ)``), and the whole step's memory
 (``fixed_training_bytes`` — weights, gradients, optimizer state, buffers, input — plus the plan's
 activation peak). The step then runs that plan in :class:`edgetrain.Checkpointed`.
 
@@ -113,7 +113,7 @@ def plan_at(model: nn.Sequential, batch: int, config: TrainConfig) -> BatchPlan:
     chain = edgetrain.analytic_chain(model, sample)
     fixed = fixed_training_bytes(chain, OPTIMIZER)
     schedule = plan_for_device(
-        chain, "optimal", device_bytes=None, fixed_bytes=fixed, recompute=config.recompute
+        chain, "optimal", device_bytes=None, fixed_bytes=fixed, max_recompute=config.recompute
     )
     cost = edgetrain.simulate(chain, schedule)
     return BatchPlan(batch, batch, schedule, chain, fixed, cost.peak_bytes, cost.recompute_factor)

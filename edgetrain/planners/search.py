@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 
 from edgetrain.core.chain import Chain
@@ -44,13 +45,14 @@ def plan(
     strategy: str = "optimal",
     *,
     memory: float | str | None = None,
-    recompute: float | None = None,
+    max_recompute: float | None = None,
     slots: int = DEFAULT_SLOTS,
     grads_exist: bool = False,
     device: str | EnergyProfile | None = None,
     runtime: float | None = None,
+    recompute: float | None = None,
 ) -> Schedule:
-    """The best plan of ``strategy`` for ``chain`` within ``memory`` or ``recompute`` factor.
+    """The best plan of ``strategy`` for ``chain`` within ``memory`` or ``max_recompute``.
 
     With neither, the fastest plan of the strategy. ``strategy="blocks"`` is rotor's DP over the
     chain's blocks (stages between single-tensor cuts), each block run in one of several ways
@@ -65,8 +67,12 @@ def plan(
     what the step holds above what it starts with: activations, graphs, activation gradients and
     the parameter gradients it creates (see :class:`~edgetrain.core.schedule.Cost`; ``grads_exist``
     as in :func:`~edgetrain.core.schedule.simulate`).
+    ``max_recompute`` is the largest recompute factor (the plan's time over plain autograd's),
+    the keyword :class:`~edgetrain.runtime.checkpointed.Checkpointed` takes too; ``recompute=`` is
+    its previous name, kept for one release.
     Raises :class:`InfeasibleBudget` with the smallest feasible value when nothing fits.
     """
+    recompute = _renamed_recompute(max_recompute, recompute)
     if memory is not None:
         memory = parse_bytes(memory)
     if strategy == "poet":
@@ -98,6 +104,20 @@ def plan(
     return made_for(schedule, chain)
 
 
+def _renamed_recompute(max_recompute: float | None, recompute: float | None) -> float | None:
+    """``max_recompute``, or the deprecated ``recompute=`` given instead (with a warning)."""
+    if recompute is None:
+        return max_recompute
+    if max_recompute is not None:
+        raise InvalidInput("give max_recompute= only (recompute= is its previous name)")
+    warnings.warn(
+        "recompute= is deprecated and goes in the next release; use max_recompute=",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return recompute
+
+
 def _plan_poet(
     chain: Chain,
     memory: float | None,
@@ -111,7 +131,7 @@ def _plan_poet(
             "strategy 'poet' needs a device (e.g. device='rpi4') and a memory budget"
         )
     if recompute is not None:
-        raise InvalidInput("strategy 'poet' takes runtime= (a multiplier), not recompute=")
+        raise InvalidInput("strategy 'poet' takes runtime= (a multiplier), not max_recompute=")
     if grads_exist:
         raise InvalidInput(
             "strategy 'poet' plans for gradients the step creates (zero_grad() to None); "
@@ -218,7 +238,7 @@ def plan_for_device(
     *,
     device_bytes: float | None,
     fixed_bytes: int,
-    recompute: float | None = None,
+    max_recompute: float | None = None,
     slots: int = DEFAULT_SLOTS,
     grads_exist: bool = False,
 ) -> Schedule:
@@ -232,8 +252,10 @@ def plan_for_device(
     plan, the smallest device memory that plans.
     """
     if device_bytes is None:
-        return plan(chain, strategy, recompute=recompute, slots=slots, grads_exist=grads_exist)
-    if recompute is not None:
+        return plan(
+            chain, strategy, max_recompute=max_recompute, slots=slots, grads_exist=grads_exist
+        )
+    if max_recompute is not None:
         raise InvalidInput("give a memory budget or a recompute factor, not both")
     if strategy == "poet":
         return plan(chain, strategy, memory=device_bytes - fixed_bytes, grads_exist=grads_exist)

@@ -415,7 +415,7 @@ class Checkpointed(nn.Module):
                 self.strategy,
                 device_bytes=device,
                 fixed_bytes=self.fixed_bytes + self.reserve_bytes,
-                recompute=self._max_recompute,
+                max_recompute=self._max_recompute,
                 grads_exist=self.grads_exist,
             )
 
@@ -431,7 +431,7 @@ class Checkpointed(nn.Module):
         return plan(
             with_stage_cost(self.chain, seconds),
             self.strategy,
-            recompute=max(factor, 1.0) if rho >= 1.0 else rho,
+            max_recompute=max(factor, 1.0) if rho >= 1.0 else rho,
             grads_exist=self.grads_exist,
         )
 

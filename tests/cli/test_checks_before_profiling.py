@@ -56,9 +56,9 @@ def test_a_plan_for_another_model_is_refused_before_the_profile_naming_both(monk
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["poet", "--ram", "lots"], "cannot read size 'lots'"),
-        (["poet", "--ram", "half%"], "cannot read --ram 'half%'; write e.g. 50% or 2MB"),
-        (["poet", "--ram", "-5%"], "must be positive"),
+        (["poet", "--memory", "lots"], "cannot read size 'lots'"),
+        (["poet", "--memory", "half%"], "cannot read --memory 'half%'; write e.g. 50% or 2MB"),
+        (["poet", "--memory", "-5%"], "must be positive"),
     ],
 )
 def test_poet_reads_its_flags_before_any_work(args, message):

@@ -38,7 +38,7 @@ def test_memory_json_has_the_documented_shape():
 
 
 def test_memory_table_marks_cells_above_the_device():
-    result = run("memory --models resnet18 --batch 1,30 --device-memory 1GB")
+    result = run("memory --models resnet18 --batch 1,30 --memory 1GB")
     assert result.exit_code == 0
     assert "resnet18" in result.output and "1825" in result.output
 
@@ -56,7 +56,7 @@ def test_memory_measure_prints_measured_beside_predicted():
         (["memory", "--batch", "0"], "at least 1"),
         (["memory", "--batch", "x"], "whole number"),
         (["memory", "--image", "16"], "too small"),
-        (["memory", "--device-memory", "2XB"], "cannot read size"),
+        (["memory", "--memory", "2XB"], "cannot read size"),
         (["plan", "--memory", "1MB"], "the step starts with"),
         (
             ["plan", "--model", "resnet18", "--batch", "2", "--image", "64", "--memory", "145MB"],
@@ -206,3 +206,16 @@ def test_a_budget_error_quotes_a_total_the_plan_then_meets():
     )
     assert data["peak_bytes"] <= smallest
     assert data["peak_bytes"] == data["fixed_bytes"] + data["activation_peak_bytes"]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("memory --models resnet18 --batch 1 --device-memory 1GB", "--memory"),
+        ("tiles --grid 0x1 --profile pi3-wifi", "--device"),
+    ],
+)
+def test_renamed_flags_still_work_for_one_release_and_say_the_new_name(old, new):
+    result = CliRunner().invoke(cli, old.split())
+    assert f"is now {new}" in result.stderr
+    assert "no such option" not in result.stderr

@@ -155,7 +155,7 @@ def test_a_plan_to_read_must_be_a_readable_file(args, message):
         (["memory", "--image", "2x2"], "whole number"),
         (["memory", "--models", " , "], "at least one model"),
         (["memory", "--models", "resnet18,alexnet"], "unknown model 'alexnet'"),
-        (["memory", "--device-memory", "0"], "must be positive"),
+        (["memory", "--memory", "0"], "must be positive"),
         (["memory", "--measure-limit", "lots"], "cannot read size"),
         (["revolve", "--steps", "-2", "--slots", "3"], "'--steps'"),
         (["revolve", "--steps", "10", "--slots", "0"], "'--slots'"),
@@ -226,7 +226,7 @@ def test_tiles_help_lists_the_device_profiles():
         ["train", "--plan"],
         ["poet", "--graph"],
         ["poet", "--device"],
-        ["tiles", "--profile"],
+        ["tiles", "--device"],
     ],
     ids=["train-plan", "poet-graph", "poet-device", "tiles-profile"],
 )

@@ -32,7 +32,7 @@ def _matrices(listed: dict, size: int) -> dict:  # type: ignore[type-arg]
 
 def test_poet_instance_json_has_the_documented_fields_and_checkable_matrices() -> None:
     result = run(
-        "poet", "--graph", str(DATA), "--ram", "3500", "--runtime", "2",
+        "poet", "--graph", str(DATA), "--memory", "3500", "--runtime", "2",
         "--accounting", "poet", "--json",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -54,7 +54,7 @@ def test_poet_instance_json_has_the_documented_fields_and_checkable_matrices() -
 
 def test_infeasible_budget_prints_the_result_then_one_line_and_exit_2() -> None:
     result = run(
-        "poet", "--graph", str(DATA), "--ram", "3000", "--runtime", "2",
+        "poet", "--graph", str(DATA), "--memory", "3000", "--runtime", "2",
         "--accounting", "poet", "--json",
     )  # fmt: skip
     assert result.exit_code == 2
@@ -66,7 +66,7 @@ def test_infeasible_budget_prints_the_result_then_one_line_and_exit_2() -> None:
 
 
 def test_model_on_a_device_profile_with_a_percentage_budget() -> None:
-    result = run("poet", "--model", "resnet18", "--device", "m4f", "--ram", "100%", "--json")
+    result = run("poet", "--model", "resnet18", "--device", "m4f", "--memory", "100%", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["status"] == "optimal" and data["gap"] == 0
@@ -75,7 +75,7 @@ def test_model_on_a_device_profile_with_a_percentage_budget() -> None:
 
 
 def test_table_output_names_the_energy_split() -> None:
-    result = run("poet", "--graph", str(DATA), "--ram", "4000", "--runtime", "2")
+    result = run("poet", "--graph", str(DATA), "--memory", "4000", "--runtime", "2")
     assert result.exit_code == 0
     for word in ("compute", "page-in", "page-out", "lower bound", "gap", "peak RAM"):
         assert word in result.stdout
@@ -86,8 +86,8 @@ def test_table_output_names_the_energy_split() -> None:
     [
         (["--device", "pdp11"], "unknown device"),
         (["--graph", "missing.json"], "cannot read graph"),
-        (["--ram", "lots"], "cannot read size"),
-        (["--ram", "-5%"], "positive"),
+        (["--memory", "lots"], "cannot read size"),
+        (["--memory", "-5%"], "positive"),
         (["--runtime", "0"], "positive factor"),
         (["--time-limit", "0"], "positive seconds"),
         (["--time-limit", "inf"], "positive seconds"),

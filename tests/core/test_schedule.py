@@ -152,7 +152,7 @@ def test_every_planner_returns_a_valid_schedule_within_its_budget(chain):
         assert simulate(chain, fastest).seconds <= plain.seconds * 3 + 1e-9 or strategy != "optimal"
         for factor in (1.0, 1.5, 2.5):
             try:
-                schedule = plan(chain, strategy, recompute=factor)
+                schedule = plan(chain, strategy, max_recompute=factor)
             except Exception as exc:  # revolve cannot always reach small factors
                 assert strategy != "optimal", exc
                 continue
@@ -161,7 +161,7 @@ def test_every_planner_returns_a_valid_schedule_within_its_budget(chain):
 
 def test_schedule_file_round_trip_and_corruption(tmp_path):
     chain = random_chain(random.Random(3), 6)
-    schedule = plan(chain, "optimal", recompute=1.4)
+    schedule = plan(chain, "optimal", max_recompute=1.4)
     path = tmp_path / "plan.json"
     schedule.save(path)
     again = Schedule.load(path)

@@ -43,7 +43,7 @@ def test_figure1_claim_table_at_500_batch_8(depth):
     # The plan the recompute search returns is that point, within the factor.
     chain = linear_resnet_chain(depth, weights, activations)
     cost = simulate(
-        chain, plan(chain, "optimal", recompute=CLAIM_RHO, grads_exist=True), grads_exist=True
+        chain, plan(chain, "optimal", max_recompute=CLAIM_RHO, grads_exist=True), grads_exist=True
     )
     assert cost.recompute_factor <= CLAIM_RHO + 1e-9
     assert 4 * weights + cost.peak_bytes == OPTIMAL[depth]

@@ -247,7 +247,7 @@ def test_plan_blocks_gives_the_fastest_fitting_plan_of_the_fine_chain():
         cost = simulate(chain, schedule)
         assert cost.peak_bytes <= budget
         assert cost.seconds <= table.time(math.floor(budget)) + 1e-9
-    recompute = edgetrain.plan(chain, "blocks", recompute=1.3)
+    recompute = edgetrain.plan(chain, "blocks", max_recompute=1.3)
     assert simulate(chain, recompute).recompute_factor <= 1.3 + 1e-9
 
 

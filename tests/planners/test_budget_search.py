@@ -149,7 +149,7 @@ def test_the_recompute_search_returns_the_least_memory_within_the_factor(grads_e
     assert point.seconds == pytest.approx(best, rel=1e-9)
     cost = simulate(
         chain,
-        plan(chain, "optimal", recompute=rho, grads_exist=grads_exist),
+        plan(chain, "optimal", max_recompute=rho, grads_exist=grads_exist),
         grads_exist=grads_exist,
     )
     assert cost.recompute_factor <= rho + 1e-9
@@ -168,14 +168,14 @@ def test_a_family_recompute_search_keeps_the_least_memory_within_the_factor(
     within = [c for c in costs if c.recompute_factor <= rho + 1e-9]
     if not within:
         with pytest.raises(InfeasibleBudget) as info:
-            plan(chain, strategy, recompute=rho, grads_exist=grads_exist)
-        plan(chain, strategy, recompute=info.value.smallest, grads_exist=grads_exist)
+            plan(chain, strategy, max_recompute=rho, grads_exist=grads_exist)
+        plan(chain, strategy, max_recompute=info.value.smallest, grads_exist=grads_exist)
         return
     least = min(c.peak_bytes for c in within)
     fastest = min(c.seconds for c in within if c.peak_bytes == least)
     cost = simulate(
         chain,
-        plan(chain, strategy, recompute=rho, grads_exist=grads_exist),
+        plan(chain, strategy, max_recompute=rho, grads_exist=grads_exist),
         grads_exist=grads_exist,
     )
     assert (cost.peak_bytes, cost.seconds) == (least, pytest.approx(fastest))
@@ -200,7 +200,7 @@ def test_a_long_chains_recompute_factor_gives_less_than_storing_everything():
     the trade-off has a point for every distinct plan, not one."""
     chain = linear_resnet_chain(152, 241_662_976, 45_958_791_168)
     everything = simulate(chain, store_all(chain)).peak_bytes
-    cost = simulate(chain, plan(chain, "optimal", recompute=1.6))
+    cost = simulate(chain, plan(chain, "optimal", max_recompute=1.6))
     assert cost.recompute_factor <= 1.6 + 1e-9
     assert cost.peak_bytes < 0.2 * everything
     assert len(tradeoff(chain, "optimal")) > 20

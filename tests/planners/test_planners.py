@@ -263,7 +263,7 @@ def test_optimal_is_never_worse_than_sequential_or_revolve():
 def test_search_both_ways_is_consistent():
     chain = random_chain(random.Random(5), 16, scale=40)
     for rho in (1.0, 1.2, 1.5, 2.0):
-        schedule = plan(chain, "optimal", recompute=rho)
+        schedule = plan(chain, "optimal", max_recompute=rho)
         cost = simulate(chain, schedule)
         assert cost.recompute_factor <= rho + 1e-9
         again = simulate(chain, plan(chain, "optimal", memory=cost.peak_bytes))
@@ -272,7 +272,7 @@ def test_search_both_ways_is_consistent():
 
 def test_recompute_factor_one_stores_everything():
     chain = random_chain(random.Random(2), 10)
-    assert simulate(chain, plan(chain, "optimal", recompute=1.0)).recompute_factor == 1.0
+    assert simulate(chain, plan(chain, "optimal", max_recompute=1.0)).recompute_factor == 1.0
 
 
 def test_infeasible_budget_reports_the_smallest_that_works():
@@ -292,12 +292,12 @@ def test_infeasible_budget_reports_the_smallest_that_works():
 @pytest.mark.parametrize("rho", [0.5, 0.999, float("nan")])
 def test_recompute_factor_below_one_is_refused(rho):
     with pytest.raises(InvalidInput, match=">= 1"):
-        plan(uniform_chain(4), "optimal", recompute=rho)
+        plan(uniform_chain(4), "optimal", max_recompute=rho)
 
 
 def test_revolve_cannot_reach_small_factors_and_says_its_smallest():
     with pytest.raises(InfeasibleBudget, match="smallest it reaches"):
-        plan(uniform_chain(30), "revolve", recompute=1.2)
+        plan(uniform_chain(30), "revolve", max_recompute=1.2)
 
 
 def test_tradeoff_curve_is_a_pareto_front():
@@ -330,8 +330,8 @@ def test_long_chains_get_a_table_that_fits_in_memory(monkeypatch):
     chain = random_chain(random.Random(8), 40, scale=30)
     assert module.max_slots(40) < 500
     for rho in (1.2, 2.0):
-        assert simulate(chain, plan(chain, "optimal", recompute=rho)).recompute_factor <= rho
-    budget = simulate(chain, plan(chain, "optimal", recompute=2.0)).peak_bytes
+        assert simulate(chain, plan(chain, "optimal", max_recompute=rho)).recompute_factor <= rho
+    budget = simulate(chain, plan(chain, "optimal", max_recompute=2.0)).peak_bytes
     assert simulate(chain, plan(chain, "optimal", memory=budget)).peak_bytes <= budget
     with pytest.raises(InvalidInput, match="at most"):
         OptimalTable(chain, 1.0, 500)

@@ -43,7 +43,7 @@ def test_json_reports_every_rank_and_check_agrees_with_one_process_at_an_odd_siz
 
 
 def test_table_output_names_the_groups_chosen_automatically():
-    result = _run("--grid", "1x2", "--image", "32", "--steps", "1", "--profile", "pi3-wifi")
+    result = _run("--grid", "1x2", "--image", "32", "--steps", "1", "--device", "pi3-wifi")
     assert result.exit_code == 0, result.output
     assert "groups " in result.output and "rank" in result.output
 
@@ -64,7 +64,7 @@ def test_table_output_names_the_groups_chosen_automatically():
         (["--steps", "0"], "'--steps': 0 is not in the range x>=1"),
         (["--batch", "-1"], "'--batch': -1 is not in the range x>=1"),
         (["--threads", "0"], "'--threads': 0 is not in the range x>=1"),
-        (["--profile", "mars"], "unknown profile"),
+        (["--device", "mars"], "unknown profile"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_status_2(args, message):
