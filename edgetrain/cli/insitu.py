@@ -9,9 +9,6 @@ CPU is idle, then prints the evaluation and writes the picture. Run it again on 
 from __future__ import annotations
 
 import contextlib
-import json
-import time
-from pathlib import Path
 from typing import Any
 
 import click
@@ -28,27 +25,16 @@ from edgetrain.cli.options import (
     OutputFile,
 )
 from edgetrain.cli.output import console, emit_json, table
-from edgetrain.errors import CorruptFile, InvalidInput
-from edgetrain.insitu.capture import capture
-from edgetrain.insitu.evaluate import Report, evaluate, picture
-from edgetrain.insitu.network import classifier
+from edgetrain.errors import InvalidInput
+from edgetrain.insitu.evaluate import Report
+from edgetrain.insitu.pipeline import RunOptions, evaluate_run, run
 from edgetrain.insitu.scene import (
     CLASS_NAMES,
     MAX_FRAMES,
-    SyntheticScene,
-    VideoSource,
-    open_video,
 )
-from edgetrain.insitu.store import Store, StoreError, count_reasons
 from edgetrain.insitu.student import (
-    CHECKPOINT,
     TrainConfig,
-    load_student,
-    plan_batch,
-    train_student,
 )
-from edgetrain.insitu.teacher import LabelRule, load_teacher
-from edgetrain.jsonfile import parse_json
 from edgetrain.units import format_bytes, parse_bytes
 
 MAX_MINUTES = 7 * 24 * 60
@@ -58,34 +44,6 @@ MAX_MINUTES = 7 * 24 * 60
 @click.group(name="insitu")
 def insitu() -> None:
     """In-situ student-teacher training on a fixed camera node."""
-
-
-def _source_meta(
-    video: str | None, seed: int, frames: int, classes: int, teacher_views: int
-) -> dict[str, Any]:
-    common = {"classes": classes, "teacher_views": teacher_views}
-    if video is not None:
-        return {"kind": "video", "path": str(Path(video).resolve()), **common}
-    return {"kind": "synthetic", "seed": seed, "frames": frames, **common}
-
-
-def _open_source(meta: dict[str, Any]) -> SyntheticScene | VideoSource:
-    if meta["kind"] == "video":
-        return open_video(meta["path"])
-    return SyntheticScene(meta["seed"], frames=meta["frames"], classes=meta["classes"])
-
-
-def _stored_source(store: Store) -> dict[str, Any]:
-    text = store.get("source")
-    if text is None:
-        raise StoreError(f"{store.directory} has no recorded video source; run `insitu run` first")
-    try:
-        meta = parse_json(text, "the store's source record", "")
-    except CorruptFile as exc:
-        raise CorruptFile(f"{store.directory}: the store's source record is unreadable") from exc
-    if not isinstance(meta, dict) or meta.get("kind") not in ("video", "synthetic"):
-        raise CorruptFile(f"{store.directory}: the store's source record is unreadable")
-    return meta
 
 
 @insitu.command(name="run")
@@ -159,7 +117,6 @@ def run_command(
     as_json: bool,
 ) -> None:
     """Capture, label, store, train the student when idle, evaluate; resumable."""
-    deadline = time.monotonic() + 60 * minutes
     if video is not None and synthetic:
         raise InvalidInput("give --video PATH or --synthetic, not both")
     for name, value in (
@@ -172,154 +129,32 @@ def run_command(
     ):
         if value < 1:
             raise InvalidInput(f"{name} must be at least 1, got {value}")
-    config = TrainConfig(
-        memory_bytes=parse_bytes(memory),
-        recompute=recompute,
-        max_batch=max_batch,
-        epochs=epochs,
-        checkpoint_every=checkpoint_every,
-        threads=threads,
-        idle_threshold=idle_threshold,
+    options = RunOptions(
+        store_dir=store_dir,
+        video=video,
+        seed=seed,
+        frames=frames,
+        classes=classes,
+        teacher_views=teacher_views,
+        minutes=minutes,
+        store_cap_bytes=parse_bytes(store_cap) if store_cap else None,
+        config=TrainConfig(
+            memory_bytes=parse_bytes(memory),
+            recompute=recompute,
+            max_batch=max_batch,
+            epochs=epochs,
+            checkpoint_every=checkpoint_every,
+            threads=threads,
+            idle_threshold=idle_threshold,
+        ),
     )
-    # Fail on an unreadable video or an infeasible budget before any long work.
-    meta = _source_meta(video, seed, frames, classes, teacher_views)
-    source = _open_source(meta)
-    batch_plan = plan_batch(classifier(classes), config, find_largest=True)
-    store, cleaned = Store.open(store_dir, cap_bytes=parse_bytes(store_cap) if store_cap else None)
-    with store:
-        previous = store.get("source")
-        if previous is not None and _stored_source(store) != meta:
-            raise InvalidInput(
-                f"the store {store_dir} was filled from {previous}; use the same source or a new "
-                "--store"
-            )
-        store.set(source=json.dumps(meta))
-        notes = []
-        if cleaned.orphans_removed or cleaned.temporaries_removed:
-            notes.append(
-                f"cleaned up an interrupted write: {cleaned.orphans_removed} unindexed images, "
-                f"{cleaned.temporaries_removed} temporary files"
-            )
-        if cleaned.rows_repaired:
-            notes.append(
-                f"{cleaned.rows_repaired} rows had a damaged image name; restored from their "
-                "checksums, their images kept"
-            )
-        if not as_json:
-            progress_api.note("teacher: loading (trained once on canonical views, then cached)")
-        teacher = load_teacher(classes, per_class=teacher_views)
-        if teacher.retrained:
-            notes.append(f"teacher trained on canonical views and cached in {teacher.path}")
-        with contextlib.ExitStack() as stack:
-            bars = _bars(stack, as_json)
-            f_task = bars.add_task("frames", total=len(source) or None, info="")
-            t_task = bars.add_task("tracks", total=None, info="")
-            i_task = bars.add_task("labelled images", total=None, info="")
-            s_task = bars.add_task("training steps", total=None, info="waiting for capture")
-
-            def on_frame(p: Any) -> None:
-                bars.update(f_task, completed=p.frames)
-                bars.update(
-                    t_task,
-                    completed=p.tracks,
-                    info=f"{p.labelled_tracks} labelled, {p.dropped_tracks} dropped",
-                )
-                bars.update(i_task, completed=p.images)
-
-            progress = capture(
-                source, store, teacher, LabelRule(), deadline=deadline, on_frame=on_frame
-            )
-            on_frame(progress)
-            bars.update(f_task, total=progress.frames if progress.finished else len(source))
-
-            def on_step(step: int, total: int, loss: float, paused: bool) -> None:
-                info = "paused: CPU busy" if paused else f"loss {loss:.3f}"
-                bars.update(s_task, completed=step, total=total, info=info)
-
-            result = None
-            if store.count() == 0 and not progress.finished:
-                notes.append("no labelled images yet: run again to continue the video")
-            else:
-                result = train_student(
-                    store,
-                    classes,
-                    teacher.model.state_dict(),
-                    config,
-                    deadline=deadline,
-                    on_step=on_step,
-                )
-        if not progress.finished:
-            notes.append(
-                f"time ran out at frame {progress.frames} of {len(source)}; run again to resume"
-            )
-        skipped = result.skipped_rows if result is not None else _skipped_rows(store, classes)
-        if skipped:
-            notes.append(_skipped_note(skipped))
-        if result is not None and result.skipped_images:
-            notes.append(
-                f"{result.skipped_images} stored images were unreadable or failed their checksum "
-                "and were skipped, not trained on"
-            )
-        if result is not None and not result.finished:
-            notes.append(
-                f"the student has trained {result.step} of {result.total_steps} steps (paused "
-                f"{result.paused_seconds:.0f} s while other processes kept the CPU busy); run "
-                "again to resume, or pass --idle-threshold 1 to train regardless of load"
-            )
-        report = _evaluate(store, teacher, classes, meta)
-        picture_path = store.directory / "insitu.png"
-        picture(report, store, source if isinstance(source, SyntheticScene) else None, picture_path)
-    data: dict[str, Any] = {
-        **report.to_json(),
-        "frames": progress.frames,
-        "video_finished": progress.finished,
-        "tracks": progress.tracks,
-        "labelled_tracks": progress.labelled_tracks,
-        "dropped_tracks": progress.dropped_tracks,
-        "memory_bytes": config.memory_bytes,
-        "batch": batch_plan.batch,
-        "largest_fitting_batch": batch_plan.largest_fitting,
-        "plan_recompute_factor": batch_plan.recompute_factor,
-        "predicted_peak_bytes": result.predicted_peak_bytes if result else None,
-        "measured_peak_bytes": result.measured_peak_bytes if result else None,
-        "training_finished": bool(result and result.finished),
-        "paused_seconds": result.paused_seconds if result else 0.0,
-        "skipped_images": result.skipped_images if result else 0,
-        "skipped_rows": {"count": sum(skipped.values()), "reasons": skipped},
-        "picture": str(picture_path),
-        "notes": notes,
-    }
+    with contextlib.ExitStack() as stack:
+        bars = _bars(stack, as_json)
+        report, data = run(options, bars, note=progress_api.note)
     if as_json:
         emit_json(data)
         return
     _print_report(report, data)
-
-
-def _skipped_rows(store: Store, classes: int) -> dict[str, int]:
-    """How many rows of the store's database the store skips, by reason (see Store.rows)."""
-    _, skipped = store.rows(classes)
-    return count_reasons([s.reason for s in skipped])
-
-
-def _skipped_note(skipped: dict[str, int]) -> str:
-    reasons = ", ".join(f"{reason}: {n}" for reason, n in skipped.items())
-    return (
-        f"{sum(skipped.values())} rows of the store were skipped, not trained on ({reasons}); "
-        "the store never reads or deletes a file its rows name outside it"
-    )
-
-
-def _evaluate(store: Store, teacher: Any, classes: int, meta: dict[str, Any]) -> Report:
-    student = None
-    steps = (0, 0)
-    if (store.directory / CHECKPOINT).exists():
-        trained, state = load_student(store.directory, classes)
-        steps = (int(state["step"]), int(state["total_steps"]))
-        if steps[0] > 0:  # a checkpoint of step 0 holds the teacher's weights: no student yet
-            student = trained
-    scene = _open_source(meta) if meta["kind"] == "synthetic" else None
-    assert scene is None or isinstance(scene, SyntheticScene)
-    return evaluate(store, teacher, student, scene, student_steps=steps)
 
 
 def _pct(value: float | None) -> str:
@@ -421,23 +256,11 @@ def _print_report(report: Report, extra: dict[str, Any]) -> None:
 def eval_command(store_dir: str, picture_path: str | None, as_json: bool) -> None:
     """Teacher vs student by off-axis angle, label precision/recall, images and bytes."""
     torch.set_num_threads(2)
-    store, _ = Store.open(store_dir, create=False)
-    with store:
-        meta = _stored_source(store)
-        if store.count() == 0:
-            raise StoreError(f"the store {store_dir} holds no images yet; run `insitu run` first")
-        teacher = load_teacher(int(meta["classes"]), per_class=int(meta["teacher_views"]))
-        report = _evaluate(store, teacher, int(meta["classes"]), meta)
-        out = Path(picture_path) if picture_path else store.directory / "insitu.png"
-        scene = _open_source(meta) if meta["kind"] == "synthetic" else None
-        picture(report, store, scene if isinstance(scene, SyntheticScene) else None, out)
-        skipped = _skipped_rows(store, int(meta["classes"]))
-    rows = {"count": sum(skipped.values()), "reasons": skipped}
+    report, data = evaluate_run(store_dir, picture_path)
     if as_json:
-        emit_json({**report.to_json(), "skipped_rows": rows})
+        emit_json({**report.to_json(), "skipped_rows": data["skipped_rows"]})
         return
-    notes = [_skipped_note(skipped)] if skipped else []
-    _print_report(report, {"picture": str(out), "skipped_rows": rows, "notes": notes})
+    _print_report(report, data)
 
 
 class _LoggedBars:

@@ -35,14 +35,13 @@ import torch
 from torch import nn
 
 import edgetrain
-from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes
-from edgetrain.core.accounting import fixed_training_bytes
-from edgetrain.core.schedule import Schedule
+from edgetrain.autograd import StorageCounter, storage_bytes
+from edgetrain.core import Schedule, fixed_training_bytes
 from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidInput
 from edgetrain.insitu.files import load_failure, load_state, save_state
 from edgetrain.insitu.network import INPUT, classifier, to_input
 from edgetrain.insitu.store import Store, StoreError, UnreadableImage, count_reasons
-from edgetrain.planners.search import plan_for_device
+from edgetrain.planners import plan_for_device
 from edgetrain.units import format_bytes
 
 CHECKPOINT = "student.ckpt"

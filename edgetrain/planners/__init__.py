@@ -8,6 +8,6 @@ within the recompute factor.
 
 from __future__ import annotations
 
-from edgetrain.planners.search import STRATEGIES, plan
+from edgetrain.planners.search import STRATEGIES, plan, plan_for_device
 
-__all__ = ["STRATEGIES", "plan"]
+__all__ = ["STRATEGIES", "plan", "plan_for_device"]
