@@ -32,7 +32,7 @@ from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
-from edgetrain.runtime.checkpointed import check_budget_holds_weights
+from edgetrain.runtime.checks import check_budget_holds_weights
 from edgetrain.units import format_bytes, mib
 
 

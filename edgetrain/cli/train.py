@@ -34,7 +34,8 @@ from edgetrain.frontend.cuts import as_stages
 from edgetrain.models import MODELS, build, sample_input
 from edgetrain.models.factory import load_model_file
 from edgetrain.planners import STRATEGIES
-from edgetrain.runtime.checkpointed import Checkpointed, check_plan_for
+from edgetrain.runtime.checkpointed import Checkpointed
+from edgetrain.runtime.checks import check_plan_for
 from edgetrain.runtime.training import train
 from edgetrain.units import format_bytes
 

@@ -80,47 +80,31 @@ from __future__ import annotations
 
 import statistics
 import time
-import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from edgetrain import progress
 from edgetrain.autograd.heap import HeapPeak
 from edgetrain.autograd.replay import (
-    AutocastState,
-    BufferSnapshot,
-    GraphRunModule,
-    RngState,
     autocast_label,
     autocast_state,
     autocasting,
-    buffer_snapshot,
-    check_backward,
-    check_unchanged,
-    recomputing,
-    rng_state,
 )
 from edgetrain.autograd.stages import (
-    StageGraph,
-    StageParams,
-    differentiable,
     leaves,
-    run_backward,
-    run_forward,
-    run_forward_with_grad,
     shapes,
     signature,
     stage_params,
 )
-from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes, storage_key
+from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.core.explain import UNSPLIT, PeakExplanation, explain_plan
@@ -134,7 +118,7 @@ from edgetrain.core.schedule import (
     simulate,
     stores_everything,
 )
-from edgetrain.errors import EdgetrainError, InfeasibleBudget, InvalidInput, InvalidSchedule
+from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import (
     analytic_chain,
@@ -145,9 +129,22 @@ from edgetrain.frontend.profiling import (
 )
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan, plan_for_device
+from edgetrain.runtime.checks import (
+    check_budget_holds_weights,
+    check_made_for,
+    check_plan_for,
+)
+from edgetrain.runtime.interpreter import (
+    ScheduleFunction,
+    StepRun,
+    Watch,
+    gradients_kept,
+)
 from edgetrain.runtime.paging import PageStore
 from edgetrain.runtime.peak_probe import PeakProbe
+from edgetrain.runtime.replanning import KEPT_PLANS, autocast_mismatch, describe_change
 from edgetrain.runtime.stage_cost import cached_stage_seconds, time_factor, with_stage_cost
+from edgetrain.runtime.stages_as_run import modules_as_run, own_params, stage_modules
 from edgetrain.units import format_bytes, parse_bytes
 
 _NEW_SHAPE = ("replan", "error")
@@ -230,13 +227,13 @@ class Checkpointed(nn.Module):
                 f"memory_budget={self._rule!r} chooses a plan; give no schedule, or a budget in "
                 "bytes to check the schedule against"
             )
+        self.module = model
+        self.model = as_stages(model, sample_input)
         self._device = None if memory_budget is None else _device_bytes(memory_budget)
-        if self._device:  # before the capture and the profile: from the sizes alone
+        if self._device:  # before the profile: from the sizes alone
             check_budget_holds_weights(
                 self._device, model, sample_input, self.reserve_bytes, strategy
             )
-        self.module = model
-        self.model = as_stages(model, sample_input)
         if schedule is not None:
             check_plan_for(schedule, self.model, sample_input, type(model).__name__)
         self.strategy = strategy
@@ -310,7 +307,7 @@ class Checkpointed(nn.Module):
         if chain is None:
             chain = profile_chain(self.model, sample, autocast=autocast_state())
         elif chain.autocast != autocast_label(autocast_state()):
-            raise InvalidInput(_autocast_mismatch(chain.autocast, autocast_label(autocast_state())))
+            raise InvalidInput(autocast_mismatch(chain.autocast, autocast_label(autocast_state())))
         if self.model is not self.module and not as_is:
             # The store-all plan runs the module itself: its own step's peak counts too.
             chain = with_module_step(chain, self.module, sample)
@@ -324,7 +321,7 @@ class Checkpointed(nn.Module):
         # plan tried here (see the tighter plan below).
         self._sized: dict[GraphRun, Stage] = {}
         if schedule is not None:
-            _check_made_for(schedule, self.chain)
+            check_made_for(schedule, self.chain)
             self._adopt(schedule, sample)
             if self._device is None and self._max_recompute is None and not self._given_bytes:
                 # Another input or model state is planned for the memory this plan was made
@@ -394,7 +391,7 @@ class Checkpointed(nn.Module):
             tuple(m.training for m in self.module.modules()),
             tuple(autocast_state()),
             tuple(getattr(m, name, None) for m, name in getattr(self.model, "traced_reads", ())),
-            _kept(p for p in self._params if p.requires_grad),
+            gradients_kept(p for p in self._params if p.requires_grad),
         )
 
     def _planned(self, device: int | None) -> Schedule:
@@ -453,7 +450,7 @@ class Checkpointed(nn.Module):
                     f"the budget {format_bytes(limit)}; re-plan for this budget",
                     worst,
                 )
-        self._stages = _stage_modules(self.model, self.chain)
+        self._stages = stage_modules(self.model, self.chain)
         # Stages whose result depends on buffers their forward changes (spectral_norm): a run
         # again starts from a snapshot of their buffers taken before the first run.
         self._snapshotted = {
@@ -474,16 +471,16 @@ class Checkpointed(nn.Module):
         merging = self._merge_graph_runs and not self._stores_everything
         runs = list(graph_runs(schedule)) if merging else []
         chosen, self._exec_first, executed = self._merge(
-            runs, schedule, sample, lambda run: _own_params(fine, run)
+            runs, schedule, sample, lambda run: own_params(fine, run)
         )
-        self._exec_stages = _modules(self._stages, chosen, self._snapshotted)
+        self._exec_stages = modules_as_run(self._stages, chosen, self._snapshotted)
         self._exec_length = executed.length
         self._stage_params = [
             fine[k] if module is self._stages[k] else stage_params(module, index_of)
             for k, module in zip(self._exec_first, self._exec_stages, strict=True)
         ]
         # Parameters that more than one stage as run uses (a tied weight): their gradients are
-        # summed over the stages before autograd adds them to .grad (see _Run.receive).
+        # summed over the stages before autograd adds them to .grad (see StepRun.receive).
         users = Counter(i for stage in self._stage_params for i, _ in stage.params)
         self._shared_params = {i for i, count in users.items() if count > 1}
         ops = list(executed)
@@ -518,7 +515,7 @@ class Checkpointed(nn.Module):
         ``memory_budget`` when one is given, else within :data:`MERGE_GROWTH` of the plan's own
         peak and within the budget a given plan was made for. The plan's :attr:`cost` is then
         that of the stages as they run. Only runs that ``owns`` (no stage outside uses their
-        parameters: see :func:`_own_params`) are merged."""
+        parameters: see :func:`own_params`) are merged."""
         runs = [run for run in runs if owns(run) or run.rebuilds]
         self._exec_chain, self._exec_plan = self.chain, schedule  # as it runs (see explain)
         if not runs:
@@ -530,7 +527,7 @@ class Checkpointed(nn.Module):
             if not candidates:
                 return
             first, _ = merged_schedule(schedule, candidates)
-            modules = _modules(self._stages, candidates, self._snapshotted)
+            modules = modules_as_run(self._stages, candidates, self._snapshotted)
             with autocasting(autocast_state()):  # as the step runs them (see autocasting)
                 sized = merged_chain(self.chain, modules, first, sample)
             if sized is not None:
@@ -614,7 +611,9 @@ class Checkpointed(nn.Module):
         if spans == [(0, self.chain.length - 1)] and chosen[0].rebuilds:
             # One graph for the whole model: plain autograd runs it (as a store-all plan runs
             # the module), its step measured as it runs; if that fits too.
-            peaks = graph_step_peaks(_modules(self._stages, chosen, self._snapshotted)[0], sample)
+            peaks = graph_step_peaks(
+                modules_as_run(self._stages, chosen, self._snapshotted)[0], sample
+            )
             if peaks is not None:
                 one = replace(self.chain, stages=(as_one[chosen[0]],), autograd_peak_bytes=peaks)
                 direct = {
@@ -645,7 +644,7 @@ class Checkpointed(nn.Module):
         """Whether the training loop keeps gradients between steps: whether the last step found
         them all (and no hook on them); before the first step, whether they exist now."""
         if self._grads_exist is None:
-            return _kept(p for p in self._params if p.requires_grad)
+            return gradients_kept(p for p in self._params if p.requires_grad)
         return self._grads_exist
 
     @property
@@ -767,7 +766,7 @@ class Checkpointed(nn.Module):
         if key != self._key or self._unplanned:
             self._plan_for(x, key)
             return self.forward(x)  # the step, on the plan (and parameter list) for this state
-        self._grads_exist = _kept(params)  # the loop this step runs in
+        self._grads_exist = gradients_kept(params)  # the loop this step runs in
         probe = self._probe
         if probe is not None:
             probe.key, probe.grads_exist = self._key, self._grads_exist
@@ -786,13 +785,13 @@ class Checkpointed(nn.Module):
             grads = [
                 i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
             ]
-            outs = _Watch.apply(watched, *(flat[i] for i in grads))
+            outs = Watch.apply(watched, *(flat[i] for i in grads))
             for i, out in zip(grads, outs, strict=True):
                 flat[i] = out
             return tree_unflatten(flat, spec)
-        run = _Run(self, x, trainable, probe=probe)
+        run = StepRun(self, x, trainable, probe=probe)
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
-        outs = _ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
+        outs = ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
         return run.output(outs)
 
     def _plan_for(self, x: Any, key: tuple[Any, ...]) -> None:
@@ -803,7 +802,7 @@ class Checkpointed(nn.Module):
         if self.on_new_shape == "error":
             raise InvalidInput(
                 f"Checkpointed was planned for another state than this step's "
-                f"({_change(self._key, key, shapes_now)}); plan for it (or pass "
+                f"({describe_change(self._key, key, shapes_now)}); plan for it (or pass "
                 "on_new_shape='replan')"
             )
         known = self._plans.get(key)
@@ -818,7 +817,7 @@ class Checkpointed(nn.Module):
         if self.model is not self.module and not loop_only:
             self.model = as_stages(self.module, x)
             self._params = list(self.model.parameters())
-        planned, change = self._key, _change(self._key, key, shapes_now)
+        planned, change = self._key, describe_change(self._key, key, shapes_now)
         self._unplanned = True  # until this plan is made: half planned, every call plans
         try:
             self._plan(x, self.chain if loop_only else None, None, as_is=loop_only)
@@ -834,19 +833,6 @@ class Checkpointed(nn.Module):
         )
 
 
-KEPT_PLANS = 16
-"""Plans :class:`Checkpointed` keeps for states it may come back to (a value ``forward()`` reads
-that changes every step plans every step; pass such a value as a tensor instead)."""
-
-
-def _kept(params: Any) -> bool:
-    """Whether gradients can be added to in place: they exist and no hook must see them."""
-    return all(
-        p.grad is not None and not p._backward_hooks and not p._post_accumulate_grad_hooks
-        for p in params
-    )
-
-
 def _refuse_hooks(model: nn.Module) -> None:
     hooks = (
         model._forward_hooks,
@@ -859,326 +845,6 @@ def _refuse_hooks(model: nn.Module) -> None:
             "the wrapped nn.Sequential has hooks of its own, which Checkpointed would not run; "
             "register them on the Checkpointed module or on the model's children instead"
         )
-
-
-def _check_made_for(schedule: Schedule, chain: Chain) -> None:
-    made_for = schedule.params.get("made_for")
-    if not isinstance(made_for, dict):
-        return  # a plan written by hand: simulate() checks that it runs on this chain
-    if made_for.get("chain") != chain.fingerprint():
-        raise InvalidSchedule(
-            f"this plan was made for {made_for.get('model') or 'another model'} with an input of "
-            f"{made_for.get('input_bytes')} bytes, not for {chain.name} with "
-            f"{chain.input_bytes} (another model, batch, image size or dtype); re-plan it for "
-            "this one"
-        )
-
-
-def parameter_bytes(model: nn.Module) -> int:
-    """Bytes of ``model``'s parameters, a tied one counted once (as a chain counts them)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def _input_bytes(sample: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in leaves(sample))
-
-
-def check_budget_holds_weights(
-    device_bytes: int,
-    model: nn.Module,
-    sample: Any,
-    reserve_bytes: int = 0,
-    strategy: str | None = None,
-) -> None:
-    """InfeasibleBudget when ``device_bytes`` cannot hold the model's parameters, its buffers,
-    the input and ``reserve_bytes``: counted from their sizes, before any profile (what every
-    plan holds at least). With a ``strategy``, the error's smallest budget is the one that
-    plans: the chain from shapes (:func:`~edgetrain.frontend.profiling.analytic_chain`, sized
-    on meta tensors as the profile sizes them, in moments) planned as :class:`Checkpointed`
-    plans it, for the loop the model's gradients are in now."""
-    held = parameter_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers())
-    floor = held + _input_bytes(sample) + reserve_bytes
-    if device_bytes <= floor and strategy is not None:
-        _refuse_with_the_smallest(device_bytes, model, sample, reserve_bytes, strategy)
-    if device_bytes <= floor:
-        reserve = (
-            f" plus the optimizer state or reserve ({format_bytes(reserve_bytes)})"
-            if reserve_bytes
-            else ""
-        )
-        raise InfeasibleBudget(
-            f"{format_bytes(device_bytes)} does not hold the weights, buffers and input "
-            f"({format_bytes(floor - reserve_bytes)}){reserve}; give more memory",
-            floor,
-        )
-
-
-def _refuse_with_the_smallest(
-    device_bytes: int, model: nn.Module, sample: Any, reserve_bytes: int, strategy: str
-) -> None:
-    """Raise the planner's own InfeasibleBudget for ``device_bytes`` on the model's chain from
-    shapes (its smallest plans); return when the chain cannot be made from shapes."""
-    try:
-        chain = analytic_chain(model, sample)
-    except EdgetrainError:
-        return  # not sizeable on meta tensors: the profile's check reports it
-    grads_exist = _kept(p for p in model.parameters() if p.requires_grad)
-    grads = chain.gradient_bytes if grads_exist else 0
-    fixed = fixed_training_bytes(chain) - chain.gradient_bytes + grads + reserve_bytes
-    plan_for_device(
-        chain, strategy, device_bytes=device_bytes, fixed_bytes=fixed, grads_exist=grads_exist
-    )
-
-
-def check_plan_for(schedule: Schedule, stages: nn.Module, sample: Any, name: str) -> None:
-    """InvalidSchedule when ``schedule`` records that it was made for a model whose weights or
-    input differ from ``stages`` (the model as stages, :func:`as_stages`) and ``sample``: from
-    their sizes, before any profile. The chain's fingerprint, checked once the model is
-    profiled, decides the rest."""
-    made_for = schedule.params.get("made_for")
-    if not isinstance(made_for, dict):
-        return
-    weights, given = parameter_bytes(stages), storage_bytes(leaves(sample))
-    recorded = made_for.get("weight_bytes", weights), made_for.get("input_bytes", given)
-    if recorded != (weights, given):
-        raise InvalidSchedule(
-            f"this plan was made for {made_for.get('model') or 'another model'} "
-            f"({recorded[0]} bytes of weights, an input of {recorded[1]} bytes), not for {name} "
-            f"({weights} bytes of weights, an input of {given} bytes); re-plan it for this one"
-        )
-
-
-def _stage_modules(model: nn.Sequential, chain: Chain) -> list[nn.Module]:
-    children = [m for m in model._modules.values() if m is not None]
-    if sum(stage.span for stage in chain.stages) != len(children):
-        raise InvalidInput(
-            f"the chain covers {sum(s.span for s in chain.stages)} children but the model has "
-            f"{len(children)}; profile this model again"
-        )
-    modules: list[nn.Module] = []
-    start = 0
-    for stage in chain.stages:
-        part = children[start : start + stage.span]
-        modules.append(part[0] if stage.span == 1 else nn.Sequential(*part))
-        start += stage.span
-    return modules
-
-
-def _own_params(params: list[StageParams], run: GraphRun) -> bool:
-    """Whether no stage outside ``run`` uses a trainable parameter of its stages. Autograd sums
-    a parameter's gradients from the uses inside one graph before handing them on; with a use
-    outside the run too, the sum would be taken in another order than plain autograd's (which
-    sums them all, then adds to ``.grad``), and the gradient would differ in its last bits."""
-    inside = {index for stage in params[run.first : run.last + 1] for index, _ in stage.params}
-    return not any(
-        index in inside
-        for k, stage in enumerate(params)
-        if not run.first <= k <= run.last
-        for index, _ in stage.params
-    )
-
-
-def _modules(
-    stages: list[nn.Module], runs: list[GraphRun], snapshotted: set[int]
-) -> list[nn.Module]:
-    """The stages as the executor runs them: each of ``runs`` one stage (a
-    :class:`~edgetrain.autograd.replay.GraphRunModule`; of its stages, those in ``snapshotted`` are
-    rebuilt from a snapshot of their buffers), the others as they are (see
-    :func:`~edgetrain.core.schedule.merged_schedule`)."""
-    merged = {run.first: run for run in runs}
-    modules: list[nn.Module] = []
-    k = 0
-    while k < len(stages):
-        run = merged.get(k)
-        if run is None:
-            modules.append(stages[k])
-            k += 1
-            continue
-        recomputed = frozenset(j - run.first for j in run.recomputed)
-        segments = frozenset((i - run.first, j - run.first) for i, j in run.checkpointed)
-        snapshots = frozenset(j - run.first for j in snapshotted if run.first <= j <= run.last)
-        modules.append(
-            GraphRunModule(stages[run.first : run.last + 1], recomputed, segments, snapshots)
-        )
-        k = run.last + 1
-    return modules
-
-
-@dataclass
-class _Run:
-    """The state of one training step: exactly what the plan holds between operations."""
-
-    net: Checkpointed
-    sample: Any
-    trainable: list[int]  # indices of the parameters that require grad, in order
-    plain: dict[int, Any] = field(default_factory=dict)
-    graphs: dict[int, StageGraph] = field(default_factory=dict)
-    grads: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
-    param_grads: dict[int, torch.Tensor] = field(default_factory=dict)
-    rng: dict[int, RngState] = field(default_factory=dict)
-    runs: Counter[int] = field(default_factory=Counter)  # runs so far of stages run again
-    snapshots: dict[int, BufferSnapshot] = field(default_factory=dict)
-    wanted_params: set[int] = field(default_factory=set)
-    in_place: dict[int, torch.Tensor] = field(default_factory=dict)  # index -> its .grad
-    want_input: bool = True
-    autocast: AutocastState = field(default_factory=list)
-    out_spec: Any = None
-    out_flat: list[Any] = field(default_factory=list)
-    done: bool = False
-    pages: PageStore | None = None
-    writing: Any = None  # a paged-out value, held until the operation after its page-out ends
-    probe: PeakProbe | None = None  # a measured step (Checkpointed.measuring)
-
-    def output(self, outs: tuple[torch.Tensor, ...]) -> Any:
-        """The caller's output: the function's tensors in the structure the model returned."""
-        got = iter(outs)
-        flat = [next(got) if isinstance(t, torch.Tensor) else t for t in self.out_flat]
-        self.out_flat = []
-        return tree_unflatten(flat, self.out_spec)
-
-    def execute(self, ops: list[tuple[Op, int]], offset: int = 0) -> None:
-        """Run ``ops``, the operations ``offset`` .. of the executed plan."""
-        probe = self.probe
-        look = -1 if probe is None else probe.position - offset
-        for at, (kind, k) in enumerate(ops):
-            if at == look and probe is not None:
-                probe.before(self._held())
-            # A page-out's write overlaps the next operation; its memory goes when that ends.
-            written, self.writing = self.writing, None
-            if self.pages is not None and at + 1 < len(ops) and ops[at + 1][0] == Op.PAGE_IN:
-                self.pages.prefetch(str(ops[at + 1][1]))  # the kernel reads while this op runs
-            if kind is Op.DISCARD:
-                del self.plain[k]
-            elif kind is Op.BACKWARD:
-                self._backward(k)
-            elif kind is Op.PAGE_OUT:
-                self.writing = (k, self.plain.pop(k))
-                self._pages().put(str(k), tree_map(_detach, self.writing[1]))
-            elif kind is Op.PAGE_IN:
-                self.plain[k] = self._pages().take(str(k))
-            else:
-                self._forward(kind, k)
-            if written is not None:
-                # The kernel has the bytes (the fsync goes on in the background): drop ours.
-                self._pages().wait_written(str(written[0]))
-                del written
-            if at == look and probe is not None:
-                probe.after()
-
-    def _held(self) -> dict[str, Any]:
-        """What the step holds by the executor's own references, by category."""
-        last = self.net._exec_length
-        return {
-            "output": self.plain.get(last),
-            "checkpoint": [v for k, v in self.plain.items() if 0 < k < last],
-            "activation gradients": list(self.grads.values()),
-            "parameter gradients": list(self.param_grads.values()),
-            "page-out being written": None if self.writing is None else self.writing[1],
-        }
-
-    def _pages(self) -> PageStore:
-        if self.pages is None:
-            assert self.net.page_dir is not None
-            self.pages = _page_store(self.net, self.net.page_dir)
-        return self.pages
-
-    def close_pages(self) -> None:
-        """Delete the step's page files (after its backward, or when it is abandoned)."""
-        self.writing = None
-        if self.pages is not None:
-            self.pages.clear()
-            if self.pages.failed:
-                _STORES.pop(self.net, None)
-                self.pages.close()
-            self.pages = None
-
-    def _forward(self, kind: Op, k: int) -> None:
-        x = self.plain[k]
-        if k in self.rng or k in self.net._rerun or self.autocast:
-            with self._replay(k), self._autocast():
-                out = self._run_stage(kind, k, x)
-        else:  # the common case: nothing to remember or replay, no autocast to enter
-            out = self._run_stage(kind, k, x)
-        del x
-        self.plain[k + 1] = out
-        del out
-        if kind is not Op.FORWARD_CHECKPOINT and k > 0:
-            del self.plain[k]
-
-    def _run_stage(self, kind: Op, k: int, x: Any) -> Any:
-        module = self.net._exec_stages[k]
-        if not kind.builds_graph:
-            return run_forward(module, x, stage=k)
-        out, self.graphs[k] = run_forward_with_grad(
-            module,
-            x,
-            needs_input_grad=self._needs(k, x),
-            params=self.net._stage_params[k],
-            sink=self.receive,
-            stage=k,
-            release=kind is Op.FORWARD_RELEASE,
-        )
-        return out
-
-    def _needs(self, k: int, x: Any) -> list[bool]:
-        """Which of stage k's input tensors need a gradient: the model input's as given; for
-        later stages what the chain records, known once per plan (the input's shapes and dtypes
-        are the plan's, and so are those of every activation)."""
-        if k == 0:
-            return [t.requires_grad for t in leaves(self.sample)]
-        needs = self.net._needs.get(k)
-        if needs is None:
-            wanted = self.net.chain.requires_grad(self.net._exec_first[k])
-            needs = self.net._needs[k] = [wanted and differentiable(t) for t in leaves(x)]
-        return needs
-
-    def _backward(self, k: int) -> None:
-        graph = self.graphs.pop(k)
-        grad_out = self.grads.pop(k + 1)
-        if k == 0 and not self.want_input:
-            graph.inputs = [None] * len(graph.inputs)
-        # A graph built by Fr k reads a[k] again, which the plan recomputed; B k drops it.
-        rebuilt = None if graph.release is None else self.plain.pop(k) if k else self.plain[0]
-        input_grads = run_backward(
-            graph, grad_out, params=bool(self.wanted_params), rebuilt=rebuilt
-        )
-        del graph, grad_out, rebuilt
-        self.grads[k] = input_grads
-
-    def receive(self, index: int, grad: torch.Tensor) -> None:
-        """A parameter's gradient from one stage, as autograd computes it: added in place to
-        its ``.grad`` when the loop keeps gradients (as autograd would) and no other stage uses
-        the parameter, else kept, summed over the stages that use it, for autograd to take
-        (and add to ``.grad``) at the end of the step."""
-        if index not in self.wanted_params:
-            return
-        if index in self.in_place:
-            with torch.no_grad():
-                self.in_place[index].add_(grad)
-            return
-        known = self.param_grads.get(index)
-        # Out of place: the first gradient may alias another that is still in use.
-        self.param_grads[index] = grad if known is None else known + grad
-
-    def _replay(self, k: int) -> AbstractContextManager[None]:
-        """First run of stage k: remember its RNG state (if the plan runs it again) and, for a
-        stage whose result depends on buffers it changes, its buffers. Later runs: replay them,
-        keep the model's buffers; the snapshot goes with the last run."""
-        net = self.net
-        if k not in net._rerun:
-            return nullcontext()
-        self.runs[k] += 1
-        if k not in self.rng:
-            self.rng[k] = rng_state()
-            if k in net._snapshots:
-                self.snapshots[k] = buffer_snapshot(net._submodules[k])
-            return nullcontext()
-        last = self.runs[k] == net._runs[k]
-        snapshot = self.snapshots.pop(k, None) if last else self.snapshots.get(k)
-        return recomputing(self.rng[k], net._submodules[k], snapshot)
-
-    def _autocast(self) -> AbstractContextManager[None]:
-        return autocasting(self.autocast) if self.autocast else nullcontext()
 
 
 _BUDGET_RULES = ("min", "auto")
@@ -1225,185 +891,6 @@ _PLANNED = (
 """What :meth:`Checkpointed._plan` sets up for a state (see ``Checkpointed._plans``)."""
 
 
-def _autocast_mismatch(measured: tuple[str, ...], now: tuple[str, ...]) -> str:
-    """Why a given chain cannot plan this step: it was measured in another autocast state."""
-
-    def state(label: tuple[str, ...]) -> str:
-        return f"under torch.autocast({', '.join(label)})" if label else "without torch.autocast"
-
-    return (
-        f"chain= was measured {state(measured)} but Checkpointed is built {state(now)}, where "
-        "the step holds other dtypes and sizes; build it in the state the chain was measured "
-        "in (a step in another autocast state then plans for that state), or pass no chain="
-    )
-
-
-def _change(planned: tuple[Any, ...], now: tuple[Any, ...], shapes: str) -> str:
-    """What differs between two :meth:`Checkpointed._state` keys, in words (``shapes``: the
-    input's then and now)."""
-    changes = [
-        what
-        for what, a, b in zip(
-            (
-                f"an input of {shapes}",
-                "another input needing a gradient",
-                "other parameters needing gradients (frozen or unfrozen layers)",
-                "another train/eval mode",
-                "another torch.autocast state",
-                "another value of a module attribute (fx traced the old one into the stages)",
-                "a training loop that keeps gradients between steps"
-                if now[-1]
-                else "a training loop that sets gradients to None (zero_grad())",
-            ),
-            planned,
-            now,
-            strict=True,
-        )
-        if a != b
-    ]
-    return ", ".join(changes)
-
-
-def _detach(value: Any) -> Any:
-    return value.detach() if isinstance(value, torch.Tensor) else value
-
-
-def _accumulates(view_node: Any) -> bool:
-    """Whether the caller's backward writes this parameter's ``.grad`` (``loss.backward()``),
-    rather than returning its gradient (``torch.autograd.grad``) or skipping it."""
-    if view_node is None:
-        return False
-    accumulator = view_node.next_functions[0][0]
-    try:
-        return bool(torch._C._will_engine_execute_node(accumulator))
-    except RuntimeError:  # autograd.grad(): the gradient is returned, not accumulated
-        return False
-
-
-class _Watch(torch.autograd.Function):
-    """The identity on a step's output tensors; its backward, the first of the step's, refuses
-    to go on (before any gradient is made) when an input or parameter was changed in place since
-    the forward, on a second backward and on double backward, as :class:`_ScheduleFunction`
-    does: the graph's rebuilds read the inputs and parameters again, once, without grad."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, watched: list[tuple[torch.Tensor, int]], *outs: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.watched = watched
-        ctx.done = False
-        # An output the loss does not use hands back None, not zeros: its parameters' gradients
-        # stay None, as plain autograd leaves them.
-        ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in outs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        check_backward(ctx.done)
-        check_unchanged(ctx.watched)
-        ctx.watched, ctx.done = [], True
-        return (None, *grads)
-
-
-class _ScheduleFunction(torch.autograd.Function):
-    """Forward: the plan's forward phase. Backward: the rest of the plan.
-
-    Its inputs are the input's tensors and the trainable parameters (as views, so that the
-    backward can ask autograd which of them the caller's backward needs); its outputs the
-    model's output tensors.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any, run: _Run, count: int, *tensors: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        net = run.net
-        flat, spec = tree_flatten(run.sample)
-        given = iter(tensors[:count])
-        run.plain[0] = tree_unflatten(
-            [next(given).detach() if isinstance(t, torch.Tensor) else t for t in flat], spec
-        )
-        run.autocast = autocast_state()
-        run.execute(net._forward_ops)
-        out = run.plain.pop(net._exec_length)  # the caller's from now on
-        run.out_flat, run.out_spec = tree_flatten(out)
-        del out
-        ctx.run = run
-        ctx.backward_ops = net._backward_ops
-        ctx.count = count
-        ctx.watched = [(t, t._version) for t in tensors]
-        ctx.set_materialize_grads(False)
-        results = tuple(t.detach() for t in run.out_flat if isinstance(t, torch.Tensor))
-        if run.probe is not None:
-            run.probe.output_keys = tuple(storage_key(t) for t in results)
-        ctx.mark_non_differentiable(*(t for t in results if not differentiable(t)))
-        return results
-
-    @staticmethod
-    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> tuple[Any, ...]:
-        run: _Run = ctx.run
-        check_backward(run.done)
-        check_unchanged(ctx.watched)
-        count = ctx.count
-        nexts = ctx.next_functions  # a new tuple at every access
-        needed = [
-            node is not None and torch._C._will_engine_execute_node(node) for node, _ in nexts
-        ]
-        run.want_input = any(needed[:count])
-        params = run.net._params
-        run.wanted_params = {
-            i for i, want in zip(run.trainable, needed[count:], strict=True) if want
-        }
-        # Gradients that exist, watched by no hook, which the caller's backward accumulates:
-        # add to them in place as plain autograd does, and hand autograd nothing for them. But
-        # a parameter several stages use: autograd sums its gradients from every use, then
-        # adds the sum to .grad; so the executor sums them and hands autograd the sum.
-        kept = {
-            i: params[i].grad
-            for j, i in enumerate(run.trainable)
-            if i in run.wanted_params
-            and params[i].grad is not None
-            and _kept([params[i]])
-            and _accumulates(nexts[count + j][0])
-        }
-        run.net._grads_exist = len(kept) == len(run.wanted_params)
-        shared = run.net._shared_params
-        run.in_place = {i: grad for i, grad in kept.items() if i not in shared}
-        run.grads[run.net._exec_length] = list(grad_outputs)
-        if run.probe is not None:
-            run.probe.output_grad_keys = tuple(
-                storage_key(g) for g in grad_outputs if isinstance(g, torch.Tensor)
-            )
-        del grad_outputs
-        run.execute(ctx.backward_ops, len(run.net._forward_ops))
-        input_grads = run.grads.pop(0, None) or [None] * count
-        results = [run.param_grads.pop(i, None) for i in run.trainable]
-        run.in_place.clear()
-        run.plain.clear()
-        run.graphs.clear()
-        run.grads.clear()
-        run.param_grads.clear()
-        run.close_pages()
-        run.done = True
-        ctx.watched = []
-        return (None, None, *input_grads, *results)
-
-
-_STORES: weakref.WeakKeyDictionary[Checkpointed, PageStore] = weakref.WeakKeyDictionary()
-
-
-def _page_store(net: Checkpointed, directory: Path) -> PageStore:
-    """The page store of ``net``, kept from step to step (its threads start once), emptied of
-    the pages a step abandoned; closed when ``net`` is garbage collected."""
-    store = _STORES.get(net)
-    if store is None or store.directory != directory:
-        store = PageStore(directory)
-        _STORES[net] = store
-        weakref.finalize(net, store.close)
-    store.clear()
-    return store
-
-
 CALIBRATION_STAGES = 32
 CALIBRATION_ROUNDS = 21
 
@@ -1443,9 +930,3 @@ def measure_stage_seconds(
         if round_ >= 2:  # the first rounds warm up
             differences.append(staged - plain)
     return max(0.0, statistics.median(differences) / (2 * stages))
-
-
-def _tiny_chain(model: object, x: object) -> Chain:
-    from edgetrain.frontend.profiling import analytic_chain
-
-    return analytic_chain(model, x)  # type: ignore[arg-type]
