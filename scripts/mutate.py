@@ -145,7 +145,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the optimal frontier keeps only each table's least-memory plan (and storing everything)",
         True,
     ),
-    # -- the budget search (issue 29, items 1 and 3; issue 33, item 1: optimal-rho-store-all) --
+    # -- the budget search: the smallest budget, monotone feasibility, least memory within rho --
     Mutation(
         "device-smallest-is-fixed-part",
         "edgetrain/planners/search.py",
