@@ -284,8 +284,8 @@ def step_parts(chain: Chain, state: ReplayState, *, grads_exist: bool) -> list[P
                 owner.setdefault(piece, ("kept graph", k))
     for piece, refs in enumerate(state.refs):
         if refs and piece and state.sizes[piece]:
-            category, stage = owner.get(piece, ("kept graph", None))
-            parts.append(PeakPart(category, stage, state.sizes[piece]))
+            category, index = owner.get(piece, ("kept graph", None))
+            parts.append(PeakPart(category, index, state.sizes[piece]))
     for k, stage in enumerate(chain.stages):
         if state.graph[k]:
             parts.append(PeakPart("kept graph", k, stage.saved_bytes + state.copies[k]))
