@@ -18,8 +18,27 @@ PACKAGE = ROOT / "edgetrain"
 MODULE_LINES = 600
 FUNCTION_LINES = 80
 
-# path (relative to the repository) or "path:function" -> why it stands.
-EXCEPTIONS: dict[str, str] = {}
+# path (relative to the repository) or "path:function" -> why it stands. Each is a split still
+# to make; the list only shrinks (an entry within its limit again fails the check).
+EXCEPTIONS: dict[str, str] = {
+    "edgetrain/autograd/stages.py": "one stage's run: taps, hands, forward and backward",
+    "edgetrain/core/schedule.py": "the Schedule type, its file I/O and the simulator in one",
+    "edgetrain/frontend/fx_capture.py": "tracing, regions and the cuts' segments in one",
+    "edgetrain/frontend/profiling.py": "measuring a stage, sizing on meta and merged runs",
+    "edgetrain/insitu/store.py": "the store's database, its files and their checks",
+    "edgetrain/planners/optimal.py": "the DP's table, its fill and its plans",
+    "edgetrain/runtime/checkpointed.py": "Checkpointed's planning and its per-state plan",
+    "edgetrain/tiles/tiling.py": "tile geometry and the halo arithmetic",
+    "edgetrain/cli/plan.py:plan_command": "reading the model, planning, and the table",
+    "edgetrain/cli/tiles.py:tiles": "the grid, the launch and the report",
+    "edgetrain/core/schedule.py:graph_runs": "one pass over the ops",
+    "edgetrain/core/schedule.py:_replay": "the simulator's replay, one branch per op",
+    "edgetrain/frontend/fx_capture.py:capture": "the tracer's set-up and restore",
+    "edgetrain/frontend/profiling.py:_profile_stage": "one stage's measured passes",
+    "edgetrain/insitu/student.py:train_student": "the resumable training loop",
+    "edgetrain/planners/optimal.py:_fill": "the DP's recurrence",
+    "edgetrain/runtime/checkpointed.py:_merge": "choosing which runs merge",
+}
 
 
 def _docstring_lines(node: ast.AST) -> int:
