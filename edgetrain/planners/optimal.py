@@ -298,10 +298,10 @@ class OptimalTable:
         self._padded = np.full((2, n, n, self._pad + size), np.inf)
         self._time = self._padded[..., self._pad :]
         self._windows = sliding_window_view(self._padded, size, axis=-1)
-        self._reach_padded = np.full((n, n, self._pad + size), np.inf)
-        self._reach = self._reach_padded[..., self._pad :]
-        self._reach_windows = sliding_window_view(self._reach_padded, size, axis=-1)
+        # Contiguous rows (no padding between them), so that numpy adds a span at a time.
+        self._reach = np.full((n, n, size), np.inf)
         self._left = np.full((n, n, size), np.inf)
+        self._pinned = np.full((n, n, size), np.inf)  # time[1]
         self._prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
         self._choices: dict[tuple[int, int, int], np.ndarray] = {}
         self._fill()
@@ -320,7 +320,9 @@ class OptimalTable:
             for pin in (0, 1):
                 best, _ = self._span(span, pin, s, choose=False)
                 self._time[pin, span, s] = best
-                if pin == 0:
+                if pin == 1:
+                    self._pinned[span, s] = best
+                else:
                     self._reach[span, s] = best + self._prefix[s][:, None]
                     index = np.arange(size)[None, :] + act[s][:, None]
                     left = np.take_along_axis(best, np.minimum(index, size - 1), axis=-1)
@@ -417,13 +419,11 @@ class OptimalTable:
         rows = len(s) - 1
         value = np.empty((len(s), len(m)))
         if rows > 0:
-            stride = self._reach_padded.strides
+            stride = self._reach.strides
             shape = (span, rows, len(m))
             far = as_strided(self._reach[span - 1, 1:], shape, (stride[1] - stride[0], *stride[1:]))
-            near = self._left[:span, :rows] if pin == 0 else self._time[1, :span, :rows]
-            cand = far + near
-            np.copyto(cand, np.inf, where=m[None, None, :] < reached[:rows].T[:, :, None])
-            low = cand.min(axis=0)
+            near = self._left[:span, :rows] if pin == 0 else self._pinned[:span, :rows]
+            low = _least_sum(far, near, reached[:rows].T)
             value[:rows] = low if pin else _shift_each(low, own[:rows])
         top, _ = self._checkpoints_of(
             span, pin, s[rows:], own[rows:], after[rows:], reached[rows:], False
@@ -445,7 +445,7 @@ class OptimalTable:
         m = np.arange(self.slots + 1)
         q = np.arange(1, span + 1)
         j = s[:, None] + q[None, :]
-        cand = self._reach_windows[span - q[None, :], j, self._back(own)[:, None]]
+        cand = _shift_each(self._reach[span - q[None, :], j], own[:, None])
         cand += self._windows[pin, q[None, :] - 1, s[:, None], self._back(after)[:, None]]
         np.copyto(cand, np.inf, where=m[None, None, :] < (own[:, None] + reached)[:, :, None])
         if not choose:
@@ -586,6 +586,33 @@ def store_all(chain: Chain) -> Schedule:
     """Plain autograd as a plan: every stage forward with its graph, then every backward."""
     kinds, indices = store_all_operations(chain.length)
     return Schedule(chain.length, kinds, indices, "optimal", {"budget_bytes": None})
+
+
+CHUNK_ELEMENTS = 32768
+"""Candidates summed and reduced at a time (256 KiB of float64: they stay in the cache)."""
+
+
+def _least_sum(far: np.ndarray, near: np.ndarray, reached: np.ndarray) -> np.ndarray:
+    """``min over q of far[q] + near[q]``, each term inf where ``m < reached[q]``: arrays
+    ``[q, row, m]`` and ``reached[q, row]``, in chunks of q that stay in the cache."""
+    span, rows, size = far.shape
+    # below[r] is inf below slot r and 0 from there on: added, it rules out what does not fit.
+    below = np.where(np.arange(size)[None, :] < np.arange(size + 1)[:, None], np.inf, 0.0)
+    limit = np.clip(reached, 0, size)
+    chunk = max(1, min(span, CHUNK_ELEMENTS // (rows * size)))
+    cand = np.empty((chunk, rows, size))
+    ruled = np.empty(cand.shape)
+    least = np.full((rows, size), np.inf)
+    part = np.empty((rows, size))
+    for first in range(0, span, chunk):
+        last = min(span, first + chunk)
+        c, r = cand[: last - first], ruled[: last - first]
+        np.add(far[first:last], near[first:last], out=c)
+        np.take(below, limit[first:last], axis=0, out=r)
+        np.add(c, r, out=c)
+        np.minimum.reduce(c, axis=0, out=part)
+        np.minimum(least, part, out=least)
+    return least
 
 
 def _shift_each(values: np.ndarray, offset: np.ndarray) -> np.ndarray:
