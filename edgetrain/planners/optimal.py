@@ -302,6 +302,8 @@ class OptimalTable:
         self._reach = np.full((n, n, size), np.inf)
         self._left = np.full((n, n, size), np.inf)
         self._pinned = np.full((n, n, size), np.inf)  # time[1]
+        # The first finite slot of each time[pin, d, s] (the rows are non-increasing in m).
+        self._first = np.full((2, n, n), size, dtype=np.int64)
         self._prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
         self._choices: dict[tuple[int, int, int], np.ndarray] = {}
         self._fill()
@@ -320,6 +322,9 @@ class OptimalTable:
             for pin in (0, 1):
                 best, _ = self._span(span, pin, s, choose=False)
                 self._time[pin, span, s] = best
+                finite = np.isfinite(best)
+                first = np.where(finite.any(axis=1), finite.argmax(axis=1), size)
+                self._first[pin, span, s] = first
                 if pin == 1:
                     self._pinned[span, s] = best
                 else:
@@ -423,7 +428,20 @@ class OptimalTable:
             shape = (span, rows, len(m))
             far = as_strided(self._reach[span - 1, 1:], shape, (stride[1] - stride[0], *stride[1:]))
             near = self._left[:span, :rows] if pin == 0 else self._pinned[:span, :rows]
-            low = _least_sum(far, near, reached[:rows].T)
+            # Below the first slot where some candidate is finite, every one is inf.
+            q = np.arange(1, span + 1)[:, None]
+            row = np.arange(rows)[None, :]
+            near_first = self._first[pin, q - 1, row]
+            if pin == 0:
+                near_first = near_first - own[:rows][None, :]
+            limit = reached[:rows].T
+            start = int(
+                np.maximum(np.maximum(limit, self._first[0, span - q, row + q]), near_first).min()
+            )
+            low = np.full((rows, len(m)), np.inf)
+            if start < len(m):
+                start = max(start, 0)
+                low[:, start:] = _least_sum(far[..., start:], near[..., start:], limit - start)
             value[:rows] = low if pin else _shift_each(low, own[:rows])
         top, _ = self._checkpoints_of(
             span, pin, s[rows:], own[rows:], after[rows:], reached[rows:], False
