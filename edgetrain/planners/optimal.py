@@ -352,34 +352,31 @@ class OptimalTable:
         entry_rest = grad_in + z.held_grads[t + 1]
         left_b = z.grad[s] + z.held_grads[s] + after
         own = np.zeros_like(s) if pin else z.act[s]
-        best = np.full((len(s), size), np.inf)
-        choice = np.full(best.shape, -1, dtype=np.int32) if choose else None
-        for o in range(options + 1):
-            if o == options:  # the release start
-                if span == 0 or z.pair_time is None:
-                    break
-                value = self._release(s, pin, span, entry_rest, after, left_b)
-            else:
-                # Graph first with option o: its forward phase, the sub-chain s+1..t, its
-                # backward phase; each phase's peak, and what it leaves (the larger counts).
-                peak_f = entry_rest + z.opt_fwd_peak[o, pin, s]
-                peak_b = z.held_grads[s + 1] + z.opt_bwd_peak[o, pin, s]
-                if span > 0:
-                    peak_b = peak_b + after  # the caller's output and its gradient, if top
-                peak_b = np.maximum(peak_b, left_b)
-                ok = m[None, :] >= np.maximum(peak_f, peak_b)[:, None]
-                base = z.opt_time[o, s]
-                if span == 0:
-                    value = np.where(ok, base[:, None], np.inf)
-                else:
-                    pinned = z.opt_pins[o, s].astype(np.int64)
-                    shift = z.opt_graph[o, pin, s] + pinned * z.act[s + 1]
-                    inner = self._windows[pinned, span - 1, s + 1, self._back(shift)]
-                    value = np.where(ok, base[:, None] + inner, np.inf)
+        # Graph first with option o (every o at once): its forward phase, the sub-chain
+        # s+1..t, its backward phase; each phase's peak, and what it leaves (the larger counts).
+        peak_f = entry_rest[None, :] + z.opt_fwd_peak[:, pin, s]
+        peak_b = z.held_grads[s + 1][None, :] + z.opt_bwd_peak[:, pin, s]
+        if span > 0:
+            peak_b = peak_b + after[None, :]  # the caller's output and its gradient, if top
+        peak_b = np.maximum(peak_b, left_b[None, :])
+        ok = m[None, None, :] >= np.maximum(peak_f, peak_b)[:, :, None]
+        base = z.opt_time[:, s][:, :, None]
+        if span == 0:
+            values = np.where(ok, base, np.inf)
+        else:
+            pinned = z.opt_pins[:, s].astype(np.int64)
+            shift = z.opt_graph[:, pin, s] + pinned * z.act[s + 1][None, :]
+            inner = self._windows[pinned, span - 1, (s + 1)[None, :], self._back(shift)]
+            values = np.where(ok, base + inner, np.inf)
+        # The first of equal options (all inf: option 0, as no plan).
+        best = values.min(axis=0)
+        choice = (-1 - values.argmin(axis=0)).astype(np.int32) if choose else None
+        if span > 0 and z.pair_time is not None:
+            value = self._release(s, pin, span, entry_rest, after, left_b)
             better = value < best
             best = np.where(better, value, best)
             if choice is not None:
-                choice = np.where(better, np.int32(-1 - o), choice)
+                choice = np.where(better, np.int32(-1 - options), choice)
         if span > 0:
             # Checkpoint at j: forward to a[j], the sub-chain j..t owning a[j], then s..j-1
             # again from a[s].
