@@ -200,7 +200,7 @@ def maker_plans(maker: TableMaker, slots: int, measured: Measured) -> bool:
        safe side) the top plan may simulate well below its budget: the range is stretched by
        that ratio (at most 4 ×) so that plans up to storing everything are found.
     3. Budgets from 0 to :data:`LEAST_MARGIN` × the least peak found: the resolution where the
-       smallest budgets are.
+       smallest budgets are (where that is finer than the first tables').
     """
     chain = maker.chain
     top = max(measured.cost(maker.everything()).peak_bytes, 1)
@@ -218,6 +218,8 @@ def maker_plans(maker: TableMaker, slots: int, measured: Measured) -> bool:
             least = min(least, measured.add(table_plans(maker.table(wide, wide_count))))
     if math.isfinite(least) and not exact:
         low, low_count = maker.resolution(max(1.0, LEAST_MARGIN * least), slots)
+        if low >= slot_bytes:
+            return exact  # no finer than the tables above: their plans already
         measured.add(table_plans(maker.table(low, low_count)))
         measured.add(table_plans(maker.table(low, low_count, nearest=True)))
     return exact

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
 from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import Op, Schedule, simulate, store_all_operations
@@ -291,98 +291,191 @@ class OptimalTable:
             0 if z.pair_held is None or n < 2 else int((z.pair_held[:, :-1] + z.act[2:]).max()),
         )
         self._pad = min(size, max(widest, 0))
-        # time[pin, s, t, m] (a view of a table with ``_pad`` slots of inf before m = 0) and
-        # choice[pin, s, t, m]: -1 - o = graph first with option o, j = checkpoint at j.
+        # time[pin, d, s, m] (a view of a table with ``_pad`` slots of inf before m = 0): the
+        # sub-chain s..s+d, so that a span's sub-problems are contiguous. reach[d, s, m]: the
+        # same for pin 0 plus the forward time before the sub-chain (prefix[s]), so that a
+        # checkpoint's candidates need one addition; left[d, s, m] = time[0, d, s, m + a[s]].
         self._padded = np.full((2, n, n, self._pad + size), np.inf)
         self._time = self._padded[..., self._pad :]
-        self._reach = np.full((n, n, self._pad + size), np.inf)
-        self._choice = np.full((2, n, n, size), NO_PLAN, dtype=np.int32)
+        self._windows = sliding_window_view(self._padded, size, axis=-1)
+        # Contiguous rows (no padding between them), so that numpy adds a span at a time.
+        self._reach = np.full((n, n, size), np.inf)
+        self._left = np.full((n, n, size), np.inf)
+        self._pinned = np.full((n, n, size), np.inf)  # time[1]
+        # The first finite slot of each time[pin, d, s] (the rows are non-increasing in m).
+        self._first = np.full((2, n, n), size, dtype=np.int64)
+        self._prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
+        self._choices: dict[tuple[int, int, int], np.ndarray] = {}
         self._fill()
 
     # -- the recursion -----------------------------------------------------------------------------
 
     def _fill(self) -> None:
+        """Every sub-chain's least times, one span at a time. Only the times are kept: the
+        choice behind a cell is worked out again, from the same numbers, when a plan is read
+        (:meth:`_choice_at`), so the fill takes a minimum, not an argmin."""
+        n = self.length
+        size = self.slots + 1
+        act = self._z.act
+        for span in range(n):
+            s = np.arange(n - span)
+            for pin in (0, 1):
+                best, _ = self._span(span, pin, s, choose=False)
+                self._time[pin, span, s] = best
+                finite = np.isfinite(best)
+                first = np.where(finite.any(axis=1), finite.argmax(axis=1), size)
+                self._first[pin, span, s] = first
+                if pin == 1:
+                    self._pinned[span, s] = best
+                else:
+                    self._reach[span, s] = best + self._prefix[s][:, None]
+                    index = np.arange(size)[None, :] + act[s][:, None]
+                    left = np.take_along_axis(best, np.minimum(index, size - 1), axis=-1)
+                    self._left[span, s] = np.where(index < size, left, np.inf)
+
+    def _span(
+        self, span: int, pin: int, s: np.ndarray, choose: bool
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Least times (and, with ``choose``, the choices: -1 - o = graph first with option o,
+        j = checkpoint at j) of the sub-chains ``s..s+span`` for every memory size. Without
+        ``choose``, ``s`` is every start of the span (the fill)."""
         z = self._z
         n = self.length
         size = self.slots + 1
-        pad = self._pad
         m = np.arange(size)
         options = z.opt_time.shape[0]
-        prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
-        # windows[pin, s, t, pad - o] is time[pin, s, t] shifted right by o slots (inf below o):
-        # what a sub-problem leaves when o slots are held outside it. Reading a shifted row is
-        # then one contiguous copy. ``reach`` is the same for pin 0 plus the forward time before
-        # the sub-chain (prefix[s]), so a checkpoint's candidates need one addition.
-        windows = sliding_window_view(self._padded, size, axis=-1)
-        reach = sliding_window_view(self._reach, size, axis=-1)
+        t = s + span
+        top = t == n - 1
+        grad_in = np.where(top, 0, z.grad[np.minimum(t + 1, n)])
+        # The caller's output, once the forward is done; its gradient, once the loss is.
+        after = np.where(top, z.act[n] + z.grad[n], 0)
+        entry_rest = grad_in + z.held_grads[t + 1]
+        left_b = z.grad[s] + z.held_grads[s] + after
+        own = np.zeros_like(s) if pin else z.act[s]
+        # Graph first with option o (every o at once): its forward phase, the sub-chain
+        # s+1..t, its backward phase; each phase's peak, and what it leaves (the larger counts).
+        peak_f = entry_rest[None, :] + z.opt_fwd_peak[:, pin, s]
+        peak_b = z.held_grads[s + 1][None, :] + z.opt_bwd_peak[:, pin, s]
+        if span > 0:
+            peak_b = peak_b + after[None, :]  # the caller's output and its gradient, if top
+        peak_b = np.maximum(peak_b, left_b[None, :])
+        ok = m[None, None, :] >= np.maximum(peak_f, peak_b)[:, :, None]
+        base = z.opt_time[:, s][:, :, None]
+        if span == 0:
+            values = np.where(ok, base, np.inf)
+        else:
+            pinned = z.opt_pins[:, s].astype(np.int64)
+            shift = z.opt_graph[:, pin, s] + pinned * z.act[s + 1][None, :]
+            inner = self._windows[pinned, span - 1, (s + 1)[None, :], self._back(shift)]
+            values = np.where(ok, base + inner, np.inf)
+        # The first of equal options (all inf: option 0, as no plan).
+        best = values.min(axis=0)
+        choice = (-1 - values.argmin(axis=0)).astype(np.int32) if choose else None
+        if span > 0 and z.pair_time is not None:
+            value = self._release(s, pin, span, entry_rest, after, left_b)
+            better = value < best
+            best = np.where(better, value, best)
+            if choice is not None:
+                choice = np.where(better, np.int32(-1 - options), choice)
+        if span > 0:
+            # Checkpoint at j: forward to a[j], the sub-chain j..t owning a[j], then s..j-1
+            # again from a[s].
+            value, pick = self._checkpoints(span, pin, s, own, after, entry_rest, choose)
+            value -= self._prefix[s][:, None]
+            # Ties (to rounding) go to graph first, the plan with fewer operations.
+            better = value < best * (1 - 1e-12)
+            best = np.where(better, value, best)
+            if choice is not None and pick is not None:
+                choice = np.where(better, (s[:, None] + 1 + pick).astype(np.int32), choice)
+        return best, choice
 
-        back = self._back
-        for span in range(n):
-            s = np.arange(n - span)
-            t = s + span
-            top = t == n - 1
-            grad_in = np.where(top, 0, z.grad[np.minimum(t + 1, n)])
-            # The caller's output, once the forward is done; its gradient, once the loss is.
-            after = np.where(top, z.act[n] + z.grad[n], 0)
-            entry_rest = grad_in + z.held_grads[t + 1]
-            left_b = z.grad[s] + z.held_grads[s] + after
-            if span > 0:
-                q = np.arange(1, span + 1)  # split j = s + q
-                j = s[:, None] + q[None, :]
-                walk = np.maximum.accumulate(
-                    np.concatenate(
-                        [z.first[s][:, None], z.step[np.minimum(s[:, None] + q[None, :-1], n - 1)]],
-                        axis=1,
-                    ),
-                    axis=1,
-                )  # walk[:, q-1]: peak of reaching a[s+q] from a[s]
-            for pin in (0, 1):
-                own = np.zeros_like(s) if pin else z.act[s]
-                best = np.full((len(s), size), np.inf)
-                choice = np.full(best.shape, -1, dtype=np.int32)
-                for o in range(options):
-                    # Graph first with option o: its forward phase, the sub-chain s+1..t, its
-                    # backward phase; each phase's peak, and what it leaves (the larger counts).
-                    peak_f = entry_rest + z.opt_fwd_peak[o, pin, s]
-                    peak_b = z.held_grads[s + 1] + z.opt_bwd_peak[o, pin, s]
-                    if span > 0:
-                        peak_b = peak_b + after  # the caller's output and its gradient, if top
-                    peak_b = np.maximum(peak_b, left_b)
-                    ok = m[None, :] >= np.maximum(peak_f, peak_b)[:, None]
-                    base = z.opt_time[o, s]
-                    if span == 0:
-                        value = np.where(ok, base[:, None], np.inf)
-                    else:
-                        pinned = z.opt_pins[o, s].astype(np.int64)
-                        shift = z.opt_graph[o, pin, s] + pinned * z.act[s + 1]
-                        inner = windows[pinned, s + 1, t, back(shift)]
-                        value = np.where(ok, base[:, None] + inner, np.inf)
-                    better = value < best
-                    best = np.where(better, value, best)
-                    choice = np.where(better, np.int32(-1 - o), choice)
-                if span > 0 and z.pair_time is not None:
-                    value = self._release(windows, s, t, pin, span, entry_rest, after, left_b)
-                    better = value < best
-                    best = np.where(better, value, best)
-                    choice = np.where(better, np.int32(-1 - options), choice)
-                if span > 0:
-                    # Checkpoint at j: forward to a[j], the sub-chain j..t owning a[j], then
-                    # s..j-1 again from a[s].
-                    cand = reach[j, t[:, None], back(own)[:, None]]
-                    cand += windows[pin, s[:, None], j - 1, back(after)[:, None]]
-                    reached = (own + entry_rest)[:, None] + walk  # peak walking to a[j]
-                    np.copyto(cand, np.inf, where=m[None, None, :] < reached[:, :, None])
-                    pick = np.argmin(cand, axis=1)
-                    value = np.take_along_axis(cand, pick[:, None, :], axis=1)[:, 0, :]
-                    value -= prefix[s][:, None]
-                    # Ties (to rounding) go to graph first, the plan with fewer operations.
-                    better = value < best * (1 - 1e-12)
-                    best = np.where(better, value, best)
-                    choice = np.where(better, (s[:, None] + 1 + pick).astype(np.int32), choice)
-                self._time[pin, s, t] = best
-                if pin == 0:
-                    self._reach[s, t, pad:] = best + prefix[s][:, None]
-                self._choice[pin, s, t] = np.where(np.isfinite(best), choice, NO_PLAN)
+    def _checkpoints(
+        self,
+        span: int,
+        pin: int,
+        s: np.ndarray,
+        own: np.ndarray,
+        after: np.ndarray,
+        entry_rest: np.ndarray,
+        choose: bool,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The least time (plus the forward time before ``s``) of starting each sub-chain
+        ``s..s+span`` with a checkpoint, over every split ``j``; with ``choose``, the best split
+        (``j - s - 1``, the first of equals)."""
+        z = self._z
+        n = self.length
+        m = np.arange(self.slots + 1)
+        q = np.arange(1, span + 1)  # split j = s + q
+        walk = np.maximum.accumulate(
+            np.concatenate(
+                [z.first[s][:, None], z.step[np.minimum(s[:, None] + q[None, :-1], n - 1)]],
+                axis=1,
+            ),
+            axis=1,
+        )  # walk[:, q-1]: peak of reaching a[s+q] from a[s]
+        reached = entry_rest[:, None] + walk  # peak walking to a[j], besides our a[s]
+        if choose:
+            return self._checkpoints_of(span, pin, s, own, after, reached, True)
+        # Every start but the last (top) one: the candidates are views of the tables, with
+        # pin 0 counted in slots above a[s] (left) and its result shifted back.
+        rows = len(s) - 1
+        value = np.empty((len(s), len(m)))
+        if rows > 0:
+            stride = self._reach.strides
+            shape = (span, rows, len(m))
+            far = as_strided(self._reach[span - 1, 1:], shape, (stride[1] - stride[0], *stride[1:]))
+            near = self._left[:span, :rows] if pin == 0 else self._pinned[:span, :rows]
+            # Below the first slot where some candidate is finite, every one is inf.
+            q = np.arange(1, span + 1)[:, None]
+            row = np.arange(rows)[None, :]
+            near_first = self._first[pin, q - 1, row]
+            if pin == 0:
+                near_first = near_first - own[:rows][None, :]
+            limit = reached[:rows].T
+            start = int(
+                np.maximum(np.maximum(limit, self._first[0, span - q, row + q]), near_first).min()
+            )
+            low = np.full((rows, len(m)), np.inf)
+            if start < len(m):
+                start = max(start, 0)
+                low[:, start:] = _least_sum(far[..., start:], near[..., start:], limit - start)
+            value[:rows] = low if pin else _shift_each(low, own[:rows])
+        top, _ = self._checkpoints_of(
+            span, pin, s[rows:], own[rows:], after[rows:], reached[rows:], False
+        )
+        value[rows:] = top
+        return value, None
+
+    def _checkpoints_of(
+        self,
+        span: int,
+        pin: int,
+        s: np.ndarray,
+        own: np.ndarray,
+        after: np.ndarray,
+        reached: np.ndarray,
+        choose: bool,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`_checkpoints` for any starts ``s``, gathering the shifted rows."""
+        m = np.arange(self.slots + 1)
+        q = np.arange(1, span + 1)
+        j = s[:, None] + q[None, :]
+        cand = _shift_each(self._reach[span - q[None, :], j], own[:, None])
+        cand += self._windows[pin, q[None, :] - 1, s[:, None], self._back(after)[:, None]]
+        np.copyto(cand, np.inf, where=m[None, None, :] < (own[:, None] + reached)[:, :, None])
+        if not choose:
+            return cand.min(axis=1), None
+        pick = np.argmin(cand, axis=1)
+        return np.take_along_axis(cand, pick[:, None, :], axis=1)[:, 0, :], pick
+
+    def _choice_at(self, pin: int, s: int, t: int, m: int) -> int:
+        """The choice behind the cell (as :meth:`_span` makes it; its row is kept)."""
+        row = self._choices.get((pin, s, t))
+        if row is None:
+            _, found = self._span(t - s, pin, np.array([s]), choose=True)
+            assert found is not None
+            row = self._choices[(pin, s, t)] = found[0]
+        return int(row[m])
 
     def _back(self, offset: np.ndarray) -> np.ndarray:
         """Where a row shifted right by ``offset`` slots starts in a window of the padded
@@ -392,9 +485,7 @@ class OptimalTable:
 
     def _release(
         self,
-        windows: np.ndarray,
         s: np.ndarray,
-        t: np.ndarray,
         pin: int,
         span: int,
         entry_rest: np.ndarray,
@@ -403,7 +494,7 @@ class OptimalTable:
     ) -> np.ndarray:
         """Times of the *release* start at every ``s`` of this span (inf where it does not fit
         or does not exist): ``Fc s``, ``Fr s+1``, the sub-chain ``s+2..t``, ``Fa s``, ``B s+1``,
-        ``B s``. ``windows``: the shifted rows of the table (see :meth:`_fill`)."""
+        ``B s``."""
         z = self._z
         assert z.pair_time is not None and z.pair_fwd_peak is not None
         assert z.pair_bwd_peak is not None and z.pair_held is not None
@@ -420,18 +511,18 @@ class OptimalTable:
             return np.where(ok, base[:, None], np.inf)
         pinned = z.pair_pins[s].astype(np.int64)
         shift = z.pair_held[pin, s] + pinned * z.act[s + 2]
-        inner = windows[pinned, s + 2, t, self._back(shift)]
+        inner = self._windows[pinned, span - 2, s + 2, self._back(shift)]
         return np.where(ok, base[:, None] + inner, np.inf)
 
     # -- queries -----------------------------------------------------------------------------------
 
     def time(self, slots: int) -> float:
         """Least time (seconds) of a step within ``slots`` slots (inf if none fits)."""
-        return float(self._time[1, 0, self.length - 1, min(slots, self.slots)])
+        return float(self._time[1, self.length - 1, 0, min(slots, self.slots)])
 
     def times(self) -> np.ndarray:
         """Least step time for every budget 0..slots (inf where none fits)."""
-        row: np.ndarray = self._time[1, 0, self.length - 1].copy()
+        row: np.ndarray = self._time[1, self.length - 1, 0].copy()
         return row
 
     def smallest_feasible_slots(self) -> int | None:
@@ -444,7 +535,7 @@ class OptimalTable:
         option)`` (the option of an ``Fa`` and its ``B``; 0 otherwise)."""
         n = self.length
         slots = min(slots, self.slots)
-        if not np.isfinite(self._time[1, 0, n - 1, slots]):
+        if not np.isfinite(self._time[1, n - 1, 0, slots]):
             raise InfeasibleBudget(f"no plan fits in {slots} slots", None)
         z = self._z
         act_out = int(z.act[n])
@@ -459,7 +550,7 @@ class OptimalTable:
             _, pin, s, t, m = item
             assert isinstance(pin, int) and isinstance(s, int) and isinstance(t, int)
             assert isinstance(m, int)
-            j = int(self._choice[pin, s, t, m])
+            j = self._choice_at(pin, s, t, m)
             after = act_out + int(z.grad[n]) if t == n - 1 else 0
             todo: list[tuple[object, ...]]
             if j < 0 and -1 - j == z.opt_time.shape[0]:  # release
@@ -510,6 +601,33 @@ def store_all(chain: Chain) -> Schedule:
     """Plain autograd as a plan: every stage forward with its graph, then every backward."""
     kinds, indices = store_all_operations(chain.length)
     return Schedule(chain.length, kinds, indices, "optimal", {"budget_bytes": None})
+
+
+CHUNK_ELEMENTS = 32768
+"""Candidates summed and reduced at a time (256 KiB of float64: they stay in the cache)."""
+
+
+def _least_sum(far: np.ndarray, near: np.ndarray, reached: np.ndarray) -> np.ndarray:
+    """``min over q of far[q] + near[q]``, each term inf where ``m < reached[q]``: arrays
+    ``[q, row, m]`` and ``reached[q, row]``, in chunks of q that stay in the cache."""
+    span, rows, size = far.shape
+    # below[r] is inf below slot r and 0 from there on: added, it rules out what does not fit.
+    below = np.where(np.arange(size)[None, :] < np.arange(size + 1)[:, None], np.inf, 0.0)
+    limit = np.clip(reached, 0, size)
+    chunk = max(1, min(span, CHUNK_ELEMENTS // (rows * size)))
+    cand = np.empty((chunk, rows, size))
+    ruled = np.empty(cand.shape)
+    least = np.full((rows, size), np.inf)
+    part = np.empty((rows, size))
+    for first in range(0, span, chunk):
+        last = min(span, first + chunk)
+        c, r = cand[: last - first], ruled[: last - first]
+        np.add(far[first:last], near[first:last], out=c)
+        np.take(below, limit[first:last], axis=0, out=r)
+        np.add(c, r, out=c)
+        np.minimum.reduce(c, axis=0, out=part)
+        np.minimum(least, part, out=least)
+    return least
 
 
 def _shift_each(values: np.ndarray, offset: np.ndarray) -> np.ndarray:

@@ -167,7 +167,7 @@ def candidates_of(
         return family_candidates(lambda: _sequential_family(chain))
     if strategy == "revolve":
         return family_candidates(lambda: _revolve_family(chain))
-    return optimal_candidates(_makers(chain, strategy, slots, grads_exist), slots)
+    return optimal_candidates(list(_makers(chain, strategy, slots, grads_exist)), slots)
 
 
 def frontier(
@@ -183,6 +183,10 @@ def frontier(
         raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     return frontier_for(chain, strategy, grads_exist, slots)
 
+
+KEPT = 8
+"""Frontiers (and the DP tables' makers) kept, by chain, strategy, loop and slots, so that a
+retry, ``"min"``, ``"auto"`` and the frontier itself plan once."""
 
 FLAT_UP_TO = 256
 """``optimal`` plans a chain of at most this many stages on its stages too (the flat DP); a
@@ -210,18 +214,20 @@ def _refined(
     return best
 
 
-def _makers(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> list[TableMaker]:
-    """The DP tables a strategy searches: ``blocks``, the chain's blocks; ``optimal``, its own
-    stages (up to :data:`FLAT_UP_TO`) and, where single-tensor cuts group its stages into
-    blocks, its blocks. Each finds plans the other misses: the flat DP may place checkpoints
-    across a block's boundary; the block DP counts a skip carried across cuts inside a block
-    once (the flat DP counts it at every cut, on the safe side)."""
+@functools.lru_cache(maxsize=KEPT)
+def _makers(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> tuple[TableMaker, ...]:
+    """The DP tables a strategy searches (kept: finding a block's options is work):
+    ``blocks``, the chain's blocks; ``optimal``, its own stages (up to :data:`FLAT_UP_TO`)
+    and, where single-tensor cuts group its stages into blocks, its blocks. Each finds plans
+    the other misses: the flat DP may place checkpoints across a block's boundary; the block
+    DP counts a skip carried across cuts inside a block once (the flat DP counts it at every
+    cut, on the safe side)."""
     makers = []
     if strategy == "optimal" and chain.length <= FLAT_UP_TO:
         makers.append(TableMaker(chain, grads_exist))
     if strategy == "blocks" or len(blocks_of(chain)) < chain.length or not makers:
         makers.append(block_plan(chain, grads_exist=grads_exist, slots=slots).maker())
-    return makers
+    return tuple(makers)
 
 
 def least_memory_of(
@@ -293,10 +299,6 @@ def tradeoff(
 
 # -- the kept frontiers ---------------------------------------------------------------------------
 
-KEPT = 8
-"""Frontiers kept (by chain, strategy, loop and slots), so that a retry, ``"min"``, ``"auto"``
-and the frontier itself plan once."""
-
 
 @functools.lru_cache(maxsize=KEPT)
 def frontier_for(chain: Chain, strategy: str, grads_exist: bool, slots: int) -> Frontier:
@@ -309,3 +311,4 @@ def frontier_for(chain: Chain, strategy: str, grads_exist: bool, slots: int) -> 
 def forget() -> None:
     """Drop the kept frontiers (benchmarks time a first call)."""
     frontier_for.cache_clear()
+    _makers.cache_clear()
