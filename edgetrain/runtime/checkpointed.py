@@ -799,18 +799,18 @@ class Checkpointed(nn.Module):
         current one: restored as it was if planned for before, else planned now (or refused
         with ``on_new_shape="error"``)."""
         shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
+        known = self._plans.get(key)
+        if known is not None:  # a state planned for (the other loop's plan is made with each)
+            for name, value in known.items():
+                setattr(self, name, value)
+            self._unplanned = False
+            return
         if self.on_new_shape == "error":
             raise InvalidInput(
                 f"Checkpointed was planned for another state than this step's "
                 f"({describe_change(self._key, key, shapes_now)}); plan for it (or pass "
                 "on_new_shape='replan')"
             )
-        known = self._plans.get(key)
-        if known is not None:  # a state planned for before: as it was then
-            for name, value in known.items():
-                setattr(self, name, value)
-            self._unplanned = False
-            return
         # Only the loop changed: the same chain, planned for the other loop (nothing profiled
         # or measured again inside the step).
         loop_only = key[:-1] == self._key[:-1] and not self._unplanned

@@ -67,13 +67,14 @@ def check_budget_holds_weights(
         _refuse_with_the_smallest(device_bytes, model, sample, reserve_bytes, strategy)
     if device_bytes <= floor:
         reserve = (
-            f" plus the optimizer state or reserve ({format_bytes(reserve_bytes)})"
+            f" and {format_bytes(reserve_bytes)} of optimizer state or reserve"
             if reserve_bytes
             else ""
         )
         raise InfeasibleBudget(
-            f"{format_bytes(device_bytes)} does not hold the weights, buffers and input "
-            f"({format_bytes(floor - reserve_bytes)}){reserve}; give more memory",
+            f"{format_bytes(device_bytes)} does not hold the weights, buffers and input: the step "
+            f"starts with {format_bytes(floor - reserve_bytes)}{reserve}, before any activation; "
+            "give more memory",
             floor,
         )
 

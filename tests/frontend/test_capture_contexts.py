@@ -166,7 +166,8 @@ def test_a_python_attribute_changed_after_planning_is_planned_for_again(make):
             module(x).square().sum().backward()
         for (name, p), q in zip(reference.named_parameters(), ours.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad), (tau, name)
-    assert len(net._plans) == 3  # tau 1.0 (built), 0.5 (planned again once), 0.25
+    # tau 1.0 (built), 0.5 (planned again once), 0.25; each state for both training loops
+    assert len({key[:-1] for key in net._plans}) == 3
 
     strict = Checkpointed(copy.deepcopy(model), x, max_recompute=2.0, on_new_shape="error")
     strict.module.tau = 0.5
@@ -246,7 +247,7 @@ def test_an_attribute_forward_does_not_read_plans_nothing_again():
     for step in range(1, 4):
         model.step = step  # the loop's counter: no replan, and on_new_shape="error" stays quiet
         net(x).square().sum().backward()
-    assert len(net._plans) == 1
+    assert len({key[:-1] for key in net._plans}) == 1  # one state, both training loops
     assert [name for _, name in net.model.traced_reads] == ["tau"]
 
 

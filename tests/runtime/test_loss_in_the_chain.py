@@ -102,14 +102,14 @@ def test_step_peak_with_the_loss_is_predicted_exactly(name, make, make_input, mo
     monkeypatch.setattr(Checkpointed, "_merge_graph_runs", False)
     torch.manual_seed(0)
     model, x = make(), make_input()
-    edgetrain = WithLoss(model, x)
-    least = edgetrain.least_bytes()
-    most = simulate(edgetrain.planning, store_all(edgetrain.planning)).peak_bytes
+    planned = WithLoss(model, x)
+    least = planned.least_bytes()
+    most = simulate(planned.planning, store_all(planned.planning)).peak_bytes
     assert least < most
-    out_grad = edgetrain.core.chain.gradient_of_activation_bytes(edgetrain.core.chain.length)
+    out_grad = planned.chain.gradient_of_activation_bytes(planned.chain.length)
     for budget in (least, (least + most) // 2, most):
-        net = edgetrain.net(budget)
-        predicted = edgetrain.predicted(net.schedule).peak_bytes
+        net = planned.net(budget)
+        predicted = planned.predicted(net.schedule).peak_bytes
         assert predicted <= budget
         step = _training_step(net, list(net.module.parameters()), x)
         step()  # warm-up, as the benchmark does
@@ -131,8 +131,8 @@ def test_loss_is_not_counted_twice_nor_at_the_chains_peak():
     torch.manual_seed(0)
     model = TinyLM(vocab=2048, context=32, dim=32, depth=2, heads=2)
     x = torch.randint(0, 2048, (4, 32))
-    edgetrain = WithLoss(model, x)
-    net = edgetrain.net(edgetrain.least_bytes())
+    planned = WithLoss(model, x)
+    net = planned.net(planned.least_bytes())
     leaf = torch.zeros(4, 32, 2048, requires_grad=True)
     counter = StorageCounter()
     with counter:
