@@ -36,7 +36,6 @@ EXCEPTIONS: dict[str, str] = {
     "edgetrain/frontend/fx_capture.py:capture": "the tracer's set-up and restore",
     "edgetrain/frontend/profiling.py:_profile_stage": "one stage's measured passes",
     "edgetrain/insitu/student.py:train_student": "the resumable training loop",
-    "edgetrain/planners/optimal.py:_fill": "the DP's recurrence",
     "edgetrain/runtime/checkpointed.py:_merge": "choosing which runs merge",
 }
 
