@@ -231,12 +231,11 @@ def run(
             notes.append("no labelled images yet: run again to continue the video")
         else:
             result = _train(store, teacher, options, bars, deadline)
-        skipped = (
-            result.skipped_rows if result is not None else skipped_rows(store, options.classes)
-        )
-        notes += _result_notes(progress, result, len(source))
-        if skipped:
-            notes.append(skipped_note(skipped))
+        if result is not None:
+            skipped = result.skipped_rows
+        else:
+            skipped = skipped_rows(store, options.classes)
+        notes += _result_notes(progress, result, len(source), skipped)
         report = evaluate_store(store, teacher, options.classes, meta)
         picture_path = store.directory / "insitu.png"
         scene = source if isinstance(source, SyntheticScene) else None

@@ -232,7 +232,7 @@ class Checkpointed(nn.Module):
         self._device = None if memory_budget is None else _device_bytes(memory_budget)
         if self._device:  # before the profile: from the sizes alone
             check_budget_holds_weights(
-                self._device, model, sample_input, self.reserve_bytes, strategy
+                self._device, model, sample_input, self.reserve_bytes, strategy, chain
             )
         if schedule is not None:
             check_plan_for(schedule, self.model, sample_input, type(model).__name__)

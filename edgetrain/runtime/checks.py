@@ -54,17 +54,20 @@ def check_budget_holds_weights(
     sample: Any,
     reserve_bytes: int = 0,
     strategy: str | None = None,
+    chain: Chain | None = None,
 ) -> None:
     """InfeasibleBudget when ``device_bytes`` cannot hold the model's parameters, its buffers,
     the input and ``reserve_bytes``: counted from their sizes, before any profile (what every
     plan holds at least). With a ``strategy``, the error's smallest budget is the one that
-    plans: the chain from shapes (:func:`~edgetrain.frontend.profiling.analytic_chain`, sized
-    on meta tensors as the profile sizes them, in moments) planned as :class:`Checkpointed`
-    plans it, for the loop the model's gradients are in now."""
+    plans: ``chain`` when given, else the chain from shapes
+    (:func:`~edgetrain.frontend.profiling.analytic_chain`, sized on meta tensors, in moments),
+    planned as :class:`~edgetrain.runtime.checkpointed.Checkpointed` plans it, for the loop the
+    model's gradients are in now. A profile can size a stage a little differently from its
+    shapes; then the profiled step's own refusal names its smallest."""
     held = parameter_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers())
     floor = held + _input_bytes(sample) + reserve_bytes
     if device_bytes <= floor and strategy is not None:
-        _refuse_with_the_smallest(device_bytes, model, sample, reserve_bytes, strategy)
+        _refuse_with_the_smallest(device_bytes, model, sample, reserve_bytes, strategy, chain)
     if device_bytes <= floor:
         reserve = (
             f" and {format_bytes(reserve_bytes)} of optimizer state or reserve"
@@ -80,14 +83,20 @@ def check_budget_holds_weights(
 
 
 def _refuse_with_the_smallest(
-    device_bytes: int, model: nn.Module, sample: Any, reserve_bytes: int, strategy: str
+    device_bytes: int,
+    model: nn.Module,
+    sample: Any,
+    reserve_bytes: int,
+    strategy: str,
+    chain: Chain | None,
 ) -> None:
     """Raise the planner's own InfeasibleBudget for ``device_bytes`` on the model's chain from
     shapes (its smallest plans); return when the chain cannot be made from shapes."""
-    try:
-        chain = analytic_chain(model, sample)
-    except EdgetrainError:
-        return  # not sizeable on meta tensors: the profile's check reports it
+    if chain is None:
+        try:
+            chain = analytic_chain(model, sample)
+        except EdgetrainError:
+            return  # not sizeable on meta tensors: the profile's check reports it
     grads_exist = gradients_kept(p for p in model.parameters() if p.requires_grad)
     grads = chain.gradient_bytes if grads_exist else 0
     fixed = fixed_training_bytes(chain) - chain.gradient_bytes + grads + reserve_bytes

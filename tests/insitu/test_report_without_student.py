@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from edgetrain.cli import insitu as insitu_cli
+from edgetrain.insitu.evaluate import Report
 from edgetrain.insitu.files import load_state, save_state
 from edgetrain.insitu.network import classifier
+from edgetrain.insitu.pipeline import evaluate_store
 from edgetrain.insitu.store import Store
 from edgetrain.insitu.student import CHECKPOINT, CHECKPOINT_KEYS, train_student
 from edgetrain.insitu.teacher import Teacher
@@ -33,11 +35,11 @@ def store_dir(tmp_path: Path) -> Path:
     return directory
 
 
-def _report(store_dir: Path, teacher: Teacher) -> tuple[insitu_cli.Report, str]:
+def _report(store_dir: Path, teacher: Teacher) -> tuple[Report, str]:
     """The report the CLI makes for ``store_dir``, and its printed table."""
     store, _ = Store.open(store_dir, create=False)
     with store:
-        report = insitu_cli._evaluate(store, teacher, CLASSES, META)
+        report = evaluate_store(store, teacher, CLASSES, META)
     with insitu_cli.console.capture() as captured:
         insitu_cli._print_report(report, {})
     return report, captured.get()
