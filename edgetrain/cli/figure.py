@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import tempfile
 from dataclasses import asdict
-from pathlib import Path
 
 import click
 
 from edgetrain.cli.options import FiniteRange, OutputFile
-from edgetrain.cli.output import console, emit_json, table
+from edgetrain.cli.output import console, emit_json, save_figure, table
 from edgetrain.errors import InvalidInput
 from edgetrain.paper.figure1 import CLAIM_RHO, DEPTHS, DEVICE_BYTES, SETTINGS, Curve, claim, curves
 from edgetrain.units import format_bytes
@@ -121,14 +118,4 @@ def _plot(all_curves: list[Curve], out: str, max_rho: float) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
     fig.suptitle("Peak memory vs recompute factor (solid: optimal plan, dashed: Revolve)")
     fig.tight_layout(rect=(0, 0.1, 1, 0.96))
-    target = Path(out)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, format=target.suffix.lstrip(".").lower())
-        os.replace(tmp, target)
-    except OSError as exc:
-        raise InvalidInput(f"cannot write {out!r} ({exc.strerror}); pick another path") from exc
-    finally:
-        plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
+    save_figure(fig, out)

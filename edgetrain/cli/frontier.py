@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import tempfile
-from pathlib import Path
 
 from edgetrain.cli.options import input_words
-from edgetrain.cli.output import console, emit_json, table
+from edgetrain.cli.output import console, emit_json, save_figure, table
 from edgetrain.core.chain import Chain
 from edgetrain.errors import InvalidInput
 from edgetrain.runtime.frontier import FrontierPoint, frontier, knee
@@ -104,14 +101,4 @@ def plot_frontier(points: list[FrontierPoint], chosen: FrontierPoint, title: str
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    target = Path(out)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, format=target.suffix.lstrip(".").lower())
-        os.replace(tmp, target)
-    except OSError as exc:
-        raise InvalidInput(f"cannot write {out!r} ({exc.strerror}); pick another path") from exc
-    finally:
-        plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
+    save_figure(fig, out)

@@ -15,7 +15,7 @@ import click
 
 from edgetrain import progress
 from edgetrain.cli.options import BATCH, IMAGE, OutputFile
-from edgetrain.cli.output import console, emit_json, table
+from edgetrain.cli.output import console, emit_json, save_figure, table
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.planners.poet.check import ACCOUNTINGS
 from edgetrain.planners.poet.graph import TrainingGraph
@@ -406,8 +406,7 @@ def poet_figure(
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
     if as_json:
         emit_json({"out": out, "graph": graph.name, "device": graph.device, "curves": curves})
         return
