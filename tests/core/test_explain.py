@@ -124,7 +124,9 @@ def test_a_measured_step_matches_the_prediction_category_by_category(set_to_none
         extra = loss_bytes if category == "kept graph" else 0
         assert 0 <= measured - predicted.get(category, 0) <= extra, category
     assert explained.measured_peak_bytes is not None
-    assert 0 <= explained.measured_peak_bytes - explained.peak_bytes <= loss_bytes
+    # never above the prediction (but the caller's loss), within the contract's 2 % below it
+    below = explained.peak_bytes - explained.measured_peak_bytes
+    assert -loss_bytes <= below <= 0.02 * explained.peak_bytes
     assert "measured" in str(explained)
 
 
