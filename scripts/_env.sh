@@ -100,7 +100,7 @@ if [ -x "$venv/bin/python" ]; then
 fi
 # The stamp holds pyproject.toml's hash and the extras installed with it; a script that needs
 # no more extras than were installed (scripts/run after scripts/test) installs nothing.
-extras="${EDGETRAIN_EXTRAS:-dev,insitu}" # what the sourcing script needs (scripts/run: insitu)
+extras="${EDGETRAIN_EXTRAS:-dev,insitu,zoo}" # what the sourcing script needs (scripts/run: insitu)
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 _edgetrain_installed() {
   local have extra
