@@ -129,23 +129,19 @@ def test_a_frozen_linear_saves_only_what_its_input_gradient_needs_measured_and_f
     model, x = frozen_middle_reused()
     measured = profile_chain(model, x, repeats=1)
     shapes = analytic_chain(model, x)
-    by_name = {s.name: s for s in measured.stages}
-    assert by_name["0"].saves_input  # trainable
-    frozen = [s for s in measured.stages if s.name.startswith("2") or s.name.startswith("3")]
-    assert frozen and all(s.gradient_bytes == 0 for s in frozen)
-    assert not any(s.saves_input for s in frozen if s.name.endswith(".0") or "." not in s.name)
+    trainable = profile_chain(copy.deepcopy(model).requires_grad_(True), x, repeats=1)
+    for frozen, trained in zip(measured.stages, trainable.stages, strict=True):
+        if frozen.name in ("2", "3"):  # the frozen block, run twice: Linear then GELU
+            assert not frozen.saves_input and trained.saves_input, frozen.name
+            assert frozen.gradient_bytes == 0
+        else:
+            assert frozen.saves_input == trained.saves_input, frozen.name
     for a, b in zip(measured.stages, shapes.stages, strict=True):
         assert (a.saved_bytes, a.saves_input, a.saves_output) == (
             b.saved_bytes,
             b.saves_input,
             b.saves_output,
         ), a.name
-    # The frozen Linear's graph is smaller than a trainable one's by the input it does not keep.
-    trainable = copy.deepcopy(model).requires_grad_(True)
-    everything = profile_chain(trainable, x, repeats=1)
-    assert sum(s.saved_bytes + s.saves_input for s in measured.stages) < sum(
-        s.saved_bytes + s.saves_input for s in everything.stages
-    )
 
 
 def optimizer_steps(module, params, x, steps=2):
