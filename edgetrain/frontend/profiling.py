@@ -853,6 +853,10 @@ def _profile_stage(
         elements = sum(t.numel() for t in leaves(out))
         forward_seconds = (forward_flops + elements) / flops_per_second
         backward_seconds = (backward_flops + 2 * elements) / flops_per_second
+    if not output_requires_grad:
+        # Nothing trainable before it and no gradient into it (a frozen backbone's stages):
+        # the step runs no backward for it (what autograd calls there only returns).
+        backward_seconds = 0.0
     result = _Measured(
         output_bytes=output_bytes,
         saved_bytes=kept - new_saved_bytes,
