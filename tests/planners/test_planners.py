@@ -323,7 +323,7 @@ def test_table_times_decrease_with_memory():
 
 
 def test_long_chains_get_a_table_that_fits_in_memory(monkeypatch):
-    import edgetrain.planners.optimal as module
+    import edgetrain.planners.dp_table as module
 
     # A 40-stage chain with a 1 MiB table limit stands in for a 700-stage chain with 1 GiB.
     monkeypatch.setattr(module, "TABLE_LIMIT_BYTES", 2**20)
