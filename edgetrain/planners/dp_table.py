@@ -146,6 +146,7 @@ class OptimalTable:
         # The first finite slot of each time[pin, d, s] (the rows are non-increasing in m).
         self._first = np.full((2, n, n), size, dtype=np.int64)
         self._prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
+        self._least = _least_times(z)
         self._choices: dict[tuple[int, int, int], np.ndarray] = {}
         self._fill()
 
@@ -221,7 +222,8 @@ class OptimalTable:
         if span > 0:
             # Checkpoint at j: forward to a[j], the sub-chain j..t owning a[j], then s..j-1
             # again from a[s].
-            value, pick = self._checkpoints(span, pin, s, own, after, entry_rest, choose)
+            stop = self._saturated(best, span, s)
+            value, pick = self._checkpoints(span, pin, s, own, after, entry_rest, choose, stop)
             value -= self._prefix[s][:, None]
             # Ties (to rounding) go to graph first, the plan with fewer operations.
             better = value < best * (1 - 1e-12)
@@ -239,10 +241,12 @@ class OptimalTable:
         after: np.ndarray,
         entry_rest: np.ndarray,
         choose: bool,
+        stop: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """The least time (plus the forward time before ``s``) of starting each sub-chain
         ``s..s+span`` with a checkpoint, over every split ``j``; with ``choose``, the best split
-        (``j - s - 1``, the first of equals)."""
+        (``j - s - 1``, the first of equals). From slot ``stop[row]`` on no checkpoint can win
+        (:meth:`_saturated`): the fill leaves those slots inf."""
         z = self._z
         n = self.length
         m = np.arange(self.slots + 1)
@@ -277,15 +281,33 @@ class OptimalTable:
                 np.maximum(np.maximum(limit, self._first[0, span - q, row + q]), near_first).min()
             )
             low = np.full((rows, len(m)), np.inf)
-            if start < len(m):
+            # Above every row's saturation (in the coordinates of low) nothing is computed.
+            end = int((stop[:rows] - (own[:rows] if pin == 0 else 0)).max(initial=0))
+            end = min(len(m), max(end, 0))
+            if start < end:
                 start = max(start, 0)
-                low[:, start:] = _least_sum(far[..., start:], near[..., start:], limit - start)
+                low[:, start:end] = _least_sum(
+                    far[..., start:end], near[..., start:end], limit - start
+                )
             value[:rows] = low if pin else _shift_each(low, own[:rows])
         top, _ = self._checkpoints_of(
             span, pin, s[rows:], own[rows:], after[rows:], reached[rows:], False
         )
         value[rows:] = top
         return value, None
+
+    def _saturated(self, best: np.ndarray, span: int, s: np.ndarray) -> np.ndarray:
+        """Per row, the first slot from which ``best`` (graph first or release) is the least
+        time any plan of the sub-chain can take (every stage once, its fastest option: a
+        checkpoint's time is at least that, so it cannot win the tie-break there); the row's
+        size where it never is."""
+        size = best.shape[1]
+        if self._least is None:
+            return np.full(len(s), size)
+        floor = self._least[span, s] * (1 + 1e-13)
+        done = best <= floor[:, None]
+        first: np.ndarray = np.where(done.any(axis=1), done.argmax(axis=1), size)
+        return first
 
     def _checkpoints_of(
         self,
@@ -462,6 +484,21 @@ def _least_sum(far: np.ndarray, near: np.ndarray, reached: np.ndarray) -> np.nda
         np.add(c, r, out=c)
         np.minimum.reduce(c, axis=0, out=part)
         np.minimum(least, part, out=least)
+    return least
+
+
+def _least_times(z: StepCosts) -> np.ndarray | None:
+    """``least[d, s]``: the least time of the sub-chain ``s..s+d``, every stage once with its
+    fastest option, summed in the order the recursion sums graph-first starts (None where
+    some time is negative: no such bound)."""
+    fastest = np.min(z.opt_time, axis=0)
+    if np.any(z.fwd_time < 0) or np.any(fastest < 0):
+        return None
+    n = len(fastest)
+    least = np.full((n, n), np.inf)
+    least[0] = fastest
+    for d in range(1, n):
+        least[d, : n - d] = fastest[: n - d] + least[d - 1, 1 : n - d + 1]
     return least
 
 
