@@ -12,7 +12,8 @@ plain autograd's in the same round (one torch thread; the loss a mean square; gr
 None). A row keeps to rho when ``cpu/plain <= rho`` within the machine's resolution (paired
 ratios of two copies of the same step: about +-5 % here).
 
-    python benchmarks/rho_held.py [--models mobilenetv2:8:96,vit-tiny:8:64] [--rhos 1.25,1.5]
+    python benchmarks/rho_held.py [--models mobilenetv2:8:96,tv/mobilenet_v3_small:8:96]
+                                  [--rhos 1.25,1.5]
                                   [--rounds 15] [--json]
 """
 
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_samples, paired_ratio
 
-from edgetrain.models import build, sample_input
+from edgetrain.models import build, sample_input, thirdparty
 from edgetrain.runtime.checkpointed import Checkpointed, stage_seconds
 
 DEFAULT_MODELS = "mobilenetv2:8:96,vit-tiny:8:64"
@@ -46,10 +47,18 @@ def _step(net: Any, params: list[torch.nn.Parameter], x: torch.Tensor) -> Callab
     return step
 
 
+def _model(name: str, batch: int, size: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A registry model, or a torchvision one named ``tv/<name>`` (e.g. ``tv/mobilenet_v3_small``),
+    with its input."""
+    if name.startswith("tv/"):
+        model = getattr(thirdparty.torchvision().models, name[3:])(num_classes=10)
+        return model, torch.randn(batch, 3, size, size)
+    return build(name, image=size), sample_input(name, batch, size)
+
+
 def bench(name: str, batch: int, size: int, rhos: list[float], rounds: int) -> list[dict]:
     torch.manual_seed(0)
-    base = build(name, image=size)
-    x = sample_input(name, batch, size)
+    base, x = _model(name, batch, size)
     chain = Checkpointed(copy.deepcopy(base), x).chain
     cost = stage_seconds()
     nets: dict[str, Checkpointed] = {}

@@ -26,7 +26,6 @@ EXCEPTIONS: dict[str, str] = {
     "edgetrain/frontend/fx_capture.py": "tracing, regions and the cuts' segments in one",
     "edgetrain/frontend/profiling.py": "measuring a stage, sizing on meta and merged runs",
     "edgetrain/insitu/store.py": "the store's database, its files and their checks",
-    "edgetrain/planners/optimal.py": "the DP's table, its fill and its plans",
     "edgetrain/runtime/checkpointed.py": "Checkpointed's planning and its per-state plan",
     "edgetrain/tiles/tiling.py": "tile geometry and the halo arithmetic",
     "edgetrain/cli/plan.py:plan_command": "reading the model, planning, and the table",

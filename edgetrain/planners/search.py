@@ -188,11 +188,20 @@ KEPT = 8
 """Frontiers (and the DP tables' makers) kept, by chain, strategy, loop and slots, so that a
 retry, ``"min"``, ``"auto"`` and the frontier itself plan once."""
 
-FLAT_UP_TO = 256
+FLAT_UP_TO = 128
 """``optimal`` plans a chain of at most this many stages on its stages too (the flat DP); a
-longer one only over its blocks: fewer DP stages, so a finer memory resolution in less time
-(ResNet-152 captured, batch 8, 224²: 313 stages in 55 blocks, least memory 351.6 MiB in 1.3 s;
-flat, 895 MiB in 7 s)."""
+longer one only over its blocks: fewer DP stages, so a finer memory resolution in less time.
+A flat table of more stages gets fewer slots than stages (:func:`~edgetrain.planners.optimal.
+max_slots`), too coarse to price one stage: on a random 200-stage chain (48 slots) it found no
+plan but storing everything, in a second of the search's time. ResNet-152 captured, batch 8,
+224²: 313 stages in 55 blocks, least memory 351.6 MiB in 1.3 s; flat, 895 MiB in 7 s."""
+
+
+REFINE_WORK = 1.5e7
+"""Table cells times split points (about a tenth of a second) a query spends at most on a
+table at its budget's own resolution. Beyond, the frontier's tables answer alone: on random
+heterogeneous chains of 60 to 200 stages the finer table changed the recompute factor at 0.9,
+0.5 and 0.3 × the store-all peak by at most 1e-4, for 1 to 3 s a query."""
 
 
 def _refined(
@@ -205,6 +214,9 @@ def _refined(
     best = point
     plain = chain.forward_seconds + chain.backward_seconds
     for maker in _makers(chain, strategy, slots, grads_exist):
+        _, count = maker.resolution(memory, slots)
+        if maker.stages**3 / 3 * count > REFINE_WORK:
+            continue  # the frontier's tables stand: a finer one would cost seconds
         found = fastest_at(maker, memory, slots)
         if found is None:
             continue

@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgetrain.core.chain import uniform_chain
@@ -24,7 +24,7 @@ from edgetrain.planners.revolve import (
 )
 from edgetrain.planners.search import tradeoff
 from edgetrain.planners.sequential import segment_bounds, sequential
-from tests.conftest import chains, random_chain
+from tests.conftest import chains, every_kind_chains, random_chain
 from tests.exhaustive import fastest_schedule
 
 
@@ -323,7 +323,7 @@ def test_table_times_decrease_with_memory():
 
 
 def test_long_chains_get_a_table_that_fits_in_memory(monkeypatch):
-    import edgetrain.planners.optimal as module
+    import edgetrain.planners.dp_table as module
 
     # A 40-stage chain with a 1 MiB table limit stands in for a 700-stage chain with 1 GiB.
     monkeypatch.setattr(module, "TABLE_LIMIT_BYTES", 2**20)
@@ -369,3 +369,31 @@ def test_repetitions_is_the_least_r_whose_beta_reaches_the_steps():
         assert reps >= start and beta(slots, reps) >= steps
         assert reps == start or beta(slots, reps - 1) < steps
     assert repetitions(10**20, 1) == 10**20 - 1
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    chain=every_kind_chains(2, 12),
+    slots=st.integers(8, 120),
+    grads_exist=st.booleans(),
+    nearest=st.booleans(),
+)
+def test_skipping_the_slots_no_checkpoint_can_win_leaves_the_table_as_it_is(
+    monkeypatch, chain, slots, grads_exist, nearest
+):
+    import edgetrain.planners.dp_table as module
+
+    peak = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
+    slot_bytes = max(1.0, 1.5 * peak / slots)
+
+    def filled() -> np.ndarray:
+        table = OptimalTable(chain, slot_bytes, slots, grads_exist=grads_exist, nearest=nearest)
+        return table._time.copy()
+
+    skipping = filled()
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_least_times", lambda costs: None)  # every slot computed
+        every = filled()
+    assert np.array_equal(skipping, every)
