@@ -167,7 +167,9 @@ def test_a_poet_plan_runs_with_autograds_gradients_and_its_predicted_peak(tmp_pa
     x = torch.randn(256, 32, dtype=torch.float64)
     chain = analytic_chain(model, x)
     everything = simulate(chain, store_all(chain)).peak_bytes
-    poet = plan_poet(chain, CHEAP_PAGING, memory=0.6 * everything, time_limit=10)
+    # a generous limit: on a loaded machine 10 s of wall time can end the search at an incumbent
+    # that does not page yet
+    poet = plan_poet(chain, CHEAP_PAGING, memory=0.6 * everything, time_limit=60)
     assert poet.cost.pages_out >= 1 and poet.cost.peak_bytes <= 0.6 * everything
     assert poet.device_cost.energy_joules == pytest.approx(poet.result.energy_joules, rel=TOLERANCE)
     net = Checkpointed(model, x, chain=chain, schedule=poet.schedule, page_dir=tmp_path)
