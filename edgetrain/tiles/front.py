@@ -142,3 +142,14 @@ def front_cost(
         2 * sum(sum(op.transfer_bytes) for op in ops),
         sum(op.gathered_bytes for op in ops),
     )
+
+
+def halo_bytes_sent(ops: tuple[FrontOp, ...], rank: int) -> int:
+    """Bytes ``rank`` sends in halos per step: its forward halos and the gradient halos of what
+    it received."""
+    total = 0
+    for op in ops:
+        for transfer, size in zip(op.transfers, op.transfer_bytes, strict=True):
+            if rank in (transfer.src, transfer.dst):
+                total += size
+    return total

@@ -219,8 +219,15 @@ def analyse(model: nn.Module, sample: torch.Tensor) -> tuple[fx.GraphModule, tup
     """Capture ``model`` and describe every node for a ``sample`` input (full batch and size)."""
     graph = capture(model)
     probe = copy.deepcopy(graph).eval()
-    with torch.no_grad():
-        ShapeProp(probe).propagate(sample)
+    try:
+        with torch.no_grad():
+            ShapeProp(probe).propagate(sample)
+    except Exception as exc:  # the model refuses this input (too small, wrong channels)
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+        raise InvalidInput(
+            f"the model cannot take an input of shape {tuple(sample.shape)} ({line}); "
+            "give an image size and batch it accepts"
+        ) from None
     modules = dict(graph.named_modules())
     infos = []
     for node, probed in zip(graph.graph.nodes, probe.graph.nodes, strict=True):

@@ -80,3 +80,23 @@ class GraphStep:
             value = (out - target).square().sum() / target.numel()
         counted = value if self.reference or self.comm.rank == 0 else value * 0.0
         return counted, float(value.item())
+
+
+def load_file_model(spec: str, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A user's model (``FILE.py:FUNCTION``) rebuilt in a worker with the launcher's weights."""
+    from edgetrain.models.factory import load_model_file
+
+    model = load_model_file(spec).model
+    model.load_state_dict(state)
+    return model
+
+
+def ship_file_model(model: nn.Module, spec: str) -> None:
+    """Let ``model``, built from ``spec``, travel to workers: its class lives in a module only
+    this process imported, so it pickles as the spec and its weights, rebuilt there."""
+    import copyreg
+    from pathlib import Path
+
+    path, _, function = spec.rpartition(":")
+    absolute = f"{Path(path).resolve()}:{function}"
+    copyreg.pickle(type(model), lambda m: (load_file_model, (absolute, m.state_dict())))

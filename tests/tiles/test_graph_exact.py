@@ -47,7 +47,7 @@ CASES = {
     "1x2": [
         ("resnet18", 64, 2, "last"),
         ("resnet18", 64, 2, "auto"),
-        ("resnet50", 64, 2, "last"),
+        ("resnet50", 64, 2, "last"),  # 53 batch norms, the last over 2x2 maps: see ROUNDING
         ("mobilenetv2", 96, 2, "last"),
         ("mobilenetv2", 96, 2, "auto"),
         ("unet", 40, 2, "last"),
@@ -80,6 +80,13 @@ def _job(grid: Grid, case: tuple[str, int, int, str]) -> TileJob:
     )
 
 
+ROUNDING = {"resnet50": 1e-8}
+"""Models whose float64 runs may differ by more than 1e-10 from rounding alone: ResNet-50 at 64 px
+normalises 2x2 maps of two images (8 values per channel) in its last stage, and its 53 batch norms
+amplify the different summation order of tiled statistics (about 1e-9 here, 1.6e-10 at 128 px;
+a wrong pixel would differ by its own size, about 1)."""
+
+
 _RUNS: dict[str, tuple[list[TileJob], list]] = {}
 
 
@@ -101,4 +108,5 @@ def test_graph_model_tiled_equals_one_process(grid: str, index: int) -> None:
     diff = differences(job, results[index], reference(job))
     assert diff.pop("ranks_agree") == 0.0
     worst = max(diff, key=lambda k: diff[k])
-    assert diff[worst] <= 1e-10, (CASES[grid][index], worst, diff[worst])
+    tolerance = ROUNDING.get(CASES[grid][index][0], 1e-10)
+    assert diff[worst] <= tolerance, (CASES[grid][index], worst, diff[worst])
