@@ -180,7 +180,6 @@ def _load_model(model: str | None, model_file: str | None, seed: int) -> tuple[s
     torch.manual_seed(seed)
     if model_file is not None:
         from edgetrain.models.factory import load_model_file
-
         from edgetrain.tiles.graphjob import ship_file_model
 
         user = load_model_file(model_file).model

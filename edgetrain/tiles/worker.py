@@ -395,15 +395,40 @@ def serve(
 # --- torchrun ------------------------------------------------------------------------------
 
 
+def _torchrun_job(
+    model: nn.Module, name: str, image: tuple[int, int], grid: Grid, args: Any
+) -> TileJob:
+    """The job of ``name``: fused groups for a plain chain, else its graph cut by the cost
+    model."""
+    from edgetrain.devices import load
+    from edgetrain.tiles.grouping import choose_grouping
+    from edgetrain.tiles.supported import CHAIN_MODELS
+
+    cluster = load(args.profile)
+    dtype = DTYPES[args.dtype]
+    if name not in CHAIN_MODELS:
+        from edgetrain.tiles.graph import analyse, choose_cut
+
+        sample = torch.zeros(args.batch, 3, *image, dtype=dtype)
+        graph, infos = analyse(model.to(dtype), sample)
+        cut = choose_cut(graph, infos, grid, cluster)[0].cut
+        return TileJob(
+            model, image, args.batch, grid, (), args.steps, args.dtype, args.seed, cut=cut
+        )
+    net = describe(model, 3, *image)
+    net.check_batch(args.batch)
+    element = torch.finfo(dtype).bits // 8
+    grouping = choose_grouping(args.groups, net, grid, cluster, args.batch, element)
+    return TileJob(model, image, args.batch, grid, grouping, args.steps, args.dtype, args.seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m edgetrain.tiles.worker``: one rank started by ``torchrun``.
 
     Rank 0 prints one JSON document with every rank's measurements.
     """
-    from edgetrain.devices import load
     from edgetrain.errors import EdgetrainError
     from edgetrain.models import build
-    from edgetrain.tiles.grouping import choose_grouping
     from edgetrain.tiles.supported import TILE_MODELS, tile_model
     from edgetrain.tiles.tiling import format_grouping, parse_grid, parse_image
 
@@ -437,25 +462,14 @@ def main(argv: list[str] | None = None) -> int:
         model = build(name)
         for tensor in model.state_dict().values():  # every board starts from rank 0's weights
             comm.broadcast_(tensor)
-        net = describe(model, 3, *image)
-        net.check_batch(args.batch)
-        element = torch.finfo(DTYPES[args.dtype]).bits // 8
-        grouping = choose_grouping(args.groups, net, grid, load(args.profile), args.batch, element)
-        job = TileJob(
-            model,
-            image,
-            args.batch,
-            grid,
-            grouping,
-            args.steps,
-            args.dtype,
-            args.seed,
-        )
+        job = _torchrun_job(model, name, image, grid, args)
         result = run_job(job, comm)
         store.set(f"edgetrain/result/{comm.rank}", json.dumps(result.summary()))
         if comm.rank == 0:
             ranks = [json.loads(store.get(f"edgetrain/result/{r}")) for r in range(comm.size)]
-            doc = {"grid": str(grid), "groups": format_grouping(grouping), "ranks": ranks}
+            where = {"cut": job.cut} if job.cut is not None else {}
+            doc = {"grid": str(grid), "groups": format_grouping(job.grouping), **where}
+            doc["ranks"] = ranks
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         comm.barrier()
     except EdgetrainError as exc:
