@@ -276,7 +276,7 @@ def _print(doc: dict[str, Any]) -> None:
     rows = [
         (
             str(r["rank"]),
-            "{}:{} x {}:{}".format(*r["tile"]),
+            "{}:{} x {}:{}".format(*r["tile"]) if r["tile"][1] > r["tile"][0] else "(scores)",
             format_bytes(r["peak_bytes"]),
             f"{r['step_seconds']:.3f} s",
             format_bytes(r["halo_bytes"]),
