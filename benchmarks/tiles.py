@@ -13,7 +13,8 @@ launch is warm-up and left out):
 * image sizes torch floors (200 px, whose fourth pooling drops row 24 of 25, and a 180x240
   frame, 45 -> 22 rows): exact against one process in float64, halo bytes against the geometry;
 * the cost model's prediction for Raspberry Pi 3 clusters of 1-6 devices beside the paper's
-  reported speedups.
+  reported speedups;
+* every built-in CNN tiled end to end (``_tiles_models.py``).
 
 Usage: ``python benchmarks/tiles.py [--image 416] [--steps 4] [--rounds 2] [--sections ...]
 [--json]``.
@@ -213,7 +214,9 @@ def main() -> None:
         "--batches", default="1,4", help="batch sizes of the speed runs (comma-separated)"
     )
     parser.add_argument(
-        "--sections", default="speed,memory,odd,pi3", help="which measurements (comma-separated)"
+        "--sections",
+        default="speed,memory,odd,pi3,models",
+        help="which measurements (comma-separated)",
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -251,6 +254,10 @@ def main() -> None:
         result["odd_sizes"] = odd_sizes(model)
     if "pi3" in sections:
         result["pi3"] = pi3_predictions(model)
+    if "models" in sections:
+        from _tiles_models import graph_models
+
+        result["models"] = graph_models()
     if args.json:
         emit_json(result)
     else:
@@ -280,6 +287,10 @@ def _print(result: dict) -> None:
         _print_odd(result["odd_sizes"])
     if "pi3" in result:
         _print_pi3(result["pi3"])
+    if "models" in result:
+        from _tiles_models import print_models
+
+        print_models(result["models"])
 
 
 def _print_odd(rows: list[dict]) -> None:

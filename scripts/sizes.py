@@ -29,7 +29,6 @@ EXCEPTIONS: dict[str, str] = {
     "edgetrain/runtime/checkpointed.py": "Checkpointed's planning and its per-state plan",
     "edgetrain/tiles/tiling.py": "tile geometry and the halo arithmetic",
     "edgetrain/cli/plan.py:plan_command": "reading the model, planning, and the table",
-    "edgetrain/cli/tiles.py:tiles": "the grid, the launch and the report",
     "edgetrain/core/schedule.py:graph_runs": "one pass over the ops",
     "edgetrain/core/schedule.py:_replay": "the simulator's replay, one branch per op",
     "edgetrain/frontend/fx_capture.py:capture": "the tracer's set-up and restore",

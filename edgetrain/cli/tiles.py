@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import click
 
-from edgetrain.cli.options import BATCH, MAX_IMAGE, POSITIVE, POSITIVE_FLOAT, THREADS
+from edgetrain.cli.options import (
+    BATCH,
+    MAX_IMAGE,
+    MODEL_FILE_HELP,
+    POSITIVE,
+    POSITIVE_FLOAT,
+    THREADS,
+    ModelFile,
+)
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices.catalog import CLUSTERS
 from edgetrain.errors import InvalidInput
-from edgetrain.tiles.supported import CHAIN, TILE_MODELS
+from edgetrain.tiles.supported import TILE_MODELS
 from edgetrain.units import format_bytes
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
@@ -20,10 +29,10 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 @click.command("tiles")
 @click.option(
     "--model",
-    default="yolov2-16",
-    show_default=True,
-    help=f"Model to train: {', '.join(TILE_MODELS)} (tiles need {CHAIN}).",
+    default=None,
+    help=f"Model to train: {', '.join(TILE_MODELS)} (default yolov2-16).",
 )
+@click.option("--model-file", type=ModelFile(), default=None, help=MODEL_FILE_HELP)
 @click.option("--grid", "grid_text", default="2x2", show_default=True, help="Tiles: rows x cols.")
 @click.option(
     "--image",
@@ -37,7 +46,16 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
     "--groups",
     default="auto",
     show_default=True,
-    help='Layer groups: auto (cost model), per-layer, 1 (one group) or ranges "0-3,4-7,8-15".',
+    help="Layer groups of a plain chain (yolov2-16): auto (cost model), per-layer, 1 (one "
+    'group) or ranges "0-3,4-7,8-15".',
+)
+@click.option(
+    "--cut",
+    "cut_text",
+    default="auto",
+    show_default=True,
+    help="Where the tiled front of any other CNN ends: auto (cost model), last (every map "
+    "tiled), or an operation index; past it every rank runs the rest on the gathered map.",
 )
 @click.option("--steps", type=POSITIVE, default=3, show_default=True, help="Training steps.")
 @click.option(
@@ -65,11 +83,13 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--check", is_flag=True, help="Also run one process and compare (max_rel_diff).")
 def tiles(
-    model: str,
+    model: str | None,
+    model_file: str | None,
     grid_text: str,
     image_text: str,
     batch: int,
     groups: str,
+    cut_text: str,
     steps: int,
     dtype: str,
     profile: str,
@@ -87,16 +107,9 @@ def tiles(
     At most 16 workers (tiles) run on one machine; they stop when the command is stopped.
     Across boards use torchrun (docs/tiles.md).
     """
-    import torch
-
     from edgetrain.devices import load
-    from edgetrain.models import build
-    from edgetrain.tiles.grouping import choose_grouping, plan_cost
-    from edgetrain.tiles.launch import check_local_workers, run_local
-    from edgetrain.tiles.layers import describe
-    from edgetrain.tiles.supported import tile_model
-    from edgetrain.tiles.tiling import format_grouping, parse_grid, parse_image, plan
-    from edgetrain.tiles.worker import TileJob
+    from edgetrain.tiles.launch import check_local_workers
+    from edgetrain.tiles.tiling import parse_grid, parse_image
 
     image = parse_image(image_text)
     if max(image) > MAX_IMAGE:
@@ -106,29 +119,21 @@ def tiles(
         )
     grid = parse_grid(grid_text)
     check_local_workers(grid.size, str(grid))
-    name = tile_model(model)
-    torch.manual_seed(seed)
-    network_model = build(name)
-    element = 8 if dtype == "float64" else 4
-    net = describe(network_model, 3, *image)
-    net.check_batch(batch)
+    name, network_model = _load_model(model, model_file, seed)
     cluster = load(profile)
-    grouping = choose_grouping(groups, net, grid, cluster, batch, element)
-    tile_plan = plan(net, grid, grouping)
-    job = TileJob(network_model, image, batch, grid, grouping, steps, dtype, seed, collect=check)
-    results = run_local([job], address=address, threads=threads, timeout=timeout)[0]
-    predicted = [tile_plan.halo_bytes_sent(r, batch, element) for r in range(grid.size)]
-    cost = plan_cost(tile_plan, cluster, batch, element)
-    doc: dict[str, Any] = {
+    setup = _chain_setup if _is_chain(network_model, cut_text) else _graph_setup
+    job, doc = setup(network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+    job = replace(job, steps=steps, seed=seed, collect=check)
+    results = _run_job(job, address, threads, timeout)
+    predicted = doc.pop("predicted_halo_bytes")
+    doc = {
         "model": name,
         "grid": str(grid),
         "image": list(image),
         "batch": batch,
         "dtype": dtype,
         "steps": steps,
-        "groups": format_grouping(grouping),
-        "redundant_compute": tile_plan.redundant_macs / net.macs(),
-        "predicted_seconds": {"profile": cluster.name, "step_seconds": cost.seconds},
+        **doc,
         "ranks": [
             {
                 **r.summary(),
@@ -164,11 +169,114 @@ def tiles(
         raise click.exceptions.Exit(1)
 
 
+def _load_model(model: str | None, model_file: str | None, seed: int) -> tuple[str, Any]:
+    import torch
+
+    from edgetrain.models import build
+    from edgetrain.tiles.supported import tile_model
+
+    if model is not None and model_file is not None:
+        raise InvalidInput("give --model or --model-file, not both")
+    torch.manual_seed(seed)
+    if model_file is not None:
+        from edgetrain.models.factory import load_model_file
+        from edgetrain.tiles.graphjob import ship_file_model
+
+        user = load_model_file(model_file).model
+        ship_file_model(user, model_file)
+        return model_file.rpartition("/")[2], user
+    name = tile_model(model or "yolov2-16")
+    return name, build(name)
+
+
+def _is_chain(model: Any, cut_text: str) -> bool:
+    """A plain chain of windows trains with fused groups unless a cut is asked for."""
+    from edgetrain.tiles.layers import describe
+
+    if cut_text != "auto":
+        return False
+    try:
+        describe(model, 3, 64, 64)
+    except InvalidInput:
+        return False
+    return True
+
+
+def _chain_setup(
+    model: Any, image: Any, grid: Any, batch: int, groups: str, cut: str, cluster: Any, dtype: str
+) -> tuple[Any, dict[str, Any]]:
+    from edgetrain.tiles.grouping import choose_grouping, plan_cost
+    from edgetrain.tiles.layers import describe
+    from edgetrain.tiles.tiling import format_grouping, plan
+    from edgetrain.tiles.worker import TileJob
+
+    element = 8 if dtype == "float64" else 4
+    net = describe(model, 3, *image)
+    net.check_batch(batch)
+    grouping = choose_grouping(groups, net, grid, cluster, batch, element)
+    tile_plan = plan(net, grid, grouping)
+    cost = plan_cost(tile_plan, cluster, batch, element)
+    job = TileJob(model, image, batch, grid, grouping, dtype=dtype)
+    return job, {
+        "groups": format_grouping(grouping),
+        "redundant_compute": tile_plan.redundant_macs / net.macs(),
+        "predicted_seconds": {"profile": cluster.name, "step_seconds": cost.seconds},
+        "predicted_halo_bytes": [
+            tile_plan.halo_bytes_sent(r, batch, element) for r in range(grid.size)
+        ],
+    }
+
+
+def _graph_setup(
+    model: Any, image: Any, grid: Any, batch: int, groups: str, cut: str, cluster: Any, dtype: str
+) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    from edgetrain.tiles.front import front_cost, halo_bytes_sent
+    from edgetrain.tiles.graph import analyse, choose_cut, front_ops, place
+    from edgetrain.tiles.worker import DTYPES, TileJob
+
+    channels = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d)).in_channels
+    sample = torch.zeros(batch, channels, *image, dtype=DTYPES[dtype])
+    graph, infos = analyse(model.to(DTYPES[dtype]), sample)
+    if cut == "auto":
+        placement = choose_cut(graph, infos, grid, cluster)[0]
+    else:
+        index = len(infos) if cut == "last" else _index(cut, len(infos))
+        placement = place(graph, infos, grid, index)
+    ops = front_ops(infos, placement)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cost = front_cost(placement.cut, ops, parameter_bytes, grid, cluster)
+    total = sum(op.macs for op in ops) or 1
+    job = TileJob(model, image, batch, grid, (), dtype=dtype, cut=placement.cut)
+    return job, {
+        "cut": placement.cut,
+        "operations": len(infos),
+        "replicated_compute": sum(op.macs for op in ops if op.placement == "replicated") / total,
+        "predicted_seconds": {"profile": cluster.name, "step_seconds": cost.seconds},
+        "predicted_halo_bytes": [halo_bytes_sent(ops, r) for r in range(grid.size)],
+    }
+
+
+def _index(text: str, operations: int) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= operations:
+        raise InvalidInput(
+            f"cannot read --cut {text!r}; give auto, last, or an operation index 1..{operations}"
+        )
+    return int(text)
+
+
+def _run_job(job: Any, address: str, threads: int, timeout: float) -> Any:
+    from edgetrain.tiles.launch import run_local
+
+    return run_local([job], address=address, threads=threads, timeout=timeout)[0]
+
+
 def _print(doc: dict[str, Any]) -> None:
     rows = [
         (
             str(r["rank"]),
-            "{}:{} x {}:{}".format(*r["tile"]),
+            "{}:{} x {}:{}".format(*r["tile"]) if r["tile"][1] > r["tile"][0] else "(scores)",
             format_bytes(r["peak_bytes"]),
             f"{r['step_seconds']:.3f} s",
             format_bytes(r["halo_bytes"]),
@@ -177,8 +285,14 @@ def _print(doc: dict[str, Any]) -> None:
         )
         for r in doc["ranks"]
     ]
+    where = (
+        f"groups {doc['groups']} · redundant compute {100 * doc['redundant_compute']:.1f}%"
+        if "groups" in doc
+        else f"tiled front: operations 0-{doc['cut'] - 1} of {doc['operations']} · "
+        f"replicated compute {100 * doc['replicated_compute']:.1f}%"
+    )
     caption = (
-        f"groups {doc['groups']} · redundant compute {100 * doc['redundant_compute']:.1f}% · "
+        f"{where} · "
         f"{doc['predicted_seconds']['profile']} would take "
         f"{doc['predicted_seconds']['step_seconds']:.2f} s/step"
     )

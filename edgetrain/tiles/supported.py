@@ -1,10 +1,10 @@
 """Which built-in models tiles train, and the one-line answer for the others.
 
-Tiles split a plain chain of windows (convolutions, pooling) and element-wise layers (batch norm,
-activations); :mod:`edgetrain.tiles.layers` says exactly what. Of the built-in models only
-YOLOv2-16 is such a chain. The ResNets are not: a residual block adds its input back, and they end
-in global pooling and a Linear layer, which need the whole map. From Python, any ``nn.Sequential``
-of tileable layers trains (docs/tiles.md).
+YOLOv2-16 is a plain chain of windows (convolutions, pooling) and element-wise layers, which tiles
+train with fused groups of layers (:mod:`edgetrain.tiles.layers`). Every other CNN trains through
+its captured graph (:mod:`edgetrain.tiles.graph`): residual additions, concatenations and
+transposed convolutions on tiles, global pooling summed over tiles, the head on every rank. The
+ViT and the language model are not CNNs: they have no feature maps to cut.
 
 The names are plain data so that ``--help`` can list them without importing torch.
 """
@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from edgetrain.errors import InvalidInput
 
-TILE_MODELS: tuple[str, ...] = ("yolov2-16",)
+CHAIN_MODELS: tuple[str, ...] = ("yolov2-16",)
+"""Built-in models that are a plain chain of windows: trained with fused groups (``--groups``)."""
+
+_DEPTHS = (18, 34, 50, 101, 152)
+TILE_MODELS: tuple[str, ...] = (
+    *CHAIN_MODELS,
+    *(f"resnet{d}" for d in _DEPTHS),
+    *(f"resnet{d}-module" for d in _DEPTHS),
+    "mobilenetv2",
+    "unet",
+)
 """Built-in models ``edgetrain tiles`` and the torchrun worker train."""
 
 CHAIN = "a plain chain of convolutions, pooling, batch norm and activations"
@@ -30,6 +40,7 @@ def tile_model(name: str) -> str:
         raise InvalidInput(f"unknown model {name!r}; tiles trains {choices}") from None
     if key not in TILE_MODELS:
         raise InvalidInput(
-            f"tiles cannot split {key}, which is not {CHAIN}; tiles trains {choices}"
+            f"tiles cannot split {key}, which has no convolutional feature maps; tiles trains "
+            f"{choices}"
         )
     return key

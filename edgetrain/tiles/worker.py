@@ -71,9 +71,12 @@ class TileJob:
             larger grids that many independent copies at once (the machine's parallel ceiling).
         measure_memory: count live tensor storages for ``peak_bytes`` (a dispatch mode; its
             first use imports about a second's worth of torch modules).
+        cut: None for a plain chain of windows (``model`` an ``nn.Sequential``, fused groups);
+            else ``model`` is any module torch.fx captures and its operations before ``cut`` run
+            on tiles (:mod:`edgetrain.tiles.graph`; ``grouping`` is unused).
     """
 
-    model: nn.Sequential
+    model: nn.Module
     image: tuple[int, int]
     batch: int
     grid: Grid
@@ -86,6 +89,7 @@ class TileJob:
     fault: tuple[str, int, int] | None = None
     reference: bool = False
     measure_memory: bool = True
+    cut: int | None = None
 
     @property
     def channels(self) -> int:
@@ -93,8 +97,9 @@ class TileJob:
         return first.in_channels
 
     def network(self) -> Network:
-        """The model's geometry on this job's images; InvalidInput if they or the batch do not
+        """The chain model's geometry on this job's images; InvalidInput if they or the batch do not
         fit it (the same sizes and batches the untiled model accepts)."""
+        assert isinstance(self.model, nn.Sequential)
         net = describe(self.model, self.channels, *self.image)
         net.check_batch(self.batch)
         return net
@@ -155,7 +160,7 @@ def synthetic_batch(
     batch: int,
     channels: int,
     image: tuple[int, int],
-    output: tuple[int, int, int],
+    output: tuple[int, ...],
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same (image, target) on every rank and in the single-process reference."""
@@ -224,6 +229,43 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().copy()
 
 
+class ChainStep:
+    """Forward and loss of a plain chain of windows: fused groups (:class:`TiledNetwork`) on
+    rank ``comm.rank``, or the whole model in this process (``reference``)."""
+
+    def __init__(self, model: nn.Module, job: TileJob, comm: Comm, reference: bool) -> None:
+        net = job.network()
+        out_h, out_w = net.sizes[-1]
+        self.out_shape = (job.batch, net.layers[-1].out_channels, out_h, out_w)
+        self.comm = comm
+        self.model: nn.Module | TiledNetwork = model
+        if reference:
+            self.input_region = Region(0, job.image[0], 0, job.image[1])
+            self.output_region = Region(0, out_h, 0, out_w)
+        else:
+            assert isinstance(model, nn.Sequential)
+            tiled = TiledNetwork(model, plan(net, job.grid, job.grouping), comm)
+            self.model = tiled
+            self.input_region, self.output_region = tiled.input_region, tiled.output_region
+
+    def forward(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+        return self.model(x)  # type: ignore[no-any-return]
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
+        share = squared_error(out, target[region_slices(self.output_region)], target.numel())
+        total = self.comm.all_reduce_(share.detach().reshape(1).clone())
+        return share, float(total.item())
+
+
+def _step_for(job: TileJob, model: nn.Module, comm: Comm, dtype: torch.dtype) -> Any:
+    if job.cut is None:
+        return ChainStep(model, job, comm, job.reference)
+    from edgetrain.tiles.graphjob import GraphStep
+
+    sample = torch.zeros(job.batch, job.channels, *job.image, dtype=dtype)
+    return GraphStep(model, sample, job.grid, job.cut, comm, job.reference)
+
+
 def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
     """Run ``job``'s training steps as rank ``comm.rank``."""
     dtype = DTYPES[job.dtype]
@@ -231,18 +273,11 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
     # (torch pickles tensors through shared memory), and every rank updates its own weights.
     model = copy.deepcopy(job.model).to(dtype)
     model.train()
-    net = job.network()
-    out_h, out_w = net.sizes[-1]
-    out_shape = (net.layers[-1].out_channels, out_h, out_w)
     clock = comm  # steps start together on every rank
     if job.reference:
         comm = Comm.solo()  # every rank trains the whole model alone
-        tiled = None
-        in_region = Region(0, job.image[0], 0, job.image[1])
-        out_region = Region(0, out_h, 0, out_w)
-    else:
-        tiled = TiledNetwork(model, plan(net, job.grid, job.grouping), comm)
-        in_region, out_region = tiled.input_region, tiled.output_region
+    runner = _step_for(job, model, comm, dtype)
+    in_region, out_region = runner.input_region, runner.output_region
     parameters = [p for p in model.parameters() if p.requires_grad]
     sync = GradientSync(parameters, comm)
     start = comm.traffic.halo_bytes, comm.traffic.halo_messages, comm.traffic.collective_bytes
@@ -253,7 +288,7 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
     for step in range(job.steps):
         _inject(job.fault, clock.rank, step)
         image, target = synthetic_batch(
-            step, job.seed, job.batch, job.channels, job.image, out_shape, dtype
+            step, job.seed, job.batch, job.channels, job.image, runner.out_shape[1:], dtype
         )
         for parameter in parameters:
             parameter.grad = None
@@ -264,16 +299,15 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
             x = image[region_slices(in_region)].contiguous()
             if job.collect:
                 x.requires_grad_()
-            out = tiled(x) if tiled is not None else model(x)
-            loss = squared_error(out, target[region_slices(out_region)], target.numel())
+            out = runner.forward(x, job.seed * 1_000_003 + step)
+            loss, total = runner.loss(out, target)
             loss.backward()
             sync.wait()  # the weight-gradient all-reduce, started during backward
             sgd_step(parameters, job.lr)
-            total = comm.all_reduce_(loss.detach().reshape(1).clone())
         times.append(time.perf_counter() - began)
         if isinstance(meter, StorageCounter):
             peak = max(peak, meter.peak_bytes)
-        losses.append(float(total.item()))
+        losses.append(total)
         if job.collect and step == job.steps - 1:
             output, input_grad = _numpy(out), _numpy(x.grad) if x.grad is not None else None
         del out, loss, x
@@ -333,7 +367,12 @@ def serve(
     try:
         torch.set_num_threads(threads)
         _pin(rank, world, threads)
-        jobs: list[TileJob] = pickle.loads(Path(jobs_path).read_bytes())
+        payload = Path(jobs_path).read_bytes()
+        if b"torchvision" in payload:  # its classes load only through edgetrain's importer
+            from edgetrain.models import thirdparty
+
+            thirdparty.torchvision()
+        jobs: list[TileJob] = pickle.loads(payload)
         if world > 1:
             comm = Comm.from_file(store_path, rank, world, address, timeout_seconds)
         else:
@@ -356,15 +395,40 @@ def serve(
 # --- torchrun ------------------------------------------------------------------------------
 
 
+def _torchrun_job(
+    model: nn.Module, name: str, image: tuple[int, int], grid: Grid, args: Any
+) -> TileJob:
+    """The job of ``name``: fused groups for a plain chain, else its graph cut by the cost
+    model."""
+    from edgetrain.devices import load
+    from edgetrain.tiles.grouping import choose_grouping
+    from edgetrain.tiles.supported import CHAIN_MODELS
+
+    cluster = load(args.profile)
+    dtype = DTYPES[args.dtype]
+    if name not in CHAIN_MODELS:
+        from edgetrain.tiles.graph import analyse, choose_cut
+
+        sample = torch.zeros(args.batch, 3, *image, dtype=dtype)
+        graph, infos = analyse(model.to(dtype), sample)
+        cut = choose_cut(graph, infos, grid, cluster)[0].cut
+        return TileJob(
+            model, image, args.batch, grid, (), args.steps, args.dtype, args.seed, cut=cut
+        )
+    net = describe(model, 3, *image)
+    net.check_batch(args.batch)
+    element = torch.finfo(dtype).bits // 8
+    grouping = choose_grouping(args.groups, net, grid, cluster, args.batch, element)
+    return TileJob(model, image, args.batch, grid, grouping, args.steps, args.dtype, args.seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m edgetrain.tiles.worker``: one rank started by ``torchrun``.
 
     Rank 0 prints one JSON document with every rank's measurements.
     """
-    from edgetrain.devices import load
     from edgetrain.errors import EdgetrainError
     from edgetrain.models import build
-    from edgetrain.tiles.grouping import choose_grouping
     from edgetrain.tiles.supported import TILE_MODELS, tile_model
     from edgetrain.tiles.tiling import format_grouping, parse_grid, parse_image
 
@@ -398,25 +462,14 @@ def main(argv: list[str] | None = None) -> int:
         model = build(name)
         for tensor in model.state_dict().values():  # every board starts from rank 0's weights
             comm.broadcast_(tensor)
-        net = describe(model, 3, *image)
-        net.check_batch(args.batch)
-        element = torch.finfo(DTYPES[args.dtype]).bits // 8
-        grouping = choose_grouping(args.groups, net, grid, load(args.profile), args.batch, element)
-        job = TileJob(
-            model,
-            image,
-            args.batch,
-            grid,
-            grouping,
-            args.steps,
-            args.dtype,
-            args.seed,
-        )
+        job = _torchrun_job(model, name, image, grid, args)
         result = run_job(job, comm)
         store.set(f"edgetrain/result/{comm.rank}", json.dumps(result.summary()))
         if comm.rank == 0:
             ranks = [json.loads(store.get(f"edgetrain/result/{r}")) for r in range(comm.size)]
-            doc = {"grid": str(grid), "groups": format_grouping(grouping), "ranks": ranks}
+            where = {"cut": job.cut} if job.cut is not None else {}
+            doc = {"grid": str(grid), "groups": format_grouping(job.grouping), **where}
+            doc["ranks"] = ranks
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         comm.barrier()
     except EdgetrainError as exc:

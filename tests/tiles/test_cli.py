@@ -59,8 +59,10 @@ def test_table_output_names_the_groups_chosen_automatically():
         (["--image", "20by30"], "cannot read image size '20by30'"),
         (["--groups", "0-3,5-15"], "must be consecutive ranges"),
         (["--groups", "0-3"], "end the last group at 15"),
-        (["--model", "resnet18"], "tiles cannot split resnet18"),
+        (["--model", "tinylm"], "tiles cannot split tinylm, which has no convolutional"),
         (["--model", "vgg"], "unknown model 'vgg'; tiles trains yolov2-16"),
+        (["--model", "resnet18", "--cut", "x"], "cannot read --cut 'x'"),
+        (["--model", "resnet18", "--grid", "8x8", "--image", "8"], "use a smaller grid"),
         (["--steps", "0"], "'--steps': 0 is not in the range x>=1"),
         (["--batch", "-1"], "'--batch': -1 is not in the range x>=1"),
         (["--threads", "0"], "'--threads': 0 is not in the range x>=1"),
@@ -80,12 +82,72 @@ def test_help_lists_the_models_tiles_train():
     assert f"Model to train: {', '.join(TILE_MODELS)}" in " ".join(result.output.split())
 
 
-def test_the_models_tiles_train_are_exactly_the_registry_models_that_describe():
-    """TILE_MODELS is not a wish list: each describes as tiles, and a ResNet does not."""
-    for name in TILE_MODELS:
+def test_the_models_tiles_train_are_chains_or_graphs_fx_captures():
+    """TILE_MODELS is not a wish list: the chains describe as tiles, every other model is
+    captured whole by torch.fx with windows to tile, and a ResNet is not a chain."""
+    import torch
+
+    from edgetrain.tiles.graph import analyse
+    from edgetrain.tiles.supported import CHAIN_MODELS
+
+    for name in CHAIN_MODELS:
         describe(build(name), 3, 64, 64)
+    for name in ("resnet18", "resnet18-module", "mobilenetv2", "unet"):
+        assert name in TILE_MODELS
+        _, infos = analyse(build(name), torch.zeros(2, 3, 64, 64))
+        assert any(i.kind == "window" for i in infos)
     with pytest.raises(InvalidInput):
         describe(build("resnet18"), 3, 64, 64)
+
+
+def test_a_resnet_trains_end_to_end_and_matches_one_process():
+    result = _run(
+        "--model resnet18 --grid 1x2 --image 40 --batch 2 --steps 2 --dtype float64 "
+        "--json --check --cut last"
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["cut"] == doc["operations"] and doc["max_rel_diff"] < 1e-10
+    for rank in doc["ranks"]:
+        assert rank["halo_bytes"] == rank["predicted_halo_bytes"] > 0
+
+
+def test_a_model_file_trains(tmp_path):
+    path = tmp_path / "mine.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.a = nn.Conv2d(3, 4, 3, padding=1)\n"
+        "        self.b = nn.Conv2d(4, 4, 3, stride=2, padding=1)\n"
+        "        self.fc = nn.Linear(4, 3)\n"
+        "    def forward(self, x):\n"
+        "        y = torch.relu(self.a(x))\n"
+        "        y = self.b(y + x.mean(1, keepdim=True))\n"
+        "        return self.fc(y.mean((2, 3)))\n\n"
+        "def build():\n    return Net()\n"
+    )
+    result = _run(
+        "--model-file",
+        f"{path}:build",
+        "--grid",
+        "1x2",
+        "--image",
+        "17",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--dtype",
+        "float64",
+        "--json",
+        "--check",
+        "--cut",
+        "last",
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["max_rel_diff"] < 1e-10
 
 
 def test_a_layer_tiling_cannot_split_is_named():
