@@ -176,6 +176,17 @@ class Comm:
             self.backend.barrier().wait()
 
 
+PEER_LOSS_SYMPTOMS = ("Connection closed by peer", "Timed out", "timed out", "Connection reset")
+"""What gloo's errors say when a peer died (its sockets closed) or stopped answering (timeout)."""
+
+
+def is_peer_loss(error: BaseException | str) -> bool:
+    """Whether ``error`` (an exception or its first line) says a peer died or stopped answering,
+    rather than that this rank's own computation failed."""
+    text = str(error)
+    return any(symptom in text for symptom in PEER_LOSS_SYMPTOMS)
+
+
 def listening_addresses() -> list[str]:
     """``address:port`` of every TCP socket this process listens on (Linux; else empty)."""
     try:

@@ -65,12 +65,15 @@ class TileJob:
         collect: return the last step's output tile, input gradient, weight gradients and the
             final weights (for :mod:`edgetrain.tiles.check`).
         fault: testing only: ``(kind, rank, step)`` makes that rank ``"die"`` (SIGKILL),
-            ``"hang"`` or ``"raise"`` at the start of that step.
+            ``"hang"`` or ``"raise"`` at the start of that step, or ``"die-late"`` once its
+            weights are updated, before the step's last exchange.
         reference: every rank trains the whole, untiled model on its own (no communication
             but a barrier before each step): the single-process baseline on a 1x1 grid, and on
             larger grids that many independent copies at once (the machine's parallel ceiling).
         measure_memory: count live tensor storages for ``peak_bytes`` (a dispatch mode; its
             first use imports about a second's worth of torch modules).
+        first_step: the step to start from (a run resumed after a board dropped out): steps
+            ``first_step .. steps - 1`` run, each on that step's data.
     """
 
     model: nn.Sequential
@@ -86,6 +89,7 @@ class TileJob:
     fault: tuple[str, int, int] | None = None
     reference: bool = False
     measure_memory: bool = True
+    first_step: int = 0
 
     @property
     def channels(self) -> int:
@@ -125,6 +129,7 @@ class RankResult:
     input_grad: np.ndarray | None = None
     grads: dict[str, np.ndarray] = field(default_factory=dict)
     state: dict[str, np.ndarray] = field(default_factory=dict)
+    recoveries: list[str] = field(default_factory=list)  # one line per board that dropped out
 
     @property
     def bytes_sent(self) -> int:
@@ -181,6 +186,7 @@ class GradientSync:
 
     def __init__(self, parameters: list[nn.Parameter], comm: Comm) -> None:
         self.comm = comm
+        self.parameters = parameters
         self.pending: list[Any] = []
         self.handles = [p.register_post_accumulate_grad_hook(self._start) for p in parameters]
 
@@ -198,8 +204,13 @@ class GradientSync:
 
     def close(self) -> None:
         self.wait()
+        self.remove()
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters (idempotent)."""
         for handle in self.handles:
             handle.remove()
+        self.handles.clear()
 
 
 def sgd_step(parameters: list[nn.Parameter], lr: float) -> None:
@@ -210,9 +221,13 @@ def sgd_step(parameters: list[nn.Parameter], lr: float) -> None:
                 parameter.add_(parameter.grad, alpha=-lr)
 
 
-def _inject(fault: tuple[str, int, int] | None, rank: int, step: int) -> None:
+def _inject(fault: tuple[str, int, int] | None, rank: int, step: int, late: bool = False) -> None:
     if fault is None or fault[1] != rank or fault[2] != step:
         return
+    if (fault[0] == "die-late") != late:
+        return
+    if fault[0] == "die-late":
+        os.kill(os.getpid(), signal.SIGKILL)
     if fault[0] == "die":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault[0] == "hang":
@@ -224,12 +239,18 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy().copy()
 
 
-def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
-    """Run ``job``'s training steps as rank ``comm.rank``."""
-    dtype = DTYPES[job.dtype]
-    # A private copy: a model handed to a spawned process shares its storages with the parent
-    # (torch pickles tensors through shared memory), and every rank updates its own weights.
-    model = copy.deepcopy(job.model).to(dtype)
+def run_job(
+    job: TileJob, comm: Comm, progress: Any = None, model: nn.Sequential | None = None
+) -> RankResult:
+    """Run ``job``'s training steps as rank ``comm.rank``.
+
+    ``progress(step)`` is called after each completed step. ``model`` (already in the job's
+    dtype) is trained in place instead of a private copy of ``job.model``.
+    """
+    if model is None:
+        # A private copy: a model handed to a spawned process shares its storages with the
+        # parent (torch pickles tensors through shared memory); every rank updates its own.
+        model = copy.deepcopy(job.model).to(DTYPES[job.dtype])
     model.train()
     net = job.network()
     out_h, out_w = net.sizes[-1]
@@ -245,12 +266,33 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
         in_region, out_region = tiled.input_region, tiled.output_region
     parameters = [p for p in model.parameters() if p.requires_grad]
     sync = GradientSync(parameters, comm)
+    try:
+        regions = (in_region, out_region)
+        return _train(job, comm, clock, model, tiled, sync, regions, out_shape, progress)
+    finally:
+        sync.remove()  # a failed step leaves no hook behind on a model trained further
+
+
+def _train(
+    job: TileJob,
+    comm: Comm,
+    clock: Comm,
+    model: nn.Sequential,
+    tiled: TiledNetwork | None,
+    sync: GradientSync,
+    regions: tuple[Region, Region],
+    out_shape: tuple[int, int, int],
+    progress: Any,
+) -> RankResult:
+    dtype = DTYPES[job.dtype]
+    in_region, out_region = regions
+    parameters = sync.parameters
     start = comm.traffic.halo_bytes, comm.traffic.halo_messages, comm.traffic.collective_bytes
     times: list[float] = []
     losses: list[float] = []
     peak = 0
     output = input_grad = None
-    for step in range(job.steps):
+    for step in range(job.first_step, job.steps):
         _inject(job.fault, clock.rank, step)
         image, target = synthetic_batch(
             step, job.seed, job.batch, job.channels, job.image, out_shape, dtype
@@ -269,6 +311,7 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
             loss.backward()
             sync.wait()  # the weight-gradient all-reduce, started during backward
             sgd_step(parameters, job.lr)
+            _inject(job.fault, clock.rank, step, late=True)
             total = comm.all_reduce_(loss.detach().reshape(1).clone())
         times.append(time.perf_counter() - began)
         if isinstance(meter, StorageCounter):
