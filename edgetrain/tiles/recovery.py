@@ -36,7 +36,7 @@ from edgetrain.errors import InvalidInput
 from edgetrain.tiles.comm import Comm, is_peer_loss, listening_addresses
 from edgetrain.tiles.lifeline import die_with_parent
 from edgetrain.tiles.tiling import Grid, plan
-from edgetrain.tiles.worker import DTYPES, TileJob, _pin, run_job
+from edgetrain.tiles.worker import DTYPES, TileJob, pin_cores, run_job
 
 DECISION_WAIT_FACTOR = 3.0
 """A worker waits this many operation timeouts (plus a minute) for the launcher's decision."""
@@ -151,7 +151,7 @@ def serve_recovering(
         die_with_parent(parent_pid)
     try:
         torch.set_num_threads(threads)
-        _pin(rank, world, threads)
+        pin_cores(rank, world, threads)
         (job,) = pickle.loads(Path(jobs_path).read_bytes())
         queue.put(("ready", rank, None, listening_addresses()))
         result = _train_recovering(rank, world, directory, address, timeout_seconds, job, queue)

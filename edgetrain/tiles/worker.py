@@ -346,7 +346,7 @@ def _train(
     return result
 
 
-def _pin(rank: int, world: int, threads: int) -> None:
+def pin_cores(rank: int, world: int, threads: int) -> None:
     """Give each local worker its own cores when there are enough (Linux): a rank that migrates
     between cores makes every other rank wait for it at the next exchange."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -375,7 +375,7 @@ def serve(
         die_with_parent(parent_pid)
     try:
         torch.set_num_threads(threads)
-        _pin(rank, world, threads)
+        pin_cores(rank, world, threads)
         jobs: list[TileJob] = pickle.loads(Path(jobs_path).read_bytes())
         if world > 1:
             comm = Comm.from_file(store_path, rank, world, address, timeout_seconds)
