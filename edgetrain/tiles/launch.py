@@ -270,6 +270,7 @@ class Survivors:
         self.lines: list[str] = []
         self.since: float | None = None  # when this generation first lost a peer
         self.last_progress = time.monotonic()
+        self.seen: dict[int, float] = {}  # rank -> when its last message arrived
 
     def watch(self) -> list[RankResult]:
         while not all(rank in self.done for rank in self.members):
@@ -293,7 +294,7 @@ class Survivors:
             kind, rank, index, payload = self.inbox.get(timeout=0.1)
         except queues.Empty:
             return
-        self.last_progress = time.monotonic()
+        self.last_progress = self.seen[rank] = time.monotonic()
         if kind == "step":
             self.steps[rank] = payload
         elif kind == "result":
@@ -313,13 +314,26 @@ class Survivors:
             if self.processes[rank].exitcode is not None and rank not in self.done
         }
 
+    def _deadline(self, rank: int) -> float:
+        """When a worker that has not reported the loss counts as hung: two operation timeouts
+        (one it may have begun just before the loss, one for a group it joins after it) after the
+        later of the loss and its last message; a worker still starting (no message yet) gets as
+        long as any step may take."""
+        assert self.since is not None
+        if rank not in self.seen:
+            return self.since + self.limit
+        return max(self.since, self.seen[rank]) + 2 * self.timeout + 10.0
+
     def _maybe_decide(self, dead: dict[int, int]) -> None:
         alive = [r for r in self.members if r not in dead]
         pending = [r for r in alive if r not in self.lost and r not in self.done]
         assert self.since is not None
-        if pending and time.monotonic() - self.since < self.timeout + 5.0:
-            return  # a peer blocked on the lost one reports once its operation fails
-        hung = [r for r in pending if r not in self.done]
+        # A peer blocked on the lost one reports once its operation (or the group's rendezvous,
+        # which it may join after the loss) times out.
+        now = time.monotonic()
+        hung = [r for r in pending if now > self._deadline(r)]
+        if len(hung) < len(pending):
+            return
         for rank in hung:  # neither finished nor noticed the loss: stopped as hung
             self.processes[rank].kill()
             self.processes[rank].join(timeout=3.0)
@@ -339,9 +353,9 @@ class Survivors:
             f"board {r} {_describe_exit(dead[r]) if r in dead else 'stopped answering'}"
             for r in gone
         )
+        again = f"repeat step {resume}" if resume else "start again from step 0"
         self.lines.append(
-            f"{how} during step {resume}; {len(survivors)} continue on a {grid} grid and "
-            f"repeat step {resume}"
+            f"{how} during step {resume}; {len(survivors)} continue on a {grid} grid and {again}"
         )
         self.members, self.lost, self.since = survivors, {}, None
         self.last_progress = time.monotonic()

@@ -190,14 +190,14 @@ def _train_recovering(
         size = len(decision.members)
         new_rank = decision.members.index(rank)
         path = store_path(directory, decision.generation)
-        comm = (
-            Comm.from_file(path, new_rank, size, address, timeout_seconds)
-            if size > 1
-            else Comm.solo()
-        )
         fault = job.fault if decision.generation == 0 else None
         this = replace(job, grid=decision.grid, first_step=decision.resume_step, fault=fault)
-        try:
+        try:  # a peer lost while the group forms is a peer lost too
+            comm = (
+                Comm.from_file(path, new_rank, size, address, timeout_seconds)
+                if size > 1
+                else Comm.solo()
+            )
             return run_job(this, comm, completed, model=model)
         except Exception as exc:
             if not is_peer_loss(exc):
