@@ -271,6 +271,7 @@ class Survivors:
         self.since: float | None = None  # when this generation first lost a peer
         self.last_progress = time.monotonic()
         self.seen: dict[int, float] = {}  # rank -> when its last message arrived
+        self.own: dict[int, tuple[float, str]] = {}  # failures that do not read as a lost peer
 
     def watch(self) -> list[RankResult]:
         while not all(rank in self.done for rank in self.members):
@@ -281,6 +282,7 @@ class Survivors:
                     f"no worker made progress for {self.limit:.0f} s (hung?); stopped all "
                     f"{len(self.members)}; raise --timeout for very slow steps"
                 )
+            self._fail_on_own_error(dead)
             if dead or self.lost:
                 self.since = self.since if self.since is not None else time.monotonic()
                 self._maybe_decide(dead)
@@ -302,7 +304,10 @@ class Survivors:
         elif kind == "done":
             self.done.add(rank)
         elif kind == "lost" and index == self.generation:
-            self.lost[rank] = payload
+            done, cause, peer_loss = payload
+            self.lost[rank] = (done, cause)
+            if not peer_loss:
+                self.own[rank] = (time.monotonic(), cause)
         elif kind == "error":
             _stop(self.processes)
             raise WorkerFailed(f"worker rank {rank} failed: {payload}; stopped all")
@@ -313,6 +318,16 @@ class Survivors:
             for rank in self.members
             if self.processes[rank].exitcode is not None and rank not in self.done
         }
+
+    def _fail_on_own_error(self, dead: dict[int, int]) -> None:
+        """A step that failed with every peer alive a second later failed on its own (the same
+        step would fail again): stop the run with its cause."""
+        if dead:
+            return
+        for rank, (when, cause) in sorted(self.own.items()):
+            if time.monotonic() - when > 1.0:
+                _stop(self.processes)
+                raise WorkerFailed(f"worker rank {rank} failed: {cause}; stopped all")
 
     def _deadline(self, rank: int) -> float:
         """When a worker that has not reported the loss counts as hung: two operation timeouts
@@ -344,7 +359,11 @@ class Survivors:
                 self.members = alive  # the others finished before the loss mattered
                 return
             _stop(self.processes)
-            raise WorkerFailed(f"every worker stopped ({', '.join(map(str, gone))})")
+            causes = "; ".join(f"rank {r}: {c}" for r, (_, c) in sorted(self.lost.items()))
+            raise WorkerFailed(
+                f"every worker stopped ({', '.join(map(str, gone))}){'; ' if causes else ''}"
+                f"{causes}"
+            )
         resume = min(self.lost[r][0] for r in survivors)
         grid = survivor_grid(self.job, len(survivors))
         self.generation += 1
@@ -357,5 +376,5 @@ class Survivors:
         self.lines.append(
             f"{how} during step {resume}; {len(survivors)} continue on a {grid} grid and {again}"
         )
-        self.members, self.lost, self.since = survivors, {}, None
+        self.members, self.lost, self.own, self.since = survivors, {}, {}, None
         self.last_progress = time.monotonic()

@@ -3,15 +3,17 @@
 Every rank holds the whole model's weights (they are replicated: each step all-reduces the weight
 gradients and applies the same update everywhere), so the survivors of a lost board need nothing
 from disk. A worker started by :func:`serve_recovering` keeps a copy of its weights and buffers
-as they were at the start of its current step and of its previous one. When an exchange with a
-peer fails (gloo reports the peer's closed connection at once, a hung peer after the operation
-timeout), the worker tells the launcher which steps it completed and waits for the launcher's
-decision; the launcher, which sees every process, decides who survives (the workers still
-running that reported in; one that neither reported nor died within the operation timeout is
-stopped as hung), the grid the survivors tile (:func:`survivor_grid`) and the step to resume
-from: the last step every survivor completed, plus one. Each survivor puts back its weights of
-that step's start and joins a new gloo group of the survivors (a new file store, the same bound
-address); the step that was interrupted runs again, on the new tiling, with the same data.
+as they were at the start of its current step and of its previous one. When a step fails (gloo
+reports a killed peer's closed connection at once, a hung peer after the operation timeout), the
+worker tells the launcher how many steps it completed and why it stopped, and waits for the
+launcher's decision. The launcher, which sees every process, judges: a step that failed with
+every peer alive failed on its own and stops the run (the same step would fail again); otherwise
+the workers still running that reported in survive, one that neither reported nor died within
+two operation timeouts is stopped as hung, the survivors tile the grid :func:`survivor_grid`
+picks, and they resume at the last step every survivor completed, plus one. Each survivor puts
+back its weights of that step's start and joins a new gloo group of the survivors (a new file
+store, the same bound address); the interrupted step runs again, on the new tiling, with the
+same data.
 
 The decision travels as a small JSON file in the launcher's private directory, written
 atomically. The launcher is the one arbiter: the workers never need to agree among themselves
@@ -144,8 +146,9 @@ def serve_recovering(
     """Process entry of a local worker that survives the loss of its peers (one job).
 
     Messages on ``queue`` as :func:`~edgetrain.tiles.worker.serve` sends them, keyed by this
-    worker's launch rank, plus ``("lost", rank, generation, (completed_steps, cause))`` when a
-    peer is lost.
+    worker's launch rank, plus ``("lost", rank, generation, (completed_steps, cause,
+    peer_loss))`` when a step fails; the launcher decides whether a peer was lost (one died or
+    hangs) or the step failed on its own (then the run stops).
     """
     if parent_pid is not None:
         die_with_parent(parent_pid)
@@ -199,12 +202,10 @@ def _train_recovering(
                 else Comm.solo()
             )
             return run_job(this, comm, completed, model=model)
-        except Exception as exc:
-            if not is_peer_loss(exc):
-                raise
-            cause = (str(exc).strip().splitlines() or [""])[0][:200]
-            done = max(states)
-            queue.put(("lost", rank, decision.generation, (done, cause)))
+        except Exception as exc:  # the launcher judges: a lost peer, or this rank's own error
+            cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+            report = (max(states), cause, is_peer_loss(exc))
+            queue.put(("lost", rank, decision.generation, report))
         wait = DECISION_WAIT_FACTOR * timeout_seconds + 60.0
         decision = _await_decision(directory, decision.generation + 1, wait)
         if rank not in decision.members:
