@@ -80,6 +80,12 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
     help="Threads per worker, at most the machine's cores.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and data seed.")
+@click.option(
+    "--recover/--no-recover",
+    default=True,
+    show_default=True,
+    help="When a worker dies or hangs, re-tile for the others and repeat the step (or stop all).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--check", is_flag=True, help="Also run one process and compare (max_rel_diff).")
 def tiles(
@@ -97,6 +103,7 @@ def tiles(
     timeout: float,
     threads: int,
     seed: int,
+    recover: bool,
     as_json: bool,
     check: bool,
 ) -> None:
@@ -104,8 +111,10 @@ def tiles(
 
     Trains the models --model lists, at any image size and batch they accept. Prints per rank the
     peak tensor memory, the median step time and the bytes sent, and the layer groups used.
-    At most 16 workers (tiles) run on one machine; they stop when the command is stopped.
-    Across boards use torchrun (docs/tiles.md).
+    At most 16 workers (tiles) run on one machine; they stop when the command is stopped. A
+    worker that dies or stops answering is dropped: the others re-tile the model and repeat the
+    interrupted step (--no-recover stops them all instead). Across boards use torchrun
+    (docs/tiles.md).
     """
     from edgetrain.devices import load
     from edgetrain.tiles.launch import check_local_workers
@@ -124,7 +133,8 @@ def tiles(
     setup = _chain_setup if _is_chain(network_model, cut_text) else _graph_setup
     job, doc = setup(network_model, image, grid, batch, groups, cut_text, cluster, dtype)
     job = replace(job, steps=steps, seed=seed, collect=check)
-    results = _run_job(job, address, threads, timeout)
+    results = _run_job(job, address, threads, timeout, recover)
+    recoveries = results[0].recoveries if results else []
     predicted = doc.pop("predicted_halo_bytes")
     doc = {
         "model": name,
@@ -143,10 +153,11 @@ def tiles(
                     r.output_region.left,
                     r.output_region.right,
                 ],
-                "predicted_halo_bytes": predicted[r.rank] * steps,
+                "predicted_halo_bytes": None if recoveries else predicted[r.rank] * steps,
             }
             for r in results
         ],
+        "recoveries": recoveries,
     }
     failed = False
     if check:
@@ -266,10 +277,10 @@ def _index(text: str, operations: int) -> int:
     return int(text)
 
 
-def _run_job(job: Any, address: str, threads: int, timeout: float) -> Any:
+def _run_job(job: Any, address: str, threads: int, timeout: float, recover: bool) -> Any:
     from edgetrain.tiles.launch import run_local
 
-    return run_local([job], address=address, threads=threads, timeout=timeout)[0]
+    return run_local([job], address=address, threads=threads, timeout=timeout, recover=recover)[0]
 
 
 def _print(doc: dict[str, Any]) -> None:
@@ -296,6 +307,8 @@ def _print(doc: dict[str, Any]) -> None:
         f"{doc['predicted_seconds']['profile']} would take "
         f"{doc['predicted_seconds']['step_seconds']:.2f} s/step"
     )
+    for line in doc["recoveries"]:
+        caption += f"\nrecovered: {line}"
     if "max_rel_diff" in doc:
         verdict = "ok" if doc["max_rel_diff"] <= doc["tolerance"] else "MISMATCH"
         caption += f"\ncheck: max_rel_diff {doc['max_rel_diff']:.2e} ({verdict})"

@@ -85,7 +85,11 @@ class Comm:
     @staticmethod
     def from_file(path: str, rank: int, size: int, address: str, timeout_seconds: float) -> Comm:
         """Local workers meet through a file store (no listening socket for the rendezvous)."""
-        return Comm.gloo(dist.FileStore(path, size), rank, size, address, timeout_seconds)
+        store = dist.FileStore(path, size)
+        # The rendezvous waits no longer than an operation: a peer that died before it joined
+        # is then a timed-out peer, not a five-minute stall.
+        store.set_timeout(datetime.timedelta(seconds=timeout_seconds))
+        return Comm.gloo(store, rank, size, address, timeout_seconds)
 
     @staticmethod
     def from_torchrun(address: str | None, timeout_seconds: float) -> tuple[Comm, dist.Store]:
@@ -174,6 +178,24 @@ class Comm:
     def barrier(self) -> None:
         if self.backend is not None:
             self.backend.barrier().wait()
+
+
+PEER_LOSS_SYMPTOMS = (
+    "Connection closed by peer",
+    "Timed out",
+    "timed out",
+    "Connection reset",
+    "Wait timeout",
+)
+"""What gloo's errors say when a peer died (its sockets closed) or stopped answering (timeout),
+and what the store says when a peer never joined the group's rendezvous."""
+
+
+def is_peer_loss(error: BaseException | str) -> bool:
+    """Whether ``error`` (an exception or its first line) says a peer died or stopped answering,
+    rather than that this rank's own computation failed."""
+    text = str(error)
+    return any(symptom in text for symptom in PEER_LOSS_SYMPTOMS)
 
 
 def listening_addresses() -> list[str]:

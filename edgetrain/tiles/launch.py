@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from edgetrain.errors import EdgetrainError, InvalidInput
+from edgetrain.tiles.comm import is_peer_loss
+from edgetrain.tiles.recovery import Decision, serve_recovering, survivor_grid, write_decision
 from edgetrain.tiles.worker import RankResult, TileJob, serve
 
 MAX_LOCAL_WORKERS = 16
@@ -69,14 +71,20 @@ def run_local(
     threads: int = 1,
     timeout: float = 120.0,
     progress_timeout: float | None = None,
+    recover: bool = False,
 ) -> list[list[RankResult]]:
     """Run ``jobs`` (same grid size) on local worker processes; results per job, per rank.
 
     ``timeout`` bounds every gloo operation in seconds; ``progress_timeout`` (default: twice
     ``timeout`` plus a minute for start-up) bounds the time between two steps of any rank.
+    With ``recover`` (one job), a worker that dies or hangs does not stop the run: the others
+    re-tile the model and repeat the interrupted step (:mod:`edgetrain.tiles.recovery`); the
+    results are the survivors', in their final rank order, each listing the recoveries.
     """
     if not jobs:
         return []
+    if recover and len(jobs) != 1:
+        raise AssertionError("a recovering launch runs one job")
     world = jobs[0].grid.size
     if any(job.grid.size != world for job in jobs):
         raise AssertionError("all jobs of one launch need the same number of ranks")
@@ -91,10 +99,11 @@ def run_local(
         # weights, and a child that dies before reading cannot block start() on a full pipe.
         blob = str(Path(tmp) / "jobs.pickle")
         Path(blob).write_bytes(pickle.dumps(list(jobs)))
+        target, where = (serve_recovering, tmp) if recover else (serve, store)
         processes = [
             context.Process(
-                target=serve,
-                args=(rank, world, store, address, timeout, threads, blob, inbox),
+                target=target,
+                args=(rank, world, where, address, timeout, threads, blob, inbox),
                 kwargs={"parent_pid": os.getpid()},
                 name=f"edgetrain-tile-{rank}",
                 daemon=True,
@@ -105,6 +114,8 @@ def run_local(
             try:
                 for process in processes:
                     process.start()
+                if recover:
+                    return [Survivors(jobs[0], processes, inbox, tmp, timeout, limit).watch()]
                 return _watch(processes, inbox, len(jobs), limit)
             finally:
                 _stop(processes)
@@ -215,9 +226,8 @@ def _fail(processes: list[Any], inbox: Any, errors: dict[int, str], dead: dict[i
 
 def _root_error(errors: dict[int, str]) -> int | None:
     """The first rank whose error is not just a lost or timed-out peer, if any."""
-    symptoms = ("Connection closed by peer", "Timed out", "timed out", "Connection reset")
     for rank in sorted(errors):
-        if not any(s in errors[rank] for s in symptoms):
+        if not is_peer_loss(errors[rank]):
             return rank
     return None
 
@@ -234,3 +244,137 @@ def _stop(processes: list[Any]) -> None:
         if p.is_alive():
             p.kill()
             p.join(timeout=3.0)
+
+
+class Survivors:
+    """Watch a recovering launch: when workers die or hang, decide who continues, on which grid,
+    from which step (see :mod:`edgetrain.tiles.recovery`)."""
+
+    def __init__(
+        self,
+        job: TileJob,
+        processes: list[Any],
+        inbox: Any,
+        directory: str,
+        timeout: float,
+        limit: float,
+    ) -> None:
+        self.job, self.processes, self.inbox = job, processes, inbox
+        self.directory, self.timeout, self.limit = directory, timeout, limit
+        self.members = list(range(len(processes)))
+        self.generation = 0
+        self.results: dict[int, RankResult] = {}
+        self.done: set[int] = set()
+        self.lost: dict[int, tuple[int, str]] = {}  # rank -> (steps completed, cause)
+        self.steps: dict[int, int] = {}  # rank -> last step completed
+        self.lines: list[str] = []
+        self.since: float | None = None  # when this generation first lost a peer
+        self.last_progress = time.monotonic()
+        self.seen: dict[int, float] = {}  # rank -> when its last message arrived
+        self.own: dict[int, tuple[float, str]] = {}  # failures that do not read as a lost peer
+
+    def watch(self) -> list[RankResult]:
+        while not all(rank in self.done for rank in self.members):
+            self._receive()
+            dead = self._dead()
+            if time.monotonic() - self.last_progress > self.limit and not self.lost:
+                raise WorkerFailed(
+                    f"no worker made progress for {self.limit:.0f} s (hung?); stopped all "
+                    f"{len(self.members)}; raise --timeout for very slow steps"
+                )
+            self._fail_on_own_error(dead)
+            if dead or self.lost:
+                self.since = self.since if self.since is not None else time.monotonic()
+                self._maybe_decide(dead)
+        ordered = [self.results[rank] for rank in self.members]
+        for result in ordered:
+            result.recoveries = list(self.lines)
+        return ordered
+
+    def _receive(self) -> None:
+        try:
+            kind, rank, index, payload = self.inbox.get(timeout=0.1)
+        except queues.Empty:
+            return
+        self.last_progress = self.seen[rank] = time.monotonic()
+        if kind == "step":
+            self.steps[rank] = payload
+        elif kind == "result":
+            self.results[rank] = payload
+        elif kind == "done":
+            self.done.add(rank)
+        elif kind == "lost" and index == self.generation:
+            done, cause, peer_loss = payload
+            self.lost[rank] = (done, cause)
+            if not peer_loss:
+                self.own[rank] = (time.monotonic(), cause)
+        elif kind == "error":
+            _stop(self.processes)
+            raise WorkerFailed(f"worker rank {rank} failed: {payload}; stopped all")
+
+    def _dead(self) -> dict[int, int]:
+        return {
+            rank: self.processes[rank].exitcode
+            for rank in self.members
+            if self.processes[rank].exitcode is not None and rank not in self.done
+        }
+
+    def _fail_on_own_error(self, dead: dict[int, int]) -> None:
+        """A step that failed with every peer alive a second later failed on its own (the same
+        step would fail again): stop the run with its cause."""
+        if dead:
+            return
+        for rank, (when, cause) in sorted(self.own.items()):
+            if time.monotonic() - when > 1.0:
+                _stop(self.processes)
+                raise WorkerFailed(f"worker rank {rank} failed: {cause}; stopped all")
+
+    def _deadline(self, rank: int) -> float:
+        """When a worker that has not reported the loss counts as hung: two operation timeouts
+        (one it may have begun just before the loss, one for a group it joins after it) after the
+        later of the loss and its last message; a worker still starting (no message yet) gets as
+        long as any step may take."""
+        assert self.since is not None
+        if rank not in self.seen:
+            return self.since + self.limit
+        return max(self.since, self.seen[rank]) + 2 * self.timeout + 10.0
+
+    def _maybe_decide(self, dead: dict[int, int]) -> None:
+        alive = [r for r in self.members if r not in dead]
+        pending = [r for r in alive if r not in self.lost and r not in self.done]
+        assert self.since is not None
+        # A peer blocked on the lost one reports once its operation (or the group's rendezvous,
+        # which it may join after the loss) times out.
+        now = time.monotonic()
+        hung = [r for r in pending if now > self._deadline(r)]
+        if len(hung) < len(pending):
+            return
+        for rank in hung:  # neither finished nor noticed the loss: stopped as hung
+            self.processes[rank].kill()
+            self.processes[rank].join(timeout=3.0)
+        survivors = [r for r in alive if r in self.lost]
+        gone = sorted(set(dead) | set(hung))
+        if not survivors:
+            if all(r in self.done for r in alive):
+                self.members = alive  # the others finished before the loss mattered
+                return
+            _stop(self.processes)
+            causes = "; ".join(f"rank {r}: {c}" for r, (_, c) in sorted(self.lost.items()))
+            raise WorkerFailed(
+                f"every worker stopped ({', '.join(map(str, gone))}){'; ' if causes else ''}"
+                f"{causes}"
+            )
+        resume = min(self.lost[r][0] for r in survivors)
+        grid = survivor_grid(self.job, len(survivors))
+        self.generation += 1
+        write_decision(self.directory, Decision(self.generation, tuple(survivors), grid, resume))
+        how = "; ".join(
+            f"board {r} {_describe_exit(dead[r]) if r in dead else 'stopped answering'}"
+            for r in gone
+        )
+        again = f"repeat step {resume}" if resume else "start again from step 0"
+        self.lines.append(
+            f"{how} during step {resume}; {len(survivors)} continue on a {grid} grid and {again}"
+        )
+        self.members, self.lost, self.own, self.since = survivors, {}, {}, None
+        self.last_progress = time.monotonic()

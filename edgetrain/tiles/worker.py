@@ -74,6 +74,8 @@ class TileJob:
         cut: None for a plain chain of windows (``model`` an ``nn.Sequential``, fused groups);
             else ``model`` is any module torch.fx captures and its operations before ``cut`` run
             on tiles (:mod:`edgetrain.tiles.graph`; ``grouping`` is unused).
+        first_step: the step to start from (a run resumed after a board dropped out): steps
+            ``first_step .. steps - 1`` run, each on that step's data.
     """
 
     model: nn.Module
@@ -90,6 +92,7 @@ class TileJob:
     reference: bool = False
     measure_memory: bool = True
     cut: int | None = None
+    first_step: int = 0
 
     @property
     def channels(self) -> int:
@@ -130,6 +133,7 @@ class RankResult:
     input_grad: np.ndarray | None = None
     grads: dict[str, np.ndarray] = field(default_factory=dict)
     state: dict[str, np.ndarray] = field(default_factory=dict)
+    recoveries: list[str] = field(default_factory=list)  # one line per board that dropped out
 
     @property
     def bytes_sent(self) -> int:
@@ -186,6 +190,7 @@ class GradientSync:
 
     def __init__(self, parameters: list[nn.Parameter], comm: Comm) -> None:
         self.comm = comm
+        self.parameters = parameters
         self.pending: list[Any] = []
         self.handles = [p.register_post_accumulate_grad_hook(self._start) for p in parameters]
 
@@ -203,8 +208,13 @@ class GradientSync:
 
     def close(self) -> None:
         self.wait()
+        self.remove()
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters (idempotent)."""
         for handle in self.handles:
             handle.remove()
+        self.handles.clear()
 
 
 def sgd_step(parameters: list[nn.Parameter], lr: float) -> None:
@@ -266,12 +276,19 @@ def _step_for(job: TileJob, model: nn.Module, comm: Comm, dtype: torch.dtype) ->
     return GraphStep(model, sample, job.grid, job.cut, comm, job.reference)
 
 
-def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
-    """Run ``job``'s training steps as rank ``comm.rank``."""
+def run_job(
+    job: TileJob, comm: Comm, progress: Any = None, model: nn.Module | None = None
+) -> RankResult:
+    """Run ``job``'s training steps as rank ``comm.rank``.
+
+    ``progress(step)`` is called after each completed step. ``model`` (already in the job's
+    dtype) is trained in place instead of a private copy of ``job.model``.
+    """
+    if model is None:
+        # A private copy: a model handed to a spawned process shares its storages with the
+        # parent (torch pickles tensors through shared memory); every rank updates its own.
+        model = copy.deepcopy(job.model).to(DTYPES[job.dtype])
     dtype = DTYPES[job.dtype]
-    # A private copy: a model handed to a spawned process shares its storages with the parent
-    # (torch pickles tensors through shared memory), and every rank updates its own weights.
-    model = copy.deepcopy(job.model).to(dtype)
     model.train()
     clock = comm  # steps start together on every rank
     if job.reference:
@@ -280,12 +297,32 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
     in_region, out_region = runner.input_region, runner.output_region
     parameters = [p for p in model.parameters() if p.requires_grad]
     sync = GradientSync(parameters, comm)
+    try:
+        regions = (in_region, out_region)
+        return _train(job, comm, clock, model, runner, sync, regions, progress)
+    finally:
+        sync.remove()  # a failed step leaves no hook behind on a model trained further
+
+
+def _train(
+    job: TileJob,
+    comm: Comm,
+    clock: Comm,
+    model: nn.Module,
+    runner: Any,
+    sync: GradientSync,
+    regions: tuple[Region, Region],
+    progress: Any,
+) -> RankResult:
+    dtype = DTYPES[job.dtype]
+    in_region, out_region = regions
+    parameters = sync.parameters
     start = comm.traffic.halo_bytes, comm.traffic.halo_messages, comm.traffic.collective_bytes
     times: list[float] = []
     losses: list[float] = []
     peak = 0
     output = input_grad = None
-    for step in range(job.steps):
+    for step in range(job.first_step, job.steps):
         _inject(job.fault, clock.rank, step)
         image, target = synthetic_batch(
             step, job.seed, job.batch, job.channels, job.image, runner.out_shape[1:], dtype
@@ -337,7 +374,7 @@ def run_job(job: TileJob, comm: Comm, progress: Any = None) -> RankResult:
     return result
 
 
-def _pin(rank: int, world: int, threads: int) -> None:
+def pin_cores(rank: int, world: int, threads: int) -> None:
     """Give each local worker its own cores when there are enough (Linux): a rank that migrates
     between cores makes every other rank wait for it at the next exchange."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -366,7 +403,7 @@ def serve(
         die_with_parent(parent_pid)
     try:
         torch.set_num_threads(threads)
-        _pin(rank, world, threads)
+        pin_cores(rank, world, threads)
         payload = Path(jobs_path).read_bytes()
         if b"torchvision" in payload:  # its classes load only through edgetrain's importer
             from edgetrain.models import thirdparty

@@ -1,0 +1,216 @@
+"""Keep training when a board drops out: survivors re-tile and repeat the lost step (torch).
+
+Every rank holds the whole model's weights (they are replicated: each step all-reduces the weight
+gradients and applies the same update everywhere), so the survivors of a lost board need nothing
+from disk. A worker started by :func:`serve_recovering` keeps a copy of its weights and buffers
+as they were at the start of its current step and of its previous one. When a step fails (gloo
+reports a killed peer's closed connection at once, a hung peer after the operation timeout), the
+worker tells the launcher how many steps it completed and why it stopped, and waits for the
+launcher's decision. The launcher, which sees every process, judges: a step that failed with
+every peer alive failed on its own and stops the run (the same step would fail again); otherwise
+the workers still running that reported in survive, one that neither reported nor died within
+two operation timeouts is stopped as hung, the survivors tile the grid :func:`survivor_grid`
+picks, and they resume at the last step every survivor completed, plus one. Each survivor puts
+back its weights of that step's start and joins a new gloo group of the survivors (a new file
+store, the same bound address); the interrupted step runs again, on the new tiling, with the
+same data.
+
+The decision travels as a small JSON file in the launcher's private directory, written
+atomically. The launcher is the one arbiter: the workers never need to agree among themselves
+with a peer gone, and a board that is merely slow cannot split the run in two. A board that
+joins later is not taken in.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edgetrain.errors import InvalidInput
+from edgetrain.tiles.comm import Comm, is_peer_loss, listening_addresses
+from edgetrain.tiles.lifeline import die_with_parent
+from edgetrain.tiles.tiling import Grid, plan
+from edgetrain.tiles.worker import DTYPES, TileJob, pin_cores, run_job
+
+DECISION_WAIT_FACTOR = 3.0
+"""A worker waits this many operation timeouts (plus a minute) for the launcher's decision."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Who continues after a board dropped out, on which grid, from which step."""
+
+    generation: int
+    members: tuple[int, ...]  # the launch's ranks that continue, in their new rank order
+    grid: Grid
+    resume_step: int
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "generation": self.generation,
+                "members": list(self.members),
+                "grid": [self.grid.rows, self.grid.cols],
+                "resume_step": self.resume_step,
+            }
+        )
+
+    @staticmethod
+    def from_json(text: str) -> Decision:
+        doc = json.loads(text)
+        return Decision(
+            int(doc["generation"]),
+            tuple(int(m) for m in doc["members"]),
+            Grid(int(doc["grid"][0]), int(doc["grid"][1])),
+            int(doc["resume_step"]),
+        )
+
+
+def decision_path(directory: str, generation: int) -> Path:
+    return Path(directory) / f"decision.{generation}.json"
+
+
+def store_path(directory: str, generation: int) -> str:
+    return str(Path(directory) / f"store.{generation}")
+
+
+def write_decision(directory: str, decision: Decision) -> None:
+    """Write atomically: a worker polling for the file never reads half of it."""
+    final = decision_path(directory, decision.generation)
+    temporary = final.with_suffix(".tmp")
+    with open(temporary, "w") as handle:
+        handle.write(decision.to_json())
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, final)
+
+
+def survivor_grid(job: TileJob, survivors: int) -> Grid:
+    """The grid ``survivors`` boards tile ``job``'s model on: the factorisation of ``survivors``
+    closest in shape to the job's grid whose tiling plans (a 1x1 grid always does; a captured
+    graph's placement keeps maps too small for a grid whole, so any grid plans)."""
+    shape = job.grid.rows / job.grid.cols
+    candidates = sorted(
+        (
+            Grid(rows, survivors // rows)
+            for rows in range(1, survivors + 1)
+            if survivors % rows == 0
+        ),
+        key=lambda g: abs((g.rows / g.cols) - shape),
+    )
+    if job.cut is not None:  # a captured graph places every map on any grid it fits
+        return candidates[0]
+    network = job.network()
+    for grid in candidates:
+        try:
+            plan(network, grid, job.grouping)
+        except InvalidInput:
+            continue
+        return grid
+    raise InvalidInput(
+        f"no grid of {survivors} boards tiles this model at {job.image[0]}x{job.image[1]}; "
+        "the run cannot continue on them"
+    )
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def _await_decision(directory: str, generation: int, deadline_seconds: float) -> Decision:
+    path = decision_path(directory, generation)
+    deadline = time.monotonic() + deadline_seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no decision from the launcher in {deadline_seconds:.0f} s")
+        time.sleep(0.05)
+    return Decision.from_json(path.read_text())
+
+
+def serve_recovering(
+    rank: int,
+    world: int,
+    directory: str,
+    address: str,
+    timeout_seconds: float,
+    threads: int,
+    jobs_path: str,
+    queue: Any,
+    parent_pid: int | None = None,
+) -> None:
+    """Process entry of a local worker that survives the loss of its peers (one job).
+
+    Messages on ``queue`` as :func:`~edgetrain.tiles.worker.serve` sends them, keyed by this
+    worker's launch rank, plus ``("lost", rank, generation, (completed_steps, cause,
+    peer_loss))`` when a step fails; the launcher decides whether a peer was lost (one died or
+    hangs) or the step failed on its own (then the run stops).
+    """
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
+    try:
+        torch.set_num_threads(threads)
+        pin_cores(rank, world, threads)
+        (job,) = pickle.loads(Path(jobs_path).read_bytes())
+        queue.put(("ready", rank, None, listening_addresses()))
+        result = _train_recovering(rank, world, directory, address, timeout_seconds, job, queue)
+        queue.put(("result", rank, 0, result))
+        queue.put(("done", rank, None, None))
+        queue.close()
+        queue.join_thread()
+    except BaseException as exc:  # report, then leave: the launcher stops the others
+        lines = str(exc).strip().splitlines() or [""]
+        queue.put(("error", rank, None, f"{type(exc).__name__}: {lines[0][:300]}"))
+        queue.close()
+        queue.join_thread()
+        os._exit(1)
+
+
+def _train_recovering(
+    rank: int,
+    world: int,
+    directory: str,
+    address: str,
+    timeout_seconds: float,
+    job: TileJob,
+    queue: Any,
+) -> Any:
+    model = copy.deepcopy(job.model).to(DTYPES[job.dtype])
+    states = {0: _state(model)}  # weights and buffers at the start of step k
+    decision = Decision(0, tuple(range(world)), job.grid, 0)
+
+    def completed(step: int) -> None:
+        states[step + 1] = _state(model)
+        for old in [k for k in states if k < step]:  # keep this step's start and the last one
+            del states[old]
+        queue.put(("step", rank, 0, step))
+
+    while True:
+        size = len(decision.members)
+        new_rank = decision.members.index(rank)
+        path = store_path(directory, decision.generation)
+        fault = job.fault if decision.generation == 0 else None
+        this = replace(job, grid=decision.grid, first_step=decision.resume_step, fault=fault)
+        try:  # a peer lost while the group forms is a peer lost too
+            comm = (
+                Comm.from_file(path, new_rank, size, address, timeout_seconds)
+                if size > 1
+                else Comm.solo()
+            )
+            return run_job(this, comm, completed, model=model)
+        except Exception as exc:  # the launcher judges: a lost peer, or this rank's own error
+            cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
+            report = (max(states), cause, is_peer_loss(exc))
+            queue.put(("lost", rank, decision.generation, report))
+        wait = DECISION_WAIT_FACTOR * timeout_seconds + 60.0
+        decision = _await_decision(directory, decision.generation + 1, wait)
+        if rank not in decision.members:
+            raise RuntimeError("left out of the survivors")
+        model.load_state_dict(states[decision.resume_step])
