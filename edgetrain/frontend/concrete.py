@@ -153,6 +153,14 @@ class ValueTracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return ValueProxy(node, self)
 
+    def create_arg(self, a: Any) -> Any:
+        # A dict of another type (a Hugging Face ModelOutput) is rebuilt as that type, where
+        # fx would give a plain dict: ``out.loss`` works on the captured model's output.
+        if isinstance(a, dict) and type(a) is not dict and all(isinstance(k, str) for k in a):
+            fields = {k: self.create_arg(v) for k, v in a.items()}
+            return self.create_node("call_function", type(a), (), fields)
+        return super().create_arg(a)
+
     def call_module(
         self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:

@@ -678,8 +678,16 @@ def _trace_keeping_updaters_whole(
     for path, reason in tracer.kept_whole.items():
         progress.note(f"{path or type(model).__name__} is one stage: {reason}")
     own = vars(model)
-    constants = {n: own.pop(n) for n in list(tracer.tensor_attrs.values()) if n.startswith(_CONST)}
+    names = [n for n in tracer.tensor_attrs.values() if n.startswith(_CONST)]
+    constants = {n: _unexpanded(own.pop(n)) for n in names}
     return graph, tracer.kept_whole, constants
+
+
+def _unexpanded(tensor: torch.Tensor) -> torch.Tensor:
+    """A constant as the graph module holds it (a buffer): an expanded one (``t.expand(B, T)``,
+    several elements in one place) as a copy, so it can be copied into."""
+    expanded = any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape, strict=True))
+    return tensor.clone() if expanded else tensor
 
 
 _CONST = "_tensor_constant"  # fx's name for a tensor the trace made (torch.arange(T))
