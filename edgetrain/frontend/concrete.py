@@ -294,6 +294,11 @@ def _creates(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> boo
     return getattr(target, "__name__", None) in _RANDOM and not _holds_tensor((args, kwargs))
 
 
+def _initialises(value: Any) -> bool:
+    """Whether a draw fills a parameter (``nn.init``, a module made in ``forward()``)."""
+    return any(isinstance(leaf, nn.Parameter) for leaf in tree_flatten(value)[0])
+
+
 def _traced(value: Any) -> bool:
     return any(isinstance(leaf, fx.Proxy) for leaf in tree_flatten(value)[0])
 
@@ -311,7 +316,8 @@ class _Draws(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        if name in _RANDOM and not _traced((args, kwargs)):
+        drawn = name in _RANDOM and not _traced((args, kwargs))
+        if drawn and not _initialises((args, kwargs)):
             if torch.overrides.is_tensor_method_or_property(func):
                 return self.tracer.create_proxy("call_method", name, args, kwargs)
             return self.tracer.create_proxy("call_function", func, args, kwargs)
