@@ -239,6 +239,8 @@ class ValueTracer(fx.Tracer):
                         mkwargs.pop("device", None)
                     return getattr(margs[0], target)(*margs[1:], **mkwargs)
                 module = self.root.get_submodule(target)
+                if isinstance(module, _SHAPE_KEEPING) and len(margs) == 1 and not mkwargs:
+                    return _like(margs[0], module)  # a norm, an activation: no kernel run
                 state = {
                     n: self._meta(t)
                     for n, t in [*module.named_parameters(), *module.named_buffers()]
@@ -282,6 +284,34 @@ class ValueTracer(fx.Tracer):
             node.meta.pop(VALUE, None)
         self._metas.clear()
         return graph
+
+
+_SHAPE_KEEPING = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.dropout._DropoutNd,
+    nn.Identity,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Mish,
+)
+"""Leaf modules whose output has their input's shape and dtype (sized without running them)."""
+
+
+def _like(value: Any, module: nn.Module) -> Any:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(type(value).__name__)
+    grad = value.requires_grad or any(p.requires_grad for p in module.parameters())
+    return torch.empty_like(value).requires_grad_(grad and torch.is_grad_enabled())
 
 
 def _holds_tensor(value: Any) -> bool:
