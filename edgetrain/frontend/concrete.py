@@ -208,12 +208,29 @@ class ValueTracer(fx.Tracer):
             value = self._value_of(kind, target, args, kwargs)
             if value is not UNKNOWN and value is not None and not _holds_tensor(value):
                 return value  # a shape, a dtype, a flag: a constant, not a node
+            if kind == "call_method" and self._stays(target, args, kwargs, value):
+                return args[0]  # ``t.to(t.device)``: the tensor itself, as eager returns it
         else:
             value = UNKNOWN
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         if isinstance(proxy, fx.Proxy):
             proxy.node.meta[VALUE] = value
         return proxy
+
+    def _stays(self, target: Any, args: Any, kwargs: dict[str, Any], value: Any) -> bool:
+        """Whether ``args[0].to(...)`` (``.cpu()``) leaves the tensor where it is, as it is:
+        eager returns the tensor itself, and the graph holds no device of its own."""
+        if target not in ("to", "cpu") or not isinstance(value, torch.Tensor) or not args:
+            return False
+        source = args[0].node.meta.get(VALUE) if isinstance(args[0], fx.Proxy) else None
+        if not isinstance(source, torch.Tensor) or source.dtype != value.dtype:
+            return False
+        if kwargs.get("copy") or kwargs.get("memory_format") is not None:
+            return False
+        places = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, str | torch.device)]
+        return all(torch.device(p) == self.device for p in places) and (
+            target == "to" or self.device.type == "cpu"
+        )
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
