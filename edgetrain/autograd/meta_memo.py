@@ -113,3 +113,8 @@ class MetaMemo(TorchDispatchMode):
             for leaf in leaves
         )
         return made[0] if single else made
+
+
+def forget() -> None:
+    """Forget every call remembered (the next of each kind runs its meta kernel again)."""
+    _known.clear()
