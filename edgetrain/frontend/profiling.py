@@ -115,10 +115,10 @@ def profile_chain(
     if timing not in ("measured", "modelled"):
         raise InvalidInput(f"timing must be 'measured' or 'modelled', got {timing!r}")
     if timing == "modelled":
-        modelled = _modelled(model, sample_input) if not autocast else None
-        if modelled is not None:
+        modelled = _modelled(model, sample_input) if not autocast else "autocast"
+        if isinstance(modelled, Chain):
             return modelled
-        progress.note(f"measuring the stages of {type(model).__name__}: not sized on meta tensors")
+        progress.note(f"measuring the stages of {type(model).__name__}: {modelled}")
     if not autocast:
         chain = _profile(model, sample_input, timer=_Timer(repeats))
         return chain if _sized_alike_on_meta(chain, model, sample_input) else _unsized(chain)
@@ -151,17 +151,19 @@ def analytic_chain(
     return _analytic(model, sample_input, flops_per_second=flops_per_second, flops=timing)
 
 
-def _modelled(model: nn.Module, sample_input: Any) -> Chain | None:
+def _modelled(model: nn.Module, sample_input: Any) -> Chain | str:
     """:func:`profile_chain`'s chain sized on meta tensors and timed by this machine's
-    :func:`~edgetrain.frontend.device_speed.device_speed`; None when it cannot be sized so."""
+    :func:`~edgetrain.frontend.device_speed.device_speed`, or why it cannot be sized so."""
     speed = device_speed()
     try:
         twin = _meta_copy(model)
         with cpu_kernels() as unlike_cpu, MetaMemo():
             chain = _profile(twin, _to_meta(sample_input), timer=None, speed=speed)
-    except (TypeError, NotImplementedError, RuntimeError, InvalidInput, copy.Error):
-        return None
-    return None if unlike_cpu else replace(chain, name=type(model).__name__)
+    except (TypeError, NotImplementedError, RuntimeError, InvalidInput, copy.Error) as exc:
+        return f"not sized on meta tensors ({str(exc).splitlines()[0][:80]})"
+    if unlike_cpu:
+        return f"its {', '.join(sorted(unlike_cpu))} holds other sizes on meta tensors"
+    return replace(chain, name=type(model).__name__)
 
 
 def _sized_alike_on_meta(chain: Chain, model: nn.Module, sample_input: Any) -> bool:
@@ -463,10 +465,10 @@ def _profile(
     # identical stages (the repeated blocks of a ResNet) are profiled once.
     memo: dict[tuple[str, str, bool, bool], tuple[_Measured, Any]] = {}
     index_of = {id(p): i for i, p in enumerate(model.parameters())}
-    what = "measuring" if timer is not None else "sizing"
+    what = f"{'measuring' if timer is not None else 'sizing'} the stages of {type(model).__name__}"
     if timer is None and _on_meta(model):
-        what += " on meta tensors" + (", timing by FLOPs," if speed or flops else "")
-    with _preserved(model), progress.task(f"{what} the stages of {type(model).__name__}") as done:
+        what += " on meta tensors" + (" (times from FLOPs)" if speed or flops else "")
+    with _preserved(model), progress.task(what) as done:
         groups = group_children(model, sample_input)
         x = sample_input
         needs_grad = any(t.requires_grad for t in leaves(sample_input))
