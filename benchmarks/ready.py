@@ -12,7 +12,8 @@ For each model (torchvision's, built from code, no weights), captured and cut on
 * ``measured_s``: ``profile_chain()`` timing every stage (``--measured-rounds``, 0 skips it).
 * ``same_bytes``: whether the two chains' byte counts agree (:meth:`Chain.fingerprint`): the
   measured peak then equals the prediction either way.
-* per budget fraction f (of the store-all plan's peak): the plan made on each chain, its
+* per budget fraction f (of the way from the smallest budget that plans to the store-all
+  plan's peak; the parameter gradients a step creates count): the plan made on each chain, its
   predicted peak, and the recompute factor ρ of both plans judged on the *measured* chain's
   times (``rho_measured_plan``, ``rho_modelled_plan``): how much slower the plan made without
   timing runs, by the timings that the measured profile would have planned on.
@@ -38,6 +39,7 @@ from _common import emit
 from edgetrain.autograd import meta_memo
 from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import simulate
+from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.device_speed import device_speed
 from edgetrain.frontend.profiling import profile_chain
@@ -61,9 +63,14 @@ def _timed(run: Any) -> tuple[float, Any]:
 
 
 def _plans(measured: Chain, modelled: Chain, fraction: float) -> dict[str, Any]:
-    """The plans of both chains at ``fraction`` of the store-all peak, judged on ``measured``."""
+    """The plans of both chains at ``fraction`` of the way from the smallest budget that plans
+    to the store-all plan's peak, judged on ``measured``."""
     store_all = simulate(measured, plan(measured)).peak_bytes
-    budget = int(fraction * store_all)
+    try:
+        smallest = simulate(measured, plan(measured, memory=1)).peak_bytes
+    except InfeasibleBudget as exc:
+        smallest = int(exc.smallest or store_all)
+    budget = int(smallest + fraction * (store_all - smallest))
     mine, theirs = plan(measured, memory=budget), plan(modelled, memory=budget)
     plain = replace(measured, autograd_peak_bytes=None)
     return {
@@ -97,6 +104,11 @@ def run_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         row["measured_s"] = statistics.median(measured_times)
         row["speedup"] = row["measured_s"] / row["modelled_s"]
         row["same_bytes"] = measured.fingerprint() == modelled.fingerprint()
+        if args.save_chains:
+            for kind, chain in (("measured", measured), ("modelled", modelled)):
+                path = f"{args.save_chains}/{name}_{kind}.json"
+                with open(path, "w", encoding="utf-8") as handle:
+                    handle.write(chain.to_json())
         row["measured_step_s"] = measured.forward_seconds + measured.backward_seconds
         row["modelled_step_s"] = modelled.forward_seconds + modelled.backward_seconds
         for fraction in args.fractions:
@@ -112,6 +124,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--measured-rounds", type=int, default=1)
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.5])
+    parser.add_argument("--save-chains", help="a directory to write both chains to")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     calibrate_s, speed = _timed(device_speed)

@@ -154,6 +154,9 @@ def analytic_chain(
 def _modelled(model: nn.Module, sample_input: Any) -> Chain | str:
     """:func:`profile_chain`'s chain sized on meta tensors and timed by this machine's
     :func:`~edgetrain.frontend.device_speed.device_speed`, or why it cannot be sized so."""
+    recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if recurrent:  # known before sizing: see edgetrain.autograd.meta_kernels
+        return f"its nn.{', nn.'.join(recurrent)} holds other sizes on meta tensors"
     speed = device_speed()
     try:
         twin = _meta_copy(model)
