@@ -65,19 +65,23 @@ def _timed(run: Any) -> tuple[float, Any]:
 def _plans(measured: Chain, modelled: Chain, fraction: float) -> dict[str, Any]:
     """The plans of both chains at ``fraction`` of the way from the smallest budget that plans
     to the store-all plan's peak, judged on ``measured``."""
-    store_all = simulate(measured, plan(measured)).peak_bytes
+    kept = {"grads_exist": True}  # gradients kept between steps: the activations' share
+    store_all = simulate(measured, plan(measured, **kept), **kept).peak_bytes
     try:
-        smallest = simulate(measured, plan(measured, memory=1)).peak_bytes
+        smallest = simulate(measured, plan(measured, memory=1, **kept), **kept).peak_bytes
     except InfeasibleBudget as exc:
         smallest = int(exc.smallest or store_all)
     budget = int(smallest + fraction * (store_all - smallest))
-    mine, theirs = plan(measured, memory=budget), plan(modelled, memory=budget)
+    mine = plan(measured, memory=budget, **kept)
+    theirs = plan(modelled, memory=budget, **kept)
     plain = replace(measured, autograd_peak_bytes=None)
     return {
-        f"peak_MB@{fraction}": round(simulate(measured, mine).peak_bytes / 1e6, 2),
-        f"peak_MB_modelled@{fraction}": round(simulate(modelled, theirs).peak_bytes / 1e6, 2),
-        f"rho_measured_plan@{fraction}": simulate(plain, mine).recompute_factor,
-        f"rho_modelled_plan@{fraction}": simulate(plain, theirs).recompute_factor,
+        f"peak_MB@{fraction}": round(simulate(measured, mine, **kept).peak_bytes / 1e6, 2),
+        f"peak_MB_modelled@{fraction}": round(
+            simulate(modelled, theirs, **kept).peak_bytes / 1e6, 2
+        ),
+        f"rho_measured_plan@{fraction}": simulate(plain, mine, **kept).recompute_factor,
+        f"rho_modelled_plan@{fraction}": simulate(plain, theirs, **kept).recompute_factor,
     }
 
 
