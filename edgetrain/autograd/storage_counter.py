@@ -17,7 +17,18 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in an operator's arguments or results (tuples, lists and dicts of them):
+    what ``tree_flatten`` would find there, without its cost per call."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    return []
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -55,12 +66,8 @@ class StorageCounter(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         out = func(*args, **(kwargs or {}))
-        inputs = {
-            storage_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
-        }
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor):
-                continue
+        inputs = {storage_key(t) for t in tensors_in((args, kwargs))}
+        for tensor in tensors_in(out):
             storage = tensor.untyped_storage()
             key = int(storage._cdata)
             if key in inputs or key in self._sizes:

@@ -39,6 +39,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from edgetrain import progress
 from edgetrain.autograd.buffer_state import BufferFlow
 from edgetrain.autograd.meta_kernels import cpu_kernels
+from edgetrain.autograd.meta_memo import MetaMemo
 from edgetrain.autograd.replay import AutocastState, autocast_label, autocasting
 from edgetrain.autograd.stages import (
     StageParams,
@@ -58,6 +59,7 @@ from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes, st
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.cuts import as_stages, check_sequential, stage_input
+from edgetrain.frontend.device_speed import DeviceSpeed, OpSeconds, device_speed
 
 NOMINAL_FLOPS = 1e9
 """Speed (floating-point operations per second) that turns analytic op counts into seconds."""
@@ -88,6 +90,7 @@ def profile_chain(
     *,
     repeats: int = 3,
     autocast: AutocastState | None = None,
+    timing: str = "measured",
 ) -> Chain:
     """Measure ``model`` (an ``nn.Sequential``) on ``sample_input`` on this device.
 
@@ -102,7 +105,20 @@ def profile_chain(
     not
     measured then (it is on meta tensors, which autocast does not cast): the store-all plan runs
     stage by stage, as counted.
+
+    ``timing="modelled"``: each stage is sized on meta tensors (the same byte counts, see
+    :func:`analytic_chain`) and timed by :class:`~edgetrain.frontend.device_speed.DeviceSpeed`,
+    this machine's speed measured once, in seconds instead of minutes; a model that cannot be
+    sized so (an operator without a meta kernel, a layer sized unlike the CPU, autocast) is
+    measured, as the progress line says.
     """
+    if timing not in ("measured", "modelled"):
+        raise InvalidInput(f"timing must be 'measured' or 'modelled', got {timing!r}")
+    if timing == "modelled":
+        modelled = _modelled(model, sample_input) if not autocast else "autocast"
+        if isinstance(modelled, Chain):
+            return modelled
+        progress.note(f"measuring the stages of {type(model).__name__}: {modelled}")
     if not autocast:
         chain = _profile(model, sample_input, timer=_Timer(repeats))
         return chain if _sized_alike_on_meta(chain, model, sample_input) else _unsized(chain)
@@ -135,6 +151,24 @@ def analytic_chain(
     return _analytic(model, sample_input, flops_per_second=flops_per_second, flops=timing)
 
 
+def _modelled(model: nn.Module, sample_input: Any) -> Chain | str:
+    """:func:`profile_chain`'s chain sized on meta tensors and timed by this machine's
+    :func:`~edgetrain.frontend.device_speed.device_speed`, or why it cannot be sized so."""
+    recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if recurrent:  # known before sizing: see edgetrain.autograd.meta_kernels
+        return f"its nn.{', nn.'.join(recurrent)} holds other sizes on meta tensors"
+    speed = device_speed()
+    try:
+        twin = _meta_copy(model)
+        with cpu_kernels() as unlike_cpu, MetaMemo():
+            chain = _profile(twin, _to_meta(sample_input), timer=None, speed=speed)
+    except (TypeError, NotImplementedError, RuntimeError, InvalidInput, copy.Error) as exc:
+        return f"not sized on meta tensors ({str(exc).splitlines()[0][:80]})"
+    if unlike_cpu:
+        return f"its {', '.join(sorted(unlike_cpu))} holds other sizes on meta tensors"
+    return replace(chain, name=type(model).__name__)
+
+
 def _sized_alike_on_meta(chain: Chain, model: nn.Module, sample_input: Any) -> bool:
     """Whether ``model``'s stages, sized on meta tensors, hold what ``chain`` measured of them
     on the sample's device: only then does the plain-autograd step sized on meta
@@ -152,7 +186,7 @@ def _sized_alike_on_meta(chain: Chain, model: nn.Module, sample_input: Any) -> b
     except (TypeError, RuntimeError, copy.Error):
         return False
     try:
-        with cpu_kernels() as unlike_cpu:
+        with cpu_kernels() as unlike_cpu, MetaMemo():
             sized = _profile(
                 twin, _to_meta(sample_input), timer=None, flops=False, plain_step=False
             )
@@ -178,7 +212,7 @@ def _analytic(
     stages = as_stages(model, sample_input)
     sample_input = stage_input(stages, sample_input)  # keyword inputs as the stages take them
     meta_model = stages if _on_meta(stages) else _meta_copy(stages)
-    with cpu_kernels() as unlike_cpu:
+    with cpu_kernels() as unlike_cpu, MetaMemo():
         chain = _profile(
             meta_model,
             _to_meta(sample_input),
@@ -212,14 +246,18 @@ def merged_chain(
     from the stage-by-stage plan's: :attr:`~edgetrain.core.chain.Chain.autograd_peak_bytes`), so its
     sizes are measured on the sample (as :func:`profile_chain` measures them, without timing); its
     times are the sum of its stages'. The other stages are ``chain``'s. None if the merged
-    stages cannot be sized so (they do not stay one stage each)."""
+    stages cannot be sized so (they do not stay one stage each).
+
+    Sized on meta tensors, with the kernels the CPU picks (:func:`cpu_kernels`), when that sizes
+    them as the device would; else (autocast, which meta tensors do not follow, or a layer
+    sized unlike the CPU) on the sample's own device, as the executor will run them."""
     bounds = [*first, chain.length]
-    # Sized on the sample's own device, as the executor will run it: on meta tensors some
-    # kernels save other tensors (ViT's attention: one more of q's size) than on the CPU.
     # Its own stages only: the chain's plain step does not apply to it (set to None below).
-    sized = _profile(
-        nn.Sequential(*modules), sample_input, timer=None, flops=False, plain_step=False
-    )
+    sized = _sized_on_meta(nn.Sequential(*modules), sample_input)
+    if sized is None:
+        sized = _profile(
+            nn.Sequential(*modules), sample_input, timer=None, flops=False, plain_step=False
+        )
     if sized.length != len(modules):
         return None
     stages = []
@@ -238,6 +276,22 @@ def merged_chain(
             )
         )
     return replace(chain, stages=tuple(stages), autograd_peak_bytes=None)
+
+
+def _sized_on_meta(model: nn.Module, sample_input: Any) -> Chain | None:
+    """``model``'s stages sized (not timed) on meta tensors; None where meta tensors would not
+    size them as the sample's device runs them (see :func:`merged_chain`)."""
+    if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        return None
+    try:
+        twin = _meta_copy(model)
+        with cpu_kernels() as unlike_cpu, MetaMemo():
+            sized = _profile(
+                twin, _to_meta(sample_input), timer=None, flops=False, plain_step=False
+            )
+    except (TypeError, NotImplementedError, RuntimeError, InvalidInput, copy.Error):
+        return None
+    return None if unlike_cpu else sized
 
 
 def with_module_step(chain: Chain, module: nn.Module, sample_input: Any) -> Chain:
@@ -406,6 +460,7 @@ def _profile(
     flops_per_second: float = NOMINAL_FLOPS,
     flops: bool = True,
     plain_step: bool = True,
+    speed: DeviceSpeed | None = None,
 ) -> Chain:
     check_sequential(model)
     assert isinstance(model, nn.Sequential)
@@ -414,8 +469,10 @@ def _profile(
     # identical stages (the repeated blocks of a ResNet) are profiled once.
     memo: dict[tuple[str, str, bool, bool], tuple[_Measured, Any]] = {}
     index_of = {id(p): i for i, p in enumerate(model.parameters())}
-    what = "measuring" if timer is not None else "sizing"
-    with _preserved(model), progress.task(f"{what} the stages of {type(model).__name__}") as done:
+    what = f"{'measuring' if timer is not None else 'sizing'} the stages of {type(model).__name__}"
+    if timer is None and _on_meta(model):
+        what += " on meta tensors" + (" (times from FLOPs)" if speed or flops else "")
+    with _preserved(model), progress.task(what) as done:
         groups = group_children(model, sample_input)
         x = sample_input
         needs_grad = any(t.requires_grad for t in leaves(sample_input))
@@ -445,6 +502,7 @@ def _profile(
                     index,
                     stage_params(module, index_of),
                     last,
+                    speed,
                 )
                 if timer is None:
                     memo[key] = (result, x)
@@ -520,7 +578,9 @@ def _autograd_peaks(
                     p.grad = None
             counter = StorageCounter()
             sizing = cpu_kernels() if meta else nullcontext(set[str]())
-            with torch.enable_grad(), counter, sizing as unlike_cpu:
+            memo = MetaMemo() if meta else nullcontext()
+            # The memo below the counter: the counter sees every storage the memo makes.
+            with torch.enable_grad(), sizing as unlike_cpu, memo, counter:
                 out = meta_model(x)
                 outs = [t for t in leaves(out) if t.requires_grad]
                 grads = [torch.ones_like(t) for t in outs]
@@ -738,6 +798,7 @@ def _profile_stage(
     index: int,
     params: StageParams,
     last: bool = False,
+    speed: DeviceSpeed | None = None,
 ) -> tuple[_Measured, Any]:
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
@@ -766,7 +827,10 @@ def _profile_stage(
 
         base = counter.reset_peak()
         flow = BufferFlow(module) if any(True for _ in module.buffers()) else nullcontext()
-        with flow, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        # Timed by the device model in the passes that size the stage (none run twice).
+        forward_time = OpSeconds(speed) if speed is not None else nullcontext()
+        backward_time = OpSeconds(speed) if speed is not None else nullcontext()
+        with flow, forward_time, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y, graph = run_forward_with_grad(
                 module,
                 x,
@@ -811,7 +875,8 @@ def _profile_stage(
                 weakref.finalize(g.untyped_storage(), freed.add, j)
         del g  # the loop's name would hold the last output gradient through the backward
         base = counter.reset_peak()
-        input_grads = run_backward(graph, grad_out)
+        with backward_time:
+            input_grads = run_backward(graph, grad_out)
         backward_peak = counter.peak_bytes - base
         # A gradient passed on (a skip's, or a view of the output's, as cat's backward makes)
         # is the output gradient's storage; an addition hands one gradient to both inputs.
@@ -849,6 +914,8 @@ def _profile_stage(
         forward_seconds, backward_seconds = _time_stage(
             module, x, needs_grad, timer, index, name, params
         )
+    elif isinstance(forward_time, OpSeconds) and isinstance(backward_time, OpSeconds):
+        forward_seconds, backward_seconds = forward_time.seconds, backward_time.seconds
     elif flops_per_second > 0:
         forward_flops, backward_flops = _count_flops(module, x, needs_grad, index, name, params)
         elements = sum(t.numel() for t in leaves(out))

@@ -314,7 +314,7 @@ class Checkpointed(nn.Module):
         """Plan for ``sample``'s state in the training loop ``loop`` (gradients kept between
         steps or not; None: the loop the gradients are in now)."""
         if chain is None:
-            chain = profile_chain(self.model, sample, autocast=autocast_state())
+            chain = profile_chain(self.model, sample, autocast=autocast_state(), timing="modelled")
         elif chain.autocast != autocast_label(autocast_state()):
             raise InvalidInput(autocast_mismatch(chain.autocast, autocast_label(autocast_state())))
         if self.model is not self.module and not as_is:

@@ -1,0 +1,248 @@
+"""How fast this machine runs an operator, measured once: stage times without timing stages.
+
+Measuring every stage of a model (several timed runs of each forward and backward) takes minutes
+on a large model. :class:`DeviceSpeed` predicts an operator's seconds from what it does instead:
+its floating-point operations (``torch.utils.flop_counter``'s formulas: matrix products,
+convolutions, attention) for a matrix product or a convolution of as many operations timed on
+this machine, else the bytes it reads and writes for an elementwise operator moving as many, and
+a fixed cost per operator call (dispatch and autograd's bookkeeping). The rate grows with the
+size of the work (a 256³ matrix product ran at 2.4 GFLOP/s here, a 1024³ one at 55: threads and
+vector units fill up), so each kind is timed at three sizes and an operator's seconds are
+interpolated between them on log scales (beyond them, at the nearest size's rate).
+:func:`device_speed` times them once per machine, torch version and thread count (about a
+second) and keeps them in the cache directory (:func:`edgetrain.cache.cache_dir`), written
+atomically with a checksum that is verified when read: a damaged or foreign file is measured
+again. ``$EDGETRAIN_DEVICE_SPEED`` (a JSON object of :class:`DeviceSpeed`'s fields) sets them
+instead.
+
+:class:`OpSeconds` (a ``TorchDispatchMode``) adds up the predicted seconds of the operators run
+inside it; it works on meta tensors, so a stage is timed from shapes alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from edgetrain import progress
+from edgetrain.autograd.storage_counter import tensors_in
+from edgetrain.cache import cache_dir
+from edgetrain.core.schedule import atomic_write_text
+
+CACHE_FILE = "device_speed.json"
+ENV = "EDGETRAIN_DEVICE_SPEED"
+
+_aten = torch.ops.aten
+_CONVOLUTIONS = {
+    _aten.convolution,
+    _aten._convolution,
+    _aten.convolution_backward,
+    _aten.cudnn_convolution,
+}
+
+
+Points = tuple[tuple[float, float], ...]
+"""(work, process CPU seconds) at increasing work: what :func:`measure_speed` timed."""
+
+
+def _interpolated(points: Points, work: float) -> float:
+    """Seconds for ``work`` on the log-log line through ``points``; beyond them, at the rate
+    of the nearest point."""
+    if work <= 0:
+        return 0.0
+    if work <= points[0][0]:
+        return points[0][1] * work / points[0][0]
+    for (w0, s0), (w1, s1) in itertools.pairwise(points):
+        if work <= w1:
+            f = math.log(work / w0) / math.log(w1 / w0)
+            return math.exp(math.log(s0) + f * math.log(s1 / s0))
+    return points[-1][1] * work / points[-1][0]
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """This machine's timed operators (process CPU seconds, at its torch thread count)."""
+
+    matmul_flops: Points  # matrix products (and attention): FLOPs, seconds
+    conv_flops: Points  # convolutions, forward and backward: FLOPs, seconds
+    elementwise_bytes: Points  # an addition: bytes read plus written, seconds
+    seconds_per_op: float  # an operator call's own cost, with autograd recording it
+
+    def op_seconds(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
+        """Predicted seconds of one call of ``func`` that returned ``out``."""
+        packet = func._overloadpacket
+        count = flop_registry.get(packet)
+        if count is not None:
+            flops = float(count(*args, **kwargs, out_val=out))
+            points = self.conv_flops if packet in _CONVOLUTIONS else self.matmul_flops
+            return self.seconds_per_op + _interpolated(points, flops)
+        if func.is_view:
+            return self.seconds_per_op
+        moved = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs, out)))
+        return self.seconds_per_op + _interpolated(self.elementwise_bytes, moved)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceSpeed:
+        """The speed in ``data`` (as :func:`dataclasses.asdict` gives it), checked: every number
+        positive and finite, the work of each kind increasing; else ValueError."""
+
+        def points(value: Any) -> Points:
+            pairs = tuple((float(w), float(t)) for w, t in value)
+            numbers = [v for pair in pairs for v in pair]
+            works = [w for w, _ in pairs]
+            if not pairs or not all(math.isfinite(v) and v > 0 for v in numbers):
+                raise ValueError(f"not positive numbers: {value!r}")
+            if works != sorted(set(works)):
+                raise ValueError(f"work not increasing: {value!r}")
+            return pairs
+
+        per_op = float(data["seconds_per_op"])
+        if not math.isfinite(per_op) or per_op <= 0:
+            raise ValueError(f"seconds_per_op must be a positive number, got {per_op!r}")
+        return cls(
+            points(data["matmul_flops"]),
+            points(data["conv_flops"]),
+            points(data["elementwise_bytes"]),
+            per_op,
+        )
+
+
+class OpSeconds(TorchDispatchMode):
+    """Adds up, in :attr:`seconds`, the predicted time of every operator run inside it."""
+
+    def __init__(self, speed: DeviceSpeed) -> None:
+        super().__init__()
+        self.speed = speed
+        self.seconds = 0.0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.seconds += self.speed.op_seconds(func, args, kwargs, out)
+        return out
+
+
+def _least_seconds(run: Callable[[], object], repeats: int = 7) -> float:
+    """Least process CPU time of ``repeats`` runs (interference only adds time)."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        start = time.process_time()
+        run()
+        samples.append(time.process_time() - start)
+    return max(min(samples), 1e-9)
+
+
+def _timed(work: float, run: Callable[[], object]) -> tuple[float, float]:
+    return float(work), _least_seconds(run)
+
+
+def _monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``points`` with no smaller work taking longer than a larger one: on a loaded machine a
+    small operator's least time can still be inflated (a 256³ product read 16 ms, a 512³ one
+    6 ms), never deflated."""
+    out = list(points)
+    for i in reversed(range(len(out) - 1)):
+        out[i] = (out[i][0], min(out[i][1], out[i + 1][1]))
+    return out
+
+
+def measure_speed() -> DeviceSpeed:
+    """Time a few operators of three sizes each on the CPU (see the module)."""
+    gen = torch.Generator().manual_seed(0)
+    matmul, conv, elementwise = [], [], []
+    with torch.no_grad():
+        for n in (256, 512, 1024):
+            a = torch.randn(n, n, generator=gen)
+            matmul.append(_timed(2 * n**3, lambda a=a: a @ a))
+        for channels, side in ((32, 16), (64, 32), (128, 32)):
+            x = torch.randn(4, channels, side, side, generator=gen)
+            w = torch.randn(channels, channels, 3, 3, generator=gen)
+            flops = 2 * 4 * channels * side * side * channels * 9
+            conv.append(_timed(flops, lambda x=x, w=w: torch.conv2d(x, w, padding=1)))
+        for numel in (1 << 14, 1 << 18, 1 << 22):
+            big = torch.randn(numel, generator=gen)
+            elementwise.append(_timed(3 * numel * 4, lambda big=big: big + big))
+    tiny = torch.ones(1, requires_grad=True)
+
+    def calls() -> None:
+        for _ in range(200):
+            tiny * 2.0
+
+    per_op = _least_seconds(calls) / 200
+    return DeviceSpeed.from_dict(
+        {
+            "matmul_flops": _monotone(matmul),
+            "conv_flops": _monotone(conv),
+            "elementwise_bytes": _monotone(elementwise),
+            "seconds_per_op": per_op,
+        }
+    )
+
+
+def _machine() -> str:
+    return (
+        f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|torch {torch.__version__}"
+        f"|threads {torch.get_num_threads()}"
+    )
+
+
+def _digest(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _read(path: os.PathLike[str] | str) -> DeviceSpeed | None:
+    """The cached rates for this machine, or None (missing, another machine, damaged)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        payload = data["speed"]
+        if data["sha256"] != _digest(payload) or payload.pop("machine") != _machine():
+            return None
+        return DeviceSpeed.from_dict(payload)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+_memo: dict[str, DeviceSpeed] = {}
+
+
+def device_speed() -> DeviceSpeed:
+    """This machine's rates: ``$EDGETRAIN_DEVICE_SPEED``, else the cached measurement, else
+    measured now (once per machine, torch version and thread count) and cached."""
+    given = os.environ.get(ENV)
+    if given is not None:
+        return DeviceSpeed.from_dict(json.loads(given))
+    machine = _machine()
+    if machine in _memo:
+        return _memo[machine]
+    path = cache_dir() / CACHE_FILE
+    speed = _read(path)
+    if speed is None:
+        with progress.task("measuring this machine's speed (matrix products, convolutions)"):
+            speed = measure_speed()
+        payload = {"machine": machine, **asdict(speed)}
+        text = json.dumps({"speed": payload, "sha256": _digest(payload)}, indent=1) + "\n"
+        with contextlib.suppress(OSError):  # unwritable: measured again by the next process
+            atomic_write_text(path, text)
+    _memo[machine] = speed
+    return speed
