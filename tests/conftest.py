@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
@@ -19,6 +20,21 @@ from edgetrain.devices.energy import EnergyProfile
 # recompute, so the suite plans with that cost at 0 unless a test sets it
 # (tests/runtime/test_time_includes_stage_cost.py does).
 os.environ.setdefault("EDGETRAIN_STAGE_SECONDS", "0")
+
+# Modelled stage times come from this machine's speed, timed once and cached; the suite uses one
+# fixed speed instead (10 GFLOP/s, 5 GB/s, 5 us a call), so its plans are the same on every
+# machine and no test writes the user's cache.
+os.environ.setdefault(
+    "EDGETRAIN_DEVICE_SPEED",
+    json.dumps(
+        {
+            "matmul_flops": [[1e6, 1e-4], [1e12, 100.0]],
+            "conv_flops": [[1e6, 1e-4], [1e12, 100.0]],
+            "elementwise_bytes": [[1e3, 2e-7], [1e12, 200.0]],
+            "seconds_per_op": 5e-6,
+        }
+    ),
+)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # scripts/test runs two workers on two cores: one torch thread each (tests that compare two
