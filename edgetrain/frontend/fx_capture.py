@@ -54,7 +54,7 @@ import itertools
 import operator
 import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,9 +65,11 @@ from torch import fx, nn
 from edgetrain import progress
 from edgetrain.autograd.storage_counter import storage_key
 from edgetrain.errors import InvalidInput
+from edgetrain.frontend.concrete import ValueTracer
 from edgetrain.frontend.containers import is_container, kept_whole_reason, traced_forward
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_CONCRETE = str(Path(__file__).resolve().parent / "concrete.py")
 _KINDS = {"call_module": "module", "call_function": "function", "call_method": "method"}
 
 
@@ -158,22 +160,33 @@ class Captured:
         return index
 
 
-def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> Captured:
-    """Trace ``model`` with torch.fx and record every node's output on ``sample``.
+def capture(
+    model: nn.Module,
+    sample: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    *,
+    leaf_modules: Sequence[type[nn.Module]] = (),
+) -> Captured:
+    """Trace ``model`` with torch.fx at the sample's shapes and record every node's output.
 
-    ``sample`` is the model's input (a tensor, or a sequence of tensors for a model with several
-    positional inputs). InvalidInput when the model cannot be traced or does not run on it.
+    ``sample`` is the model's input: a tensor, a sequence of tensors for a model with several
+    positional inputs, or a mapping of ``forward()``'s keyword arguments to tensors
+    (``{"input_ids": ..., "attention_mask": ...}``); every other argument takes its default.
+    ``leaf_modules`` are module classes kept as one call each, their ``forward()`` not traced.
+    InvalidInput when the model cannot be traced or does not run on it.
     """
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"capture needs an nn.Module, got {type(model).__name__}")
-    samples = (sample,) if isinstance(sample, torch.Tensor) else tuple(sample)
-    defaults = _defaulted_arguments(model, len(samples))
+    inputs, keywords = named_inputs(model, sample)
+    samples = tuple(inputs.values())
+    leaf_types = _leaf_types(leaf_modules)
     before = _snapshot(model)
     buffers = [(b, b.detach().clone(), b._version) for b in model.buffers()]
     failure: Exception | None = None
     try:
-        with _tracing() as attribute_reads, torch.enable_grad():
-            graph, kept_whole = _trace_keeping_updaters_whole(model, defaults, buffers)
+        with _tracing() as attribute_reads, torch.enable_grad(), torch.random.fork_rng([]):
+            graph, kept_whole, constants = _trace_keeping_updaters_whole(
+                model, (inputs, keywords, leaf_types), buffers
+            )
     except Exception as exc:
         failure = exc
     finally:
@@ -187,16 +200,10 @@ def capture(model: nn.Module, sample: torch.Tensor | Sequence[torch.Tensor]) -> 
         ) from failure
     if failure is not None:
         raise InvalidInput(_trace_error(model, failure)) from failure
-    _drop_specialised_arguments(graph, len(samples))
-    graph_module = fx.GraphModule(model, graph)
+    graph_module = _graph_module(model, graph, constants)
     _fold_regions(graph_module)
     graph = graph_module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(samples):
-        raise InvalidInput(
-            f"{type(model).__name__}.forward takes {len(placeholders)} inputs but the sample has "
-            f"{len(samples)}; pass one tensor per input of forward()"
-        )
     records = _record(model, graph_module, samples)
     compute = [n for n in graph.nodes if n.op in _KINDS]
     position = {n: i for i, n in enumerate(compute)}
@@ -433,23 +440,7 @@ def _copy_nodes(
     return lookup
 
 
-class _InplaceProxy(fx.Proxy):
-    """An fx Proxy that records ``a += b`` as ``operator.iadd`` (in place, as eager runs it);
-    fx's own Proxy has no in-place operators, so Python would record ``a = a + b``."""
-
-
-def _inplace_operator(function: Any) -> Any:
-    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
-        return self.tracer.create_proxy("call_function", function, (self, other), {})
-
-    return method
-
-
-for _name in ("iadd", "isub", "imul", "itruediv"):
-    setattr(_InplaceProxy, f"__{_name}__", _inplace_operator(getattr(operator, _name)))
-
-
-class _Tracer(fx.Tracer):
+class _Tracer(ValueTracer):
     """``torch.fx.symbolic_trace``'s tracer, keeping augmented assignments in place and noting
     on each node the grad mode and autocast region it was traced in (see :func:`_context`).
 
@@ -459,8 +450,8 @@ class _Tracer(fx.Tracer):
     forward did so (:attr:`updaters`, by path, the innermost module called); ``leaves`` are kept
     as single calls, which run their forward, updates included, at every step."""
 
-    def __init__(self, leaves: frozenset[int] = frozenset()) -> None:
-        super().__init__()
+    def __init__(self, given: _Given, leaves: frozenset[int] = frozenset()) -> None:
+        super().__init__(*given)
         self.leaves = leaves  # ids of the modules kept whole
         self.updaters: dict[str, nn.Module] = {}
         self.kept_whole: dict[str, str] = {}  # container path -> why it stays one call
@@ -490,8 +481,15 @@ class _Tracer(fx.Tracer):
             self._updated |= updated
         return result
 
-    def proxy(self, node: fx.Node) -> fx.Proxy:
-        return _InplaceProxy(node, self)
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        # a value computed is no part of the trace: no autocast region, no attribute read
+        regions, _TRACING.regions = getattr(_TRACING, "regions", None), None
+        try:
+            with super().computing():
+                yield
+        finally:
+            _TRACING.regions = regions
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
@@ -651,20 +649,20 @@ def _fold(graph_module: fx.GraphModule, name: str, state: Context, members: list
 
 
 def _trace_keeping_updaters_whole(
-    model: nn.Module, defaults: dict[str, Any], buffers: _Saved
-) -> tuple[fx.Graph, dict[str, str]]:
+    model: nn.Module, given: _Given, buffers: _Saved
+) -> tuple[fx.Graph, dict[str, str], dict[str, torch.Tensor]]:
     """Trace ``model``; when a submodule's forward updates its buffers in place (fx runs it on
     the real buffers), trace again with each such submodule kept as one call, so that the
     captured step runs its update as plain autograd does. InvalidInput when ``model``'s own
     forward updates a buffer in place (it cannot be kept whole)."""
     versions = [b._version for b, _, _ in buffers]
-    tracer = _Tracer()
-    graph = tracer.trace(model, concrete_args=defaults or None)
+    tracer = _Tracer(given)
+    graph = tracer.run(model)
     if tracer.updaters:
         _put_back(buffers)
         versions = [b._version for b, _, _ in buffers]
-        tracer = _Tracer(frozenset(id(m) for m in tracer.updaters.values()))
-        graph = tracer.trace(model, concrete_args=defaults or None)
+        tracer = _Tracer(given, frozenset(id(m) for m in tracer.updaters.values()))
+        graph = tracer.run(model)
     names = {id(b): n for n, b in model.named_buffers()}
     changed = [
         names[id(b)]
@@ -679,9 +677,38 @@ def _trace_keeping_updaters_whole(
         )
     for path, reason in tracer.kept_whole.items():
         progress.note(f"{path or type(model).__name__} is one stage: {reason}")
-    return graph, tracer.kept_whole
+    own = vars(model)
+    names = [n for n in tracer.tensor_attrs.values() if n.startswith(_CONST)]
+    constants = {n: _unexpanded(own.pop(n)) for n in names}
+    return graph, tracer.kept_whole, constants
 
 
+def _unexpanded(tensor: torch.Tensor) -> torch.Tensor:
+    """A constant as the graph module holds it (a buffer): an expanded one (``t.expand(B, T)``,
+    several elements in one place) as a copy, so it can be copied into."""
+    expanded = any(st == 0 and n > 1 for st, n in zip(tensor.stride(), tensor.shape, strict=True))
+    return tensor.clone() if expanded else tensor
+
+
+_CONST = "_tensor_constant"  # fx's name for a tensor the trace made (torch.arange(T))
+
+
+def _graph_module(
+    model: nn.Module, graph: fx.Graph, constants: dict[str, torch.Tensor]
+) -> fx.GraphModule:
+    """``graph`` as a module over ``model``'s modules, holding the constant tensors the trace
+    made (which are no part of ``model``)."""
+    own = vars(model)
+    own.update(constants)
+    try:
+        return fx.GraphModule(model, graph)
+    finally:
+        for name in constants:
+            own.pop(name, None)
+
+
+_Given = tuple[dict[str, torch.Tensor], bool, tuple[type[nn.Module], ...]]
+"""The sample's inputs by name, whether passed by keyword, and the leaf module classes."""
 _Saved = list[tuple[torch.Tensor, torch.Tensor, int]]
 """Each buffer, a copy of its value and its version counter, before tracing."""
 
@@ -717,8 +744,9 @@ def _restore(before: _Snapshot) -> str | None:
         for current, old in zip(now, [attributes, *registries], strict=True):
             changed = [n for n, v in current.items() if old.get(n, _MISSING) is not v]
             changed += [n for n in old if n not in current]
-            if changed and stored is None:
-                stored = f"{path}.{changed[0]}" if path else changed[0]
+            assigned = [n for n in changed if not n.startswith(_CONST)]  # not fx's constants
+            if assigned and stored is None:
+                stored = f"{path}.{assigned[0]}" if path else assigned[0]
             if changed:
                 current.clear()
                 current.update(old)
@@ -728,36 +756,61 @@ def _restore(before: _Snapshot) -> str | None:
 _MISSING = object()
 
 
-def _defaulted_arguments(model: nn.Module, given: int) -> dict[str, Any]:
-    """forward()'s arguments after the first ``given`` that have defaults (``mask=None``): the
-    trace fixes them to their defaults."""
+def named_inputs(model: nn.Module, sample: Any) -> tuple[dict[str, torch.Tensor], bool]:
+    """The sample as ``forward()``'s arguments by name, and whether they are passed by keyword
+    (a mapping) rather than by position (a tensor or a sequence of tensors)."""
+    keywords = isinstance(sample, Mapping)
+    given = (
+        dict(sample)
+        if keywords
+        else dict(enumerate((sample,) if isinstance(sample, torch.Tensor) else tuple(sample)))
+    )
+    for key, value in given.items():
+        if not isinstance(value, torch.Tensor):
+            what = f"argument {key!r}" if keywords else f"input {key}"
+            raise InvalidInput(
+                f"the sample's {what} is a {type(value).__name__}; give tensors only (set "
+                "options such as return_dict on the model or its config)"
+            )
     try:
-        parameters = list(inspect.signature(model.forward).parameters.values())
+        signature = inspect.signature(model.forward)
     except (TypeError, ValueError):
-        return {}
-    return {
-        p.name: p.default
-        for p in parameters[given:]
-        if p.default is not inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    }
+        signature = None
+    if keywords:
+        if signature is not None:
+            try:
+                signature.bind(**given)
+            except TypeError as exc:
+                raise InvalidInput(
+                    f"{type(model).__name__}.forward does not take the sample's keyword "
+                    f"arguments ({exc}); pass the names forward() takes"
+                ) from None
+        return {str(k): v for k, v in given.items()}, True
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = [] if signature is None else list(signature.parameters.values())
+    names = [p.name for p in params if p.kind in kinds]
+    variadic = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    required = [p for p in params if p.kind in kinds and p.default is p.empty]
+    if signature is not None and (
+        len(given) < len(required) or (len(given) > len(names) and not variadic)
+    ):
+        raise InvalidInput(
+            f"{type(model).__name__}.forward takes {len(names)} inputs but the sample has "
+            f"{len(given)}; pass one tensor per input of forward()"
+        )
+    names += [f"input_{i}" for i in range(len(names), len(given))]
+    return dict(zip(names, given.values(), strict=False)), False
 
 
-def _drop_specialised_arguments(graph: fx.Graph, given: int) -> None:
-    """Remove the placeholders fx keeps for arguments fixed to their defaults, and the checks
-    it adds on them, so the graph takes exactly the sample's inputs."""
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    extra = set(placeholders[given:])
-    checks = {torch._assert, operator.eq, getattr(fx._symbolic_trace, "_assert_is_none", None)}
-    for node in reversed(list(graph.nodes)):
-        if node.users:
-            continue
-        if node in extra or (
-            node.op == "call_function"
-            and node.target in checks
-            and any(a in extra or a.target is operator.eq for a in node.all_input_nodes)
-        ):
-            graph.erase_node(node)
+def _leaf_types(leaf_modules: Any) -> tuple[type[nn.Module], ...]:
+    kinds = (leaf_modules,) if isinstance(leaf_modules, type) else tuple(leaf_modules)
+    for kind in kinds:
+        if not (isinstance(kind, type) and issubclass(kind, nn.Module)):
+            raise InvalidInput(
+                f"leaf_modules takes nn.Module classes, got {kind!r}; pass e.g. "
+                "leaf_modules=(MyBlock,)"
+            )
+    return kinds
 
 
 def _value_inputs(node: fx.Node) -> list[fx.Node]:
@@ -857,14 +910,29 @@ def _restored(model: nn.Module) -> Iterator[None]:
 def _trace_error(model: nn.Module, exc: Exception) -> str:
     """One line: what fx could not trace, where in the user's code, and what to do."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    where = ""
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if not str(Path(frame.filename).resolve()).startswith(_TORCH_DIR):
-            code = (frame.line or "").strip()
-            where = f" at {Path(frame.filename).name}:{frame.lineno}" + (
+    where, holder = "", None
+    tb = exc.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame, summary in zip(
+        reversed(frames), reversed(traceback.extract_tb(exc.__traceback__)), strict=True
+    ):
+        path = str(Path(summary.filename).resolve())
+        if not path.startswith(_TORCH_DIR) and path != _CONCRETE:
+            code = (summary.line or "").strip()
+            where = f" at {Path(summary.filename).name}:{summary.lineno}" + (
                 f" `{code}`" if code else ""
             )
+            owner = frame.f_locals.get("self")
+            holder = type(owner).__name__ if isinstance(owner, nn.Module) else None
             break
+    leaf = (
+        f"keep {holder} untraced with leaf_modules=({holder},)"
+        if holder and holder != type(model).__name__
+        else "move that code into a submodule and keep it untraced with leaf_modules=(...)"
+    )
     if "iterated" in text:
         construct = "a loop over a tensor (or a tensor passed as *args)"
         fix = "loop over range(n) with n known when the model is built, or use tensor operations"
@@ -872,11 +940,9 @@ def _trace_error(model: nn.Module, exc: Exception) -> str:
         construct = "a Python if/while on a tensor's value"
         fix = (
             "compute both branches and pick with torch.where, decide on a Python attribute "
-            "or argument instead, or move that code into a submodule and mark it a leaf"
+            f"or argument instead, or {leaf}"
         )
     else:
         construct = f"{type(exc).__name__}: {text}"
-        fix = (
-            "make forward() traceable by torch.fx.symbolic_trace (no Python logic on tensor values)"
-        )
+        fix = f"make forward() traceable by torch.fx (no Python logic on tensor values), or {leaf}"
     return f"cannot capture {type(model).__name__}: {construct}{where}; {fix}"

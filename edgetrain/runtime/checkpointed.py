@@ -81,7 +81,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -119,7 +119,7 @@ from edgetrain.core.schedule import (
     stores_everything,
 )
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
-from edgetrain.frontend.cuts import as_stages
+from edgetrain.frontend.cuts import as_stages, on_stage_input, stage_input
 from edgetrain.frontend.profiling import (
     analytic_chain,
     graph_step_peaks,
@@ -168,7 +168,10 @@ class Checkpointed(nn.Module):
     Args:
         model: the model to train: an ``nn.Sequential`` (its entries are the stages) or any
             module torch.fx can trace (cut between the blocks that a single tensor leaves).
-        sample_input: an input of the shape training will use; profiled on this device.
+        sample_input: an input of the shape training will use; profiled on this device. A
+            captured model may take a mapping of ``forward()``'s keyword arguments to tensors
+            (a Hugging Face model's ``{"input_ids": ..., "labels": ...}``), then called as
+            ``net(**inputs)``.
         memory_budget: bytes (or "512MB") the step may use for weights, gradients, buffers,
             the input and activations together; the plan is the fastest that fits. ``"min"``:
             the smallest budget that plans; ``"auto"``: the knee of the memory/time frontier
@@ -194,6 +197,8 @@ class Checkpointed(nn.Module):
         page_dir: directory for the page files of a plan that pages activations out (``Po k`` /
             ``Pi k``): the "SD card". Written by a background thread, checksummed, verified when
             read back, deleted after use (see :mod:`edgetrain.runtime.paging`).
+        leaf_modules: module classes the capture keeps as one call each, not traced into
+            (a block whose ``forward()`` torch.fx cannot trace); each is one stage at most.
 
     Attributes:
         chain: the profiled chain. schedule: the plan. cost: its simulated cost (``peak_bytes``:
@@ -215,6 +220,7 @@ class Checkpointed(nn.Module):
         schedule: Schedule | None = None,
         on_new_shape: str = "replan",
         page_dir: str | Path | None = None,
+        leaf_modules: Sequence[type[nn.Module]] = (),
     ) -> None:
         super().__init__()
         _refuse_hooks(model)
@@ -228,11 +234,13 @@ class Checkpointed(nn.Module):
                 "bytes to check the schedule against"
             )
         self.module = model
-        self.model = as_stages(model, sample_input)
+        self.leaf_modules = tuple(leaf_modules)
+        self.model = as_stages(model, sample_input, leaf_modules=self.leaf_modules)
+        sample_input = stage_input(self.model, sample_input)
         self._device = None if memory_budget is None else _device_bytes(memory_budget)
         if self._device:  # before the profile: from the sizes alone
             check_budget_holds_weights(
-                self._device, model, sample_input, self.reserve_bytes, strategy, chain
+                self._device, self.model, sample_input, self.reserve_bytes, strategy, chain
             )
         if schedule is not None:
             check_plan_for(schedule, self.model, sample_input, type(model).__name__)
@@ -310,7 +318,7 @@ class Checkpointed(nn.Module):
             raise InvalidInput(autocast_mismatch(chain.autocast, autocast_label(autocast_state())))
         if self.model is not self.module and not as_is:
             # The store-all plan runs the module itself: its own step's peak counts too.
-            chain = with_module_step(chain, self.module, sample)
+            chain = with_module_step(chain, on_stage_input(self.module, self.model), sample)
         self.chain = chain
         self._signature = signature(sample)
         self._key = self._state(sample)
@@ -755,17 +763,32 @@ class Checkpointed(nn.Module):
 
     # -- running -----------------------------------------------------------------------------------
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """One step's forward: ``net(x)``, or ``net(**inputs)`` for a model planned for a
+        mapping of keyword inputs (a Hugging Face model's ``input_ids``, ``labels``, ...)."""
+        if kwargs and not args:
+            return self._forward(stage_input(self.model, kwargs), kwargs)
+        if len(args) != 1 or kwargs:
+            raise InvalidInput(
+                "call Checkpointed with one input, net(x), or with keyword inputs only, "
+                "net(**inputs), as it was planned"
+            )
+        return self._forward(args[0], None)
+
+    def _call_module(self, x: Any, given: dict[str, Any] | None) -> Any:
+        return self.module(x) if given is None else self.module(**given)
+
+    def _forward(self, x: Any, given: dict[str, Any] | None) -> Any:
         _refuse_hooks(self.module)
         trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         params = [self._params[i] for i in trainable]
         inputs = leaves(x)
         if not torch.is_grad_enabled() or not (any(t.requires_grad for t in inputs) or params):
-            return self.module(x)
+            return self._call_module(x, given)
         key = self._state(x)
         if key != self._key or self._unplanned:
-            self._plan_for(x, key)
-            return self.forward(x)  # the step, on the plan (and parameter list) for this state
+            self._plan_for(x, key, given)
+            return self._forward(x, given)  # the step, on the plan and parameters for this state
         self._grads_exist = gradients_kept(params)  # the loop this step runs in
         probe = self._probe
         if probe is not None:
@@ -794,7 +817,7 @@ class Checkpointed(nn.Module):
         outs = ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
         return run.output(outs)
 
-    def _plan_for(self, x: Any, key: tuple[Any, ...]) -> None:
+    def _plan_for(self, x: Any, key: tuple[Any, ...], given: dict[str, Any] | None) -> None:
         """Make the plan for the state ``key`` of a step on ``x`` (see :meth:`_state`) the
         current one: restored as it was if planned for before, else planned now (or refused
         with ``on_new_shape="error"``)."""
@@ -815,7 +838,9 @@ class Checkpointed(nn.Module):
         # or measured again inside the step).
         loop_only = key[:-1] == self._key[:-1] and not self._unplanned
         if self.model is not self.module and not loop_only:
-            self.model = as_stages(self.module, x)
+            self.model = as_stages(
+                self.module, x if given is None else given, leaf_modules=self.leaf_modules
+            )
             self._params = list(self.model.parameters())
         planned, change = self._key, describe_change(self._key, key, shapes_now)
         self._unplanned = True  # until this plan is made: half planned, every call plans
