@@ -31,7 +31,8 @@ Inputs = torch.Tensor | dict[str, torch.Tensor]
 class ZooModel:
     """One model of the zoo: its library, what it is, how to build it and its input.
 
-    ``make()`` builds it (float32, seeded by the caller); ``inputs(batch, size)`` makes an input
+    ``make(size)`` builds it for inputs of ``size`` (float32, seeded by the caller; a ViT's
+    image side, a language model's context; most ignore it); ``inputs(batch, size)`` makes an input
     of ``batch`` images of side ``size`` or sequences of ``size`` tokens (a tensor, or a dict of
     keyword arguments); ``blocks``: class names of its repeated blocks; ``input_names``: the
     keyword inputs it takes (empty: one positional image batch)."""
@@ -39,10 +40,15 @@ class ZooModel:
     name: str
     library: str
     description: str
-    make: Callable[[], nn.Module]
+    make: Callable[[int], nn.Module]
     inputs: Callable[[int, int], Inputs]
     blocks: tuple[str, ...]
     input_names: tuple[str, ...] = ()
+
+    @property
+    def takes_tokens(self) -> bool:
+        """Whether its input is token ids (``size`` is then a sequence length)."""
+        return "input_ids" in self.input_names
 
 
 VOCAB = 128
@@ -74,13 +80,13 @@ def _pixels(batch: int, size: int) -> dict[str, torch.Tensor]:
 # -- torchvision -----------------------------------------------------------------------------------
 
 
-def _resnet() -> nn.Module:
+def _resnet(size: int) -> nn.Module:
     tv = thirdparty.torchvision()
     block = tv.models.resnet.BasicBlock
     return tv.models.ResNet(block, [1, 1, 1, 1], num_classes=CLASSES)
 
 
-def _mobilenet_v3() -> nn.Module:
+def _mobilenet_v3(size: int) -> nn.Module:
     tv = thirdparty.torchvision()
     conf = tv.models.mobilenetv3.InvertedResidualConfig
     setting = [  # MobileNetV3-Small's first four blocks, at half width
@@ -92,7 +98,7 @@ def _mobilenet_v3() -> nn.Module:
     return tv.models.MobileNetV3(setting, last_channel=128, num_classes=CLASSES)
 
 
-def _swin() -> nn.Module:
+def _swin(size: int) -> nn.Module:
     tv = thirdparty.torchvision()
     return tv.models.SwinTransformer(
         patch_size=[4, 4],
@@ -108,24 +114,24 @@ def _swin() -> nn.Module:
 # -- timm ------------------------------------------------------------------------------------------
 
 
-def _mobilevit() -> nn.Module:
+def _mobilevit(size: int) -> nn.Module:
     return thirdparty.timm().create_model("mobilevit_xxs", num_classes=CLASSES)
 
 
-def _convnext() -> nn.Module:
+def _convnext(size: int) -> nn.Module:
     return thirdparty.timm().create_model(
         "convnext_atto", depths=(1, 1, 1, 1), dims=(16, 32, 64, 128), num_classes=CLASSES
     )
 
 
-def _efficientnet() -> nn.Module:
+def _efficientnet(size: int) -> nn.Module:
     return thirdparty.timm().create_model("test_efficientnet", num_classes=CLASSES)
 
 
-def _timm_vit() -> nn.Module:
+def _timm_vit(size: int) -> nn.Module:
     return thirdparty.timm().create_model(
         "vit_tiny_patch16_224",
-        img_size=32,
+        img_size=size,
         patch_size=8,
         embed_dim=48,
         depth=2,
@@ -134,10 +140,10 @@ def _timm_vit() -> nn.Module:
     )
 
 
-# -- Hugging Face transformers ----------------------------------------------------------------------
+# -- Hugging Face transformers ---------------------------------------------------------------
 
 
-def _bert() -> nn.Module:
+def _bert(size: int) -> nn.Module:
     tr = thirdparty.transformers()
     config = tr.BertConfig(
         vocab_size=VOCAB,
@@ -145,22 +151,24 @@ def _bert() -> nn.Module:
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=64,
-        max_position_embeddings=64,
+        max_position_embeddings=max(64, size),
         num_labels=3,
     )
     return tr.BertForSequenceClassification(config)
 
 
-def _gpt2() -> nn.Module:
+def _gpt2(size: int) -> nn.Module:
     tr = thirdparty.transformers()
-    config = tr.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    config = tr.GPT2Config(
+        vocab_size=VOCAB, n_positions=max(64, size), n_embd=32, n_layer=2, n_head=2
+    )
     return tr.GPT2LMHeadModel(config)
 
 
-def _hf_vit() -> nn.Module:
+def _hf_vit(size: int) -> nn.Module:
     tr = thirdparty.transformers()
     config = tr.ViTConfig(
-        image_size=32,
+        image_size=size,
         patch_size=8,
         hidden_size=32,
         num_hidden_layers=2,
@@ -171,7 +179,7 @@ def _hf_vit() -> nn.Module:
     return tr.ViTForImageClassification(config)
 
 
-def _llama() -> nn.Module:
+def _llama(size: int) -> nn.Module:
     tr = thirdparty.transformers()
     config = tr.LlamaConfig(
         vocab_size=VOCAB,
@@ -180,7 +188,7 @@ def _llama() -> nn.Module:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=max(64, size),
     )
     return tr.LlamaForCausalLM(config)
 
@@ -214,8 +222,8 @@ def add_lora(model: nn.Module, targets: tuple[str, ...], rank: int = 4) -> nn.Mo
     return model
 
 
-def _llama_lora() -> nn.Module:
-    return add_lora(_llama(), ("q_proj", "v_proj"))
+def _llama_lora(size: int) -> nn.Module:
+    return add_lora(_llama(size), ("q_proj", "v_proj"))
 
 
 def _lm_inputs(batch: int, size: int) -> Inputs:

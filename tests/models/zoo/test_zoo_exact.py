@@ -23,13 +23,12 @@ NOT_CAPTURED: dict[str, str] = {}
 
 
 def _size(name: str) -> int:
-    names = ZOO[name].input_names
-    return SIZE["tokens"] if "input_ids" in names else SIZE["images"]
+    return SIZE["tokens"] if ZOO[name].takes_tokens else SIZE["images"]
 
 
 def _model_and_input(name: str) -> tuple[nn.Module, object]:
     torch.manual_seed(0)
-    model = ZOO[name].make().to(F64)
+    model = ZOO[name].make(_size(name)).to(F64)
     x = as_dtype(ZOO[name].inputs(BATCH, _size(name)), F64)
     return model, x
 
