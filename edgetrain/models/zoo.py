@@ -160,7 +160,12 @@ def _bert(size: int) -> nn.Module:
 def _gpt2(size: int) -> nn.Module:
     tr = thirdparty.transformers()
     config = tr.GPT2Config(
-        vocab_size=VOCAB, n_positions=max(64, size), n_embd=32, n_layer=2, n_head=2
+        vocab_size=VOCAB,
+        n_positions=max(64, size),
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        use_cache=False,
     )
     return tr.GPT2LMHeadModel(config)
 
@@ -189,6 +194,7 @@ def _llama(size: int) -> nn.Module:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max(64, size),
+        use_cache=False,
     )
     return tr.LlamaForCausalLM(config)
 
