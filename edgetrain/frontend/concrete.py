@@ -208,12 +208,29 @@ class ValueTracer(fx.Tracer):
             value = self._value_of(kind, target, args, kwargs)
             if value is not UNKNOWN and value is not None and not _holds_tensor(value):
                 return value  # a shape, a dtype, a flag: a constant, not a node
+            if kind == "call_method" and self._stays(target, args, kwargs, value):
+                return args[0]  # ``t.to(t.device)``: the tensor itself, as eager returns it
         else:
             value = UNKNOWN
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         if isinstance(proxy, fx.Proxy):
             proxy.node.meta[VALUE] = value
         return proxy
+
+    def _stays(self, target: Any, args: Any, kwargs: dict[str, Any], value: Any) -> bool:
+        """Whether ``args[0].to(...)`` (``.cpu()``) leaves the tensor where it is, as it is:
+        eager returns the tensor itself, and the graph holds no device of its own."""
+        if target not in ("to", "cpu") or not isinstance(value, torch.Tensor) or not args:
+            return False
+        source = args[0].node.meta.get(VALUE) if isinstance(args[0], fx.Proxy) else None
+        if not isinstance(source, torch.Tensor) or source.dtype != value.dtype:
+            return False
+        if kwargs.get("copy") or kwargs.get("memory_format") is not None:
+            return False
+        places = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, str | torch.device)]
+        return all(torch.device(p) == self.device for p in places) and (
+            target == "to" or self.device.type == "cpu"
+        )
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
@@ -239,6 +256,8 @@ class ValueTracer(fx.Tracer):
                         mkwargs.pop("device", None)
                     return getattr(margs[0], target)(*margs[1:], **mkwargs)
                 module = self.root.get_submodule(target)
+                if isinstance(module, _SHAPE_KEEPING) and len(margs) == 1 and not mkwargs:
+                    return _like(margs[0], module)  # a norm, an activation: no kernel run
                 state = {
                     n: self._meta(t)
                     for n, t in [*module.named_parameters(), *module.named_buffers()]
@@ -284,6 +303,34 @@ class ValueTracer(fx.Tracer):
         return graph
 
 
+_SHAPE_KEEPING = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.modules.dropout._DropoutNd,
+    nn.Identity,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.Hardswish,
+    nn.Hardsigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Mish,
+)
+"""Leaf modules whose output has their input's shape and dtype (sized without running them)."""
+
+
+def _like(value: Any, module: nn.Module) -> Any:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(type(value).__name__)
+    grad = value.requires_grad or any(p.requires_grad for p in module.parameters())
+    return torch.empty_like(value).requires_grad_(grad and torch.is_grad_enabled())
+
+
 def _holds_tensor(value: Any) -> bool:
     return any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(value)[0])
 
@@ -292,6 +339,11 @@ def _creates(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> boo
     """Whether ``target`` is a random draw that makes a tensor from no tensor (``torch.rand``):
     its value is made on the meta device, drawing nothing."""
     return getattr(target, "__name__", None) in _RANDOM and not _holds_tensor((args, kwargs))
+
+
+def _initialises(value: Any) -> bool:
+    """Whether a draw fills a parameter (``nn.init``, a module made in ``forward()``)."""
+    return any(isinstance(leaf, nn.Parameter) for leaf in tree_flatten(value)[0])
 
 
 def _traced(value: Any) -> bool:
@@ -311,7 +363,8 @@ class _Draws(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        if name in _RANDOM and not _traced((args, kwargs)):
+        drawn = name in _RANDOM and not _traced((args, kwargs))
+        if drawn and not _initialises((args, kwargs)):
             if torch.overrides.is_tensor_method_or_property(func):
                 return self.tracer.create_proxy("call_method", name, args, kwargs)
             return self.tracer.create_proxy("call_function", func, args, kwargs)

@@ -1,21 +1,27 @@
 """Capture any ``nn.Module`` as a graph of operations, and cut that graph into runnable segments.
 
-:func:`capture` traces ``model`` with ``torch.fx.symbolic_trace`` and runs the traced graph once
-on a sample to record, per node (in the graph's order, which is topological and is the order
-``forward()`` runs them): what it is (a leaf-module call, a function, a tensor method), which
-values it reads, its output's shape, dtype and bytes, whether it overwrites a value in place and
-whether its output shares storage with (is a view of, or the in-place result of) a value it read.
+:func:`capture` traces ``model`` with torch.fx at the sample's shapes
+(:mod:`edgetrain.frontend.concrete`: each proxy carries a meta tensor, so shape queries are
+Python ints, branches on shapes are taken once, and a shape never lives across a cut) and runs
+the traced graph once on a sample to record, per node (in the graph's order, which is
+topological and is the order ``forward()`` runs them): what it is (a leaf-module call, a
+function, a tensor method), which values it reads, its output's shape, dtype and bytes, whether
+it overwrites a value in place and whether its output shares storage with (is a view of, or the
+in-place result of) a value it read. The sample is a tensor, a sequence of positional tensors,
+or a mapping of ``forward()``'s keyword arguments; ``leaf_modules`` are classes kept as one call.
 
-Why ``torch.fx`` and not ``torch.export`` or dispatch-level tracing: fx traces a ResNet-152 in
-well under a second and keeps the model's own leaf modules (``Conv2d``, ``BatchNorm2d``,
-``Dropout``) and in-place operations exactly as written, so a cut graph re-runs *the same
-modules*: BatchNorm updates its own running statistics, dropout draws from the same RNG stream
-in the same order, tied weights stay one parameter. ``torch.export`` (and AOT/dispatch tracing)
-lowers to ATen operators, functionalises in-place updates and turns BatchNorm's buffer updates
-into graph outputs, which an executor would have to write back; it also takes seconds per model.
-The price of fx: Python control flow that depends on a tensor's *value* cannot be traced (nor
-can torch.export trace it without rewriting); :func:`capture` then raises one
-:class:`~edgetrain.errors.InvalidInput` line naming the construct, where it is, and what to do.
+Why ``torch.fx`` and not ``torch.export`` or dispatch-level tracing: fx keeps the model's own
+leaf modules (``Conv2d``, ``BatchNorm2d``, ``Dropout``) and in-place operations exactly as
+written, so a cut graph re-runs *the same modules*: BatchNorm updates its own running
+statistics, dropout draws from the same RNG stream in the same order, tied weights stay one
+parameter. ``torch.export`` (and AOT/dispatch tracing) lowers to ATen operators, functionalises
+in-place updates and turns BatchNorm's buffer updates into graph outputs, which an executor
+would have to write back; it also takes seconds per model. Meta values cost little (norms,
+activations and dropout are sized without a kernel): tracing ResNet-152 costs a small part of
+the one run on the sample that follows. The price: Python control flow that depends
+on a tensor's *value* cannot be traced (nor can torch.export trace it without rewriting);
+:func:`capture` then raises one :class:`~edgetrain.errors.InvalidInput` line naming the
+construct, where it is, and what to do (``leaf_modules=(TheModule,)`` among the fixes).
 The tracer is fx's own, except that ``a += b`` on a tensor is recorded as ``operator.iadd``
 (in place, as eager runs it) where plain fx would record ``a = a + b``.
 fx bakes Python values in at trace time (``self.training`` passed to ``F.dropout``, for

@@ -57,7 +57,7 @@ from edgetrain.autograd.stages import (
 from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes, storage_key
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
-from edgetrain.frontend.cuts import as_stages, check_sequential
+from edgetrain.frontend.cuts import as_stages, check_sequential, stage_input
 
 NOMINAL_FLOPS = 1e9
 """Speed (floating-point operations per second) that turns analytic op counts into seconds."""
@@ -176,6 +176,7 @@ def _analytic(
         model = model if _on_meta(model) else _meta_copy(model)
         sample_input = _to_meta(sample_input)
     stages = as_stages(model, sample_input)
+    sample_input = stage_input(stages, sample_input)  # keyword inputs as the stages take them
     meta_model = stages if _on_meta(stages) else _meta_copy(stages)
     with cpu_kernels() as unlike_cpu:
         chain = _profile(

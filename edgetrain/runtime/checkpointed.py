@@ -29,8 +29,9 @@ inputs and random-number state:
 * autocast: every stage run (recomputations too) is under the autocast state of the forward,
   without autocast's cache of weight copies (a copy lives as long as autograd saves it, as the
   profile, made under the same state, counts it);
-* inputs may be a tensor or, for an ``nn.Sequential``, a tuple, list or dict of tensors (only
-  floating-point tensors carry gradients); stages may pass such structures between them; an
+* inputs may be a tensor or, for an ``nn.Sequential``, a tuple, list or dict of tensors, or for
+  a captured model a dict of ``forward()``'s keyword arguments, called as ``net(**inputs)``
+  (only floating-point tensors carry gradients); stages may pass such structures between them; an
   output the loss does not use leaves its layers' gradients ``None``;
 * a plan is made for the input's shapes and dtypes, which parameters and inputs need a
   gradient, each module's train/eval mode, the autocast state and, for a captured model, the
