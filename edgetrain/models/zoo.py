@@ -143,6 +143,11 @@ def _timm_vit(size: int) -> nn.Module:
 # -- Hugging Face transformers ---------------------------------------------------------------
 
 
+ATTENTION = "eager"
+"""Hugging Face attention: "eager" (matrix products and softmax). With "sdpa", the causal
+language models build their mask with ``torch.vmap`` (``masking_utils``), which capture refuses."""
+
+
 def _bert(size: int) -> nn.Module:
     tr = thirdparty.transformers()
     config = tr.BertConfig(
@@ -153,6 +158,7 @@ def _bert(size: int) -> nn.Module:
         intermediate_size=64,
         max_position_embeddings=max(64, size),
         num_labels=3,
+        attn_implementation=ATTENTION,
     )
     return tr.BertForSequenceClassification(config)
 
@@ -166,6 +172,7 @@ def _gpt2(size: int) -> nn.Module:
         n_layer=2,
         n_head=2,
         use_cache=False,
+        attn_implementation=ATTENTION,
     )
     return tr.GPT2LMHeadModel(config)
 
@@ -180,6 +187,7 @@ def _hf_vit(size: int) -> nn.Module:
         num_attention_heads=2,
         intermediate_size=64,
         num_labels=CLASSES,
+        attn_implementation=ATTENTION,
     )
     return tr.ViTForImageClassification(config)
 
@@ -195,6 +203,7 @@ def _llama(size: int) -> nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=max(64, size),
         use_cache=False,
+        attn_implementation=ATTENTION,
     )
     return tr.LlamaForCausalLM(config)
 
@@ -233,7 +242,12 @@ def _llama_lora(size: int) -> nn.Module:
 
 
 def _lm_inputs(batch: int, size: int) -> Inputs:
-    return _tokens(batch, size)
+    """A causal language model's: token ids and labels. Its ``attention_mask`` is not captured
+    yet: ``masking_utils`` builds the padded causal mask with ``torch.vmap`` over a Python
+    function, which capture's proxies do not pass through."""
+    inputs = _tokens(batch, size)
+    del inputs["attention_mask"]
+    return inputs
 
 
 def _classifier_inputs(batch: int, size: int) -> Inputs:
@@ -241,6 +255,7 @@ def _classifier_inputs(batch: int, size: int) -> Inputs:
 
 
 TOKENS = ("input_ids", "attention_mask", "labels")
+LM_TOKENS = ("input_ids", "labels")
 ZOO: dict[str, ZooModel] = {
     model.name: model
     for model in (
@@ -264,15 +279,15 @@ ZOO: dict[str, ZooModel] = {
         ZooModel("hf-bert", "transformers", "BertForSequenceClassification, 2 layers, dim 32",
                  _bert, _classifier_inputs, ("BertLayer",), TOKENS),
         ZooModel("hf-gpt2", "transformers", "GPT2LMHeadModel, 2 layers, dim 32", _gpt2,
-                 _lm_inputs, ("GPT2Block",), TOKENS),
+                 _lm_inputs, ("GPT2Block",), LM_TOKENS),
         ZooModel("hf-vit", "transformers", "ViTForImageClassification, 2 layers, dim 32",
                  _hf_vit, _pixels, ("ViTLayer",), ("pixel_values", "labels")),
         ZooModel("hf-llama", "transformers",
                  "LlamaForCausalLM, 2 layers, dim 32, grouped-query attention, RoPE",
-                 _llama, _lm_inputs, ("LlamaDecoderLayer",), TOKENS),
+                 _llama, _lm_inputs, ("LlamaDecoderLayer",), LM_TOKENS),
         ZooModel("hf-llama-lora", "transformers",
                  "the Llama above frozen, rank-4 LoRA adapters on q_proj and v_proj",
-                 _llama_lora, _lm_inputs, ("LlamaDecoderLayer",), TOKENS),
+                 _llama_lora, _lm_inputs, ("LlamaDecoderLayer",), LM_TOKENS),
     )
 }  # fmt: skip
 
