@@ -146,6 +146,7 @@ class ValueTracer(fx.Tracer):
         first = next(iter(self.inputs.values()), None)
         self.device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
         self._metas: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.computing_depth = 0  # > 0 while a value is computed on meta tensors
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, self.leaf_types) or super().is_leaf_module(m, module_qualified_name)
@@ -234,9 +235,14 @@ class ValueTracer(fx.Tracer):
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
-        """While a value is computed: fx's patches off (a leaf's forward runs as itself)."""
-        with _maybe_revert_all_patches():
-            yield
+        """While a value is computed: fx's patches off (a leaf's forward runs as itself), and
+        random draws inside it (a wrapped function's own) not recorded as nodes."""
+        self.computing_depth += 1
+        try:
+            with _maybe_revert_all_patches():
+                yield
+        finally:
+            self.computing_depth -= 1
 
     def _value_of(
         self, kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -362,6 +368,8 @@ class _Draws(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if self.tracer.computing_depth:  # a value computed on meta tensors draws nothing real
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", None)
         drawn = name in _RANDOM and not _traced((args, kwargs))
         if drawn and not _initialises((args, kwargs)):

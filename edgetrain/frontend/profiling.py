@@ -58,7 +58,7 @@ from edgetrain.autograd.stages import (
 from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes, storage_key
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
-from edgetrain.frontend.cuts import as_stages, check_sequential, stage_input
+from edgetrain.frontend.cuts import as_stages, check_sequential, on_stage_input, stage_input
 from edgetrain.frontend.device_speed import DeviceSpeed, OpSeconds, device_speed
 
 NOMINAL_FLOPS = 1e9
@@ -230,7 +230,7 @@ def _analytic(
     if stages is model:
         return chain
     return replace(
-        with_module_step(chain, model, sample_input),
+        with_module_step(chain, on_stage_input(model, stages), sample_input),
         stages=tuple(_segment_names(stages, chain)),
         name=type(model).__name__,
     )

@@ -163,6 +163,37 @@ def test_a_random_draw_without_traced_arguments_is_drawn_at_every_step():
         assert not torch.equal(captured.graph_module(x), captured.graph_module(x))
 
 
+def drop_rows(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Stochastic depth as torchvision writes it: a function fx keeps whole (``torch.fx.wrap``)
+    that draws its own noise on the input's device."""
+    noise = torch.empty([x.shape[0]] + [1] * (x.ndim - 1), dtype=x.dtype, device=x.device)
+    return x * noise.bernoulli_(1 - p).div_(1 - p)
+
+
+torch.fx.wrap("drop_rows")
+
+
+class RowDrop(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.a(x))
+        return self.b(drop_rows(y, 0.5) + y)
+
+
+def test_a_wrapped_function_drawing_its_own_noise_is_one_node_drawn_at_every_step():
+    torch.manual_seed(0)
+    model = RowDrop().double().train()
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=F64)
+    captured = capture(twin, x)
+    assert [str(n.target).endswith("drop_rows") for n in captured.nodes].count(True) == 1
+    assert not any("bernoulli" in str(n.target) for n in captured.nodes)
+    _same_training(model, segments(captured, all_cuts(captured)), twin, x)
+
+
 def test_shapes_read_once_do_not_block_the_cuts_between_layers():
     """``B, T, C`` are ints baked into the graph: the model is cut between every pair of
     layers (one tensor crosses), and the first layer is no larger than the others."""

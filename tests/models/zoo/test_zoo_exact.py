@@ -18,12 +18,7 @@ from edgetrain.runtime.checkpointed import Checkpointed
 F64 = torch.float64
 BATCH = 2
 SIZE = {"images": 32, "tokens": 16}
-NOT_CAPTURED = {
-    "tv-swin": "capture bakes the device of its meta values into the graph: stochastic_depth's "
-    "torch.empty(..., device=input.device) makes a meta tensor in the step",
-    "hf-gpt2": "Checkpointed's step hands GPT2LMHeadModel a tuple for input_ids "
-    "('tuple' object has no attribute 'size')",
-}
+NOT_CAPTURED: dict[str, str] = {}
 """Models torch.fx cannot capture yet, and why (each test is an expected failure)."""
 
 
