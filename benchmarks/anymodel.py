@@ -86,7 +86,7 @@ from edgetrain.models.resnet import BasicBlock, Bottleneck
 from edgetrain.models.transformer import Block
 from edgetrain.models.unet import UNet
 from edgetrain.planners.optimal import store_all
-from edgetrain.runtime.checkpointed import STAGE_SECONDS
+from edgetrain.runtime.prepared import STAGE_SECONDS
 
 MiB = 2**20
 COMPILE_BUDGETS = (1.0, 0.5, 0.3, 0.1)
@@ -439,7 +439,7 @@ def _fit(
     before, candidates too; the plans measured here are added to it. Each plan runs with
     ``target`` as the budget it was made for, so that the executor may run its stages as one
     graph up to it (:meth:`Edgetrain.checkpointed`); the fastest plan is the one whose predicted
-    time plus :data:`~edgetrain.runtime.checkpointed.STAGE_SECONDS` per stage the executor runs is
+    time plus :data:`~edgetrain.runtime.prepared.STAGE_SECONDS` per stage the executor runs is
     least.
     """
     least = edgetrain.least_bytes()

@@ -27,7 +27,6 @@ EXCEPTIONS: dict[str, str] = {
     "edgetrain/frontend/profiling.py": "measuring a stage, sizing on meta and merged runs",
     "edgetrain/insitu/store.py": "the store's database, its files and their checks",
     "edgetrain/planners/optimal.py": "the DP's table, its fill and its plans",
-    "edgetrain/runtime/checkpointed.py": "Checkpointed's planning and its per-state plan",
     "edgetrain/tiles/tiling.py": "tile geometry and the halo arithmetic",
     "edgetrain/cli/plan.py:plan_command": "reading the model, planning, and the table",
     "edgetrain/cli/tiles.py:tiles": "the grid, the launch and the report",
@@ -36,7 +35,6 @@ EXCEPTIONS: dict[str, str] = {
     "edgetrain/frontend/fx_capture.py:capture": "the tracer's set-up and restore",
     "edgetrain/frontend/profiling.py:_profile_stage": "one stage's measured passes",
     "edgetrain/insitu/student.py:train_student": "the resumable training loop",
-    "edgetrain/runtime/checkpointed.py:_merge": "choosing which runs merge",
 }
 
 
