@@ -77,7 +77,8 @@ from _malloc_peak import malloc_peak, release_free_memory
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.chain import Chain
 from edgetrain.core.loss import with_loss
-from edgetrain.core.schedule import Cost, Schedule, simulate
+from edgetrain.core.schedule import Schedule
+from edgetrain.core.simulator import Cost, simulate
 from edgetrain.errors import EdgetrainError, InfeasibleBudget
 from edgetrain.frontend.loss import profile_loss
 from edgetrain.models import build, canonical_name, sample_input

@@ -190,7 +190,7 @@ class Chain:
             caller and held until the backward ends), measured when the chain was profiled:
             ``(gradients created by the step, gradients kept from the step before)``. The
             store-all plan runs exactly that (no executor), so it is that plan's peak (see
-            :func:`~edgetrain.core.schedule.simulate`): autograd's engine adds the two gradients of
+            :func:`~edgetrain.core.simulator.simulate`): autograd's engine adds the two gradients of
             a
             tensor used twice into a new tensor where the executor adds in place, which no
             stage-by-stage count sees. None: not measured (a chain made by hand).

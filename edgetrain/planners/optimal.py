@@ -22,7 +22,7 @@ first" may be one of several *options* (its forward phase, what it leaves held, 
 phase) and the best is taken: a chain's own stages have one option each (:func:`chain_costs`),
 blocks of stages several (:mod:`edgetrain.planners.blocks`, through :class:`TableMaker`).
 
-Memory is counted exactly as :func:`edgetrain.core.schedule.simulate` counts it (a graph holds what
+Memory is counted exactly as :func:`edgetrain.core.simulator.simulate` counts it (a graph holds what
 autograd saves: its input, its output or neither; shared storages once; transient peaks per
 operation; the output held by the caller after the loss; parameter gradients held from the backward
 that creates them to the end of the step), with every size rounded *up* to whole slots, so a plan
@@ -45,7 +45,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided, sliding_window_view
 
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import Op, Schedule, simulate, store_all_operations
+from edgetrain.core.schedule import Op, Schedule, store_all_operations
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 
 DEFAULT_SLOTS = 500
@@ -651,7 +652,7 @@ class TableMaker:
 
     Attributes:
         chain: the chain the plans are for (and the simulator checks them on).
-        grads_exist: as in :func:`~edgetrain.core.schedule.simulate`.
+        grads_exist: as in :func:`~edgetrain.core.simulator.simulate`.
         length: stages of the recursion (the chain's by default).
         unit: a size (bytes) every size of the recursion is a multiple of (0: none known).
         costs, expand, strategy, release: as in :class:`OptimalTable`.
@@ -703,7 +704,7 @@ def optimal(
     chain: Chain, memory_bytes: float, slots: int = DEFAULT_SLOTS, *, grads_exist: bool = False
 ) -> Schedule:
     """The fastest plan whose simulated peak stays within ``memory_bytes`` (see
-    :class:`~edgetrain.core.schedule.Cost`).
+    :class:`~edgetrain.core.simulator.Cost`).
 
     One table for the budget (at most ``slots`` slots, fewer for long chains, see
     :func:`max_slots`; exactly the chain's common size unit when that needs no more): the plans it

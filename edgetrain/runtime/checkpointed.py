@@ -39,7 +39,7 @@ inputs and random-number state:
   :data:`KEPT_PLANS`), or refused with ``on_new_shape="error"``;
 * under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
   when the plan stores everything (plain autograd's step, which holds no more than predicted);
-  a plan whose every stage belongs to one graph run (:func:`~edgetrain.core.schedule.graph_runs`:
+  a plan whose every stage belongs to one graph run (:func:`~edgetrain.core.graph_merge.graph_runs`:
   stages stored, recomputed for the backward of the stage after them, or checkpointed segments)
   is plain autograd on that run (:class:`~edgetrain.autograd.replay.GraphRunModule`), its step
   measured as it runs.
@@ -99,12 +99,8 @@ from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain
 from edgetrain.core.explain import UNSPLIT, PeakExplanation, explain_plan
-from edgetrain.core.schedule import (
-    Cost,
-    Op,
-    Schedule,
-    simulate,
-)
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import Cost, simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import (
@@ -165,7 +161,7 @@ class Checkpointed(Replanning, Preparing, nn.Module):
             ``Pi k``): the "SD card". Written by a background thread, checksummed, verified when
             read back, deleted after use (see :mod:`edgetrain.runtime.paging`).
         merge_graph_runs: run each graph run of the plan as one stage
-            (:func:`~edgetrain.core.schedule.graph_runs`); False runs every stage on its own
+            (:func:`~edgetrain.core.graph_merge.graph_runs`); False runs every stage on its own
             (a diagnostic: the executor's cost per stage, the plan as the simulator counts it).
 
     Attributes:

@@ -1,5 +1,5 @@
 """A plan prepared to run, one per state a step may be in: the schedule, its simulated costs and
-the stages as they run (graph runs merged, see :func:`~edgetrain.core.schedule.graph_runs`),
+the stages as they run (graph runs merged, see :func:`~edgetrain.core.graph_merge.graph_runs`),
 the operations of each phase decoded once (:class:`PreparedPlan`), and how
 :class:`~edgetrain.runtime.checkpointed.Checkpointed` makes one (:class:`Preparing`)."""
 
@@ -16,16 +16,9 @@ from edgetrain.autograd.replay import autocast_label, autocast_state, autocastin
 from edgetrain.autograd.stages import signature, stage_params
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain, Stage
-from edgetrain.core.schedule import (
-    Cost,
-    GraphRun,
-    Op,
-    Schedule,
-    graph_runs,
-    merged_schedule,
-    simulate,
-    stores_everything,
-)
+from edgetrain.core.graph_merge import GraphRun, graph_runs, merged_schedule
+from edgetrain.core.schedule import Op, Schedule, stores_everything
+from edgetrain.core.simulator import Cost, simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.frontend.profiling import (
     graph_step_peaks,

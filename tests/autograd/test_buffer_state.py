@@ -26,7 +26,8 @@ from torch.nn.utils.parametrizations import spectral_norm
 import edgetrain
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.chain import Chain, Stage
-from edgetrain.core.schedule import Op, Schedule, memory_trace, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import memory_trace, simulate
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.runtime.checkpointed import Checkpointed

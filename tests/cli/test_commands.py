@@ -131,7 +131,7 @@ def test_the_demo_budget_is_feasible_and_below_plain_autograd():
     # scripts/run must work on its defaults: the demo trains ResNet-18, batch 16, 224x224.
     from edgetrain.cli.demo import demo
     from edgetrain.core.accounting import fixed_training_bytes
-    from edgetrain.core.schedule import simulate
+    from edgetrain.core.simulator import simulate
     from edgetrain.models import model_chain
     from edgetrain.planners.optimal import minimum_memory, store_all
     from edgetrain.units import parse_bytes

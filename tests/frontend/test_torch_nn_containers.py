@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.fx_capture import capture
 from edgetrain.frontend.profiling import analytic_chain

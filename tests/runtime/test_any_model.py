@@ -15,7 +15,7 @@ from torch import nn
 
 import edgetrain
 from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.models import build, sample_input

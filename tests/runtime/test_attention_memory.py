@@ -21,7 +21,7 @@ from torch import nn
 
 import edgetrain
 from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all

@@ -13,7 +13,8 @@ import edgetrain
 from edgetrain.autograd.replay import GraphRunModule
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.accounting import fixed_training_bytes
-from edgetrain.core.schedule import Op, Schedule, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InvalidInput, InvalidSchedule
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain

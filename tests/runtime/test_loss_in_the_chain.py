@@ -13,7 +13,8 @@ from torch import nn
 
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.loss import with_loss
-from edgetrain.core.schedule import made_for, simulate
+from edgetrain.core.schedule import made_for
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.loss import profile_loss
