@@ -505,8 +505,8 @@ def _fit(
 
 def _stages_run(net: Any) -> int:
     """How many stages the executor runs a plan as: one for a store-all plan, which runs the
-    model as it is (it was counted as all of its stages, so a plan recomputing 2 % was taken
-    as faster than storing everything)."""
+    model as it is (counted as all of its stages, a plan recomputing 2 % would pass for faster
+    than storing everything)."""
     return 1 if net._stores_everything else net._exec_length
 
 
