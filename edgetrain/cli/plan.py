@@ -164,10 +164,23 @@ def plan_command(
     if as_json:
         emit_json(report)
         return
+    _print_plan(report, chain.name, strategy, shape, fixed, save_path, explained)
+
+
+def _print_plan(
+    report: dict[str, Any],
+    name: str,
+    strategy: str,
+    shape: tuple[int, ...],
+    fixed: int,
+    save_path: str | None,
+    explained: PeakExplanation | None,
+) -> None:
+    """The plan's table of stages, its predicted peak and time, and what it holds at the peak."""
     several = any(s["tensors"] > 1 for s in report["stages"])
     console.print(
         table(
-            f"{strategy} plan for {chain.name}, {input_words(shape)}",
+            f"{strategy} plan for {name}, {input_words(shape)}",
             [
                 "stage",
                 "output MiB",

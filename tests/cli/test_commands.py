@@ -175,7 +175,7 @@ def test_json_sizes_name_their_unit(command):
 
 
 def test_plan_summary_says_what_a_store_all_plan_keeps():
-    # "at most 0 activations stored" was printed for a plan that keeps every graph
+    # a plan that keeps every graph says so, not "at most 0 activations stored"
     table_text = run("plan --model resnet18 --batch 2 --image 64 --memory 2GB").stdout
     assert "0 activations" not in table_text
     assert "keeps the graph of every stage (10), recomputes nothing" in " ".join(table_text.split())

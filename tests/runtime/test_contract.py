@@ -22,6 +22,7 @@ from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
 from edgetrain.runtime.checkpointed import Checkpointed
 from edgetrain.runtime.prepared import STAGE_SECONDS
+from tests.helpers import step_peak
 
 F64 = torch.float64
 # Every strategy, and budgets from storing everything down to the tightest.
@@ -245,17 +246,15 @@ MODELS = [
 ]
 
 
+def cross_entropy(out: torch.Tensor) -> None:
+    """The step's loss and backward: cross-entropy against class 0."""
+    target = torch.zeros(out.shape[0], dtype=torch.long)
+    torch.nn.functional.cross_entropy(out, target).backward()
+
+
 def measured_peak(net, x, set_to_none):
-    params = list(net.parameters())
-    for p in params:  # the loop's zero_grad(): gradients to None, or kept and zeroed
-        p.grad = None if set_to_none else torch.zeros_like(p)
-    counter = StorageCounter()
-    with counter:  # the usual loop: the output stays referenced until the step ends
-        out = net(x)
-        loss = torch.nn.functional.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long))
-        loss.backward()
-        del out
-    return counter.peak_bytes
+    """One step's peak with a cross-entropy loss, in the loop's ``zero_grad()``."""
+    return step_peak(net, x, backward=cross_entropy, kept=not set_to_none)
 
 
 @pytest.mark.parametrize(("name", "make", "shape"), MODELS)
@@ -1014,7 +1013,7 @@ def _train_like_plain(model, x, run, set_to_none):
 
 
 @BOTH_LOOPS
-def test_a_rebuilt_stage_that_saves_its_own_output_holds_it_no_longer_as_one_graph(set_to_none):
+def test_a_rebuilt_stage_that_saves_its_own_output_rebuilds_it_too_as_one_graph(set_to_none):
     """Tanh's backward reads its output: as one graph, what Tanh itself saves of its output is
     rebuilt too (not held from the forward on), so the plan that releases every Tanh's output
     runs as one graph within the plan's own peak, and trains as plain autograd does."""
