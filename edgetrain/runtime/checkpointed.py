@@ -4,6 +4,11 @@
     loss = criterion(net(x), target)
     loss.backward()              # runs the plan's backward phase; gradients land in .grad
 
+A plan is prepared for each state a step may be in (:mod:`edgetrain.runtime.prepared`: a frozen
+:class:`~edgetrain.runtime.prepared.PreparedPlan`), kept by that state and made again when the
+state changes (:mod:`edgetrain.runtime.replanning`), and run inside autograd by the interpreter
+of its operations (:mod:`edgetrain.runtime.interpreter`).
+
 Contract (compare ``torch.utils.checkpoint``). What is the same as plain autograd on the same
 inputs and random-number state:
 
