@@ -27,7 +27,6 @@ EXCEPTIONS: dict[str, str] = {
     "edgetrain/planners/optimal.py": "the DP's table, its fill and its plans",
     "edgetrain/tiles/tiling.py": "tile geometry and the halo arithmetic",
     "edgetrain/cli/tiles.py:tiles": "the grid, the launch and the report",
-    "edgetrain/core/graph_merge.py:graph_runs": "one pass over the ops",
     "edgetrain/core/simulator.py:_replay": "the simulator's replay, one branch per op",
     "edgetrain/frontend/fx_capture.py:capture": "the tracer's set-up and restore",
     "edgetrain/frontend/profiling.py:_profile_stage": "one stage's measured passes",

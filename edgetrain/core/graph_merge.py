@@ -90,85 +90,19 @@ def graph_runs(schedule: Schedule) -> tuple[GraphRun, ...]:
     at its backward's peak what the stages hold one by one, so the executor sizes the merged
     stages before it merges them (:class:`~edgetrain.runtime.checkpointed.Checkpointed`).
     """
-    touched: dict[int, list[tuple[Op, int]]] = {}
-    named: dict[int, set[int]] = {}  # activation -> positions of the D, Po, Pi naming it
-    ops = list(schedule)
-    for position, (kind, k) in enumerate(ops):
-        if kind.names_activation:
-            named.setdefault(k, set()).add(position)
-        else:
-            touched.setdefault(k, []).append((kind, position))
-    absorbed: set[int] = set()  # positions of segments' own D j+1
-
-    def is_named(k: int) -> bool:
-        return bool(named.get(k, set()) - absorbed)
-
-    def named_within(k: int, first_unit: tuple[int, int, int, int, int]) -> bool:
-        """Whether activation k is named while the unit beginning at k holds it (from its
-        first forward to its last backward operation)."""
-        return any(first_unit[1] < p < first_unit[4] for p in named.get(k, set()) - absorbed)
-
-    def kinds(k: int) -> tuple[Op, ...]:
-        return tuple(kind for kind, _ in touched.get(k, []))
-
-    def positions(k: int) -> list[int]:
-        return [position for _, position in touched[k]]
-
-    recomputes = (Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.BACKWARD)
-
-    def segment(k: int) -> tuple[int, int, int, int, int, int | None] | None:
-        """The checkpointed segment beginning at k, as :func:`unit`'s tuple and the position of
-        its ``D j+1`` (or None), or None."""
-        f0, a0, _ = positions(k)
-        j = k
-        while kinds(j + 1) == (Op.FORWARD_NOSAVE, Op.FORWARD_ALL, Op.BACKWARD):
-            f, a, _ = positions(j + 1)
-            if f != f0 + j + 1 - k or a != a0 + j + 1 - k or is_named(j + 1):
-                break
-            j += 1
-        after = a0 + j - k + 1  # right after Fa j
-        discard = None
-        if after < len(ops) and ops[after] == (Op.DISCARD, j + 1):
-            discard, after = after, after + 1
-        if any(positions(i)[2] != after + j - i for i in range(k, j + 1)):
-            return None
-        return j, f0, f0 + j - k, a0, after + j - k, discard
-
-    def unit(k: int) -> tuple[int, int, int, int, int] | None:
-        """The unit beginning at stage k as (its last stage, the positions of its first and
-        last forward and of its first and last backward operation), or None."""
-        if kinds(k) == (Op.FORWARD_ALL, Op.BACKWARD):
-            (_, f), (_, b) = touched[k]
-            return k, f, f, b, b
-        if kinds(k) != recomputes:
-            return None
-        if kinds(k + 1) == (Op.FORWARD_RELEASE, Op.BACKWARD):
-            (_, f0), (_, again), (_, b0) = touched[k]
-            (_, f1), (_, b1) = touched[k + 1]
-            if f1 == f0 + 1 and b1 == again + 1 and b0 == b1 + 1 and not is_named(k + 1):
-                return k + 1, f0, f1, again, b0
-            return None
-        found = segment(k)
-        if found is None:
-            return None
-        *span, discard = found
-        if discard is not None:
-            absorbed.add(discard)
-        segments[k] = span[0]
-        return span[0], span[1], span[2], span[3], span[4]
-
-    segments: dict[int, int] = {}  # first -> last stage of each checkpointed segment found
+    ops = _Operations(schedule)
+    segments = ops.segments
     runs: list[GraphRun] = []
     k = 0
     while k < schedule.length:
-        begun = unit(k)
-        if begun is None or ((k in segments or begun[0] > k) and named_within(k, begun)):
+        begun = ops.unit(k)
+        if begun is None or ((k in segments or begun[0] > k) and ops.named_within(k, begun)):
             k += 1
             continue
         last, _, forward_end, backward_start, _ = begun
         recomputed = {k} if last > k and k not in segments else set()
-        while last + 1 < schedule.length and not is_named(last + 1):
-            following = unit(last + 1)
+        while last + 1 < schedule.length and not ops.is_named(last + 1):
+            following = ops.unit(last + 1)
             if following is None:
                 break
             end, f_first, f_last, b_first, b_last = following
@@ -182,6 +116,83 @@ def graph_runs(schedule: Schedule) -> tuple[GraphRun, ...]:
             runs.append(GraphRun(k, last, frozenset(recomputed), inside))
         k = last + 1
     return tuple(runs)
+
+
+class _Operations:
+    """A schedule's operations indexed for :func:`graph_runs`: by the stage each runs, and the
+    positions of the ``D``, ``Po`` and ``Pi`` naming each activation."""
+
+    RECOMPUTES = (Op.FORWARD_CHECKPOINT, Op.FORWARD_ALL, Op.BACKWARD)
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.touched: dict[int, list[tuple[Op, int]]] = {}
+        self.named: dict[int, set[int]] = {}  # activation -> positions of the D, Po, Pi naming it
+        self.ops = list(schedule)
+        for position, (kind, k) in enumerate(self.ops):
+            if kind.names_activation:
+                self.named.setdefault(k, set()).add(position)
+            else:
+                self.touched.setdefault(k, []).append((kind, position))
+        self.absorbed: set[int] = set()  # positions of segments' own D j+1
+        self.segments: dict[int, int] = {}  # first -> last stage of each checkpointed segment
+
+    def is_named(self, k: int) -> bool:
+        return bool(self.named.get(k, set()) - self.absorbed)
+
+    def named_within(self, k: int, first_unit: tuple[int, int, int, int, int]) -> bool:
+        """Whether activation k is named while the unit beginning at k holds it (from its
+        first forward to its last backward operation)."""
+        named = self.named.get(k, set()) - self.absorbed
+        return any(first_unit[1] < p < first_unit[4] for p in named)
+
+    def kinds(self, k: int) -> tuple[Op, ...]:
+        return tuple(kind for kind, _ in self.touched.get(k, []))
+
+    def positions(self, k: int) -> list[int]:
+        return [position for _, position in self.touched[k]]
+
+    def segment(self, k: int) -> tuple[int, int, int, int, int, int | None] | None:
+        """The checkpointed segment beginning at k, as :meth:`unit`'s tuple and the position of
+        its ``D j+1`` (or None), or None."""
+        ops, kinds, positions = self.ops, self.kinds, self.positions
+        f0, a0, _ = positions(k)
+        j = k
+        while kinds(j + 1) == (Op.FORWARD_NOSAVE, Op.FORWARD_ALL, Op.BACKWARD):
+            f, a, _ = positions(j + 1)
+            if f != f0 + j + 1 - k or a != a0 + j + 1 - k or self.is_named(j + 1):
+                break
+            j += 1
+        after = a0 + j - k + 1  # right after Fa j
+        discard = None
+        if after < len(ops) and ops[after] == (Op.DISCARD, j + 1):
+            discard, after = after, after + 1
+        if any(positions(i)[2] != after + j - i for i in range(k, j + 1)):
+            return None
+        return j, f0, f0 + j - k, a0, after + j - k, discard
+
+    def unit(self, k: int) -> tuple[int, int, int, int, int] | None:
+        """The unit beginning at stage k as (its last stage, the positions of its first and
+        last forward and of its first and last backward operation), or None."""
+        touched, kinds = self.touched, self.kinds
+        if kinds(k) == (Op.FORWARD_ALL, Op.BACKWARD):
+            (_, f), (_, b) = touched[k]
+            return k, f, f, b, b
+        if kinds(k) != self.RECOMPUTES:
+            return None
+        if kinds(k + 1) == (Op.FORWARD_RELEASE, Op.BACKWARD):
+            (_, f0), (_, again), (_, b0) = touched[k]
+            (_, f1), (_, b1) = touched[k + 1]
+            if f1 == f0 + 1 and b1 == again + 1 and b0 == b1 + 1 and not self.is_named(k + 1):
+                return k + 1, f0, f1, again, b0
+            return None
+        found = self.segment(k)
+        if found is None:
+            return None
+        *span, discard = found
+        if discard is not None:
+            self.absorbed.add(discard)
+        self.segments[k] = span[0]
+        return span[0], span[1], span[2], span[3], span[4]
 
 
 def merged_schedule(schedule: Schedule, runs: Sequence[GraphRun]) -> tuple[list[int], Schedule]:
