@@ -1117,7 +1117,7 @@ def test_a_plan_one_graph_would_hold_a_little_over_budget_is_replanned_to_run_as
     _train_like_plain(model, x, run, set_to_none)
     # Without the tighter plan: the budget's own plan, merged only in parts; it costs more, its
     # time and the executor's cost per stage.
-    monkeypatch.setattr(edgetrain.runtime.checkpointed, "ONE_GRAPH_TRIES", 0)
+    monkeypatch.setattr(edgetrain.runtime.prepared, "ONE_GRAPH_TRIES", 0)
     first = Checkpointed(_keeping(model), x, chain=chain, memory_budget=budget)
     assert first.schedule.text() != run.schedule.text() and first._exec_length > 1
     assert runs_as == "one graph" and first.runs_as == f"{first._exec_length} stages"
