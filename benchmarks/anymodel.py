@@ -77,7 +77,8 @@ from _malloc_peak import malloc_peak, release_free_memory
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.chain import Chain
 from edgetrain.core.loss import with_loss
-from edgetrain.core.schedule import Cost, Schedule, simulate
+from edgetrain.core.schedule import Schedule
+from edgetrain.core.simulator import Cost, simulate
 from edgetrain.errors import EdgetrainError, InfeasibleBudget
 from edgetrain.frontend.loss import profile_loss
 from edgetrain.models import build, canonical_name, sample_input
@@ -86,7 +87,7 @@ from edgetrain.models.resnet import BasicBlock, Bottleneck
 from edgetrain.models.transformer import Block
 from edgetrain.models.unet import UNet
 from edgetrain.planners.optimal import store_all
-from edgetrain.runtime.checkpointed import STAGE_SECONDS
+from edgetrain.runtime.prepared import STAGE_SECONDS
 
 MiB = 2**20
 COMPILE_BUDGETS = (1.0, 0.5, 0.3, 0.1)
@@ -439,7 +440,7 @@ def _fit(
     before, candidates too; the plans measured here are added to it. Each plan runs with
     ``target`` as the budget it was made for, so that the executor may run its stages as one
     graph up to it (:meth:`Edgetrain.checkpointed`); the fastest plan is the one whose predicted
-    time plus :data:`~edgetrain.runtime.checkpointed.STAGE_SECONDS` per stage the executor runs is
+    time plus :data:`~edgetrain.runtime.prepared.STAGE_SECONDS` per stage the executor runs is
     least.
     """
     least = edgetrain.least_bytes()
@@ -504,8 +505,8 @@ def _fit(
 
 def _stages_run(net: Any) -> int:
     """How many stages the executor runs a plan as: one for a store-all plan, which runs the
-    model as it is (it was counted as all of its stages, so a plan recomputing 2 % was taken
-    as faster than storing everything)."""
+    model as it is (counted as all of its stages, a plan recomputing 2 % would pass for faster
+    than storing everything)."""
     return 1 if net._stores_everything else net._exec_length
 
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_samples, paired_ratio, sample_medians
 
 from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.profiling import profile_chain
 from edgetrain.models import build

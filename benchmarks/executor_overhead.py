@@ -100,11 +100,7 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
 
     def add(config: str, schedule: Any, through_executor: bool = False, merge: bool = True) -> None:
         model = copy.deepcopy(base)
-        Checkpointed._merge_graph_runs = merge
-        try:
-            net = Checkpointed(model, x, chain=chain, schedule=schedule)
-        finally:
-            Checkpointed._merge_graph_runs = True
+        net = Checkpointed(model, x, chain=chain, schedule=schedule, merge_graph_runs=merge)
         if through_executor:
             net._stores_everything = False  # run the store-all plan stage by stage
         nets[config] = net

@@ -40,7 +40,7 @@ import torch
 from _common import emit, interleaved_samples, sample_medians
 
 from edgetrain.core.chain import Chain, Stage, uniform_chain
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.fx_capture import all_cuts, block_cuts, capture, segments
 from edgetrain.frontend.profiling import analytic_chain

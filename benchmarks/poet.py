@@ -236,7 +236,8 @@ def poet_plan_row(rounds: int = 9, time_limit: float = 60.0) -> dict[str, object
     from torch import nn
 
     from edgetrain.autograd.storage_counter import StorageCounter
-    from edgetrain.core.schedule import Op, Schedule, simulate
+    from edgetrain.core.schedule import Op, Schedule
+    from edgetrain.core.simulator import simulate
     from edgetrain.frontend.profiling import analytic_chain
     from edgetrain.planners.optimal import store_all
     from edgetrain.planners.poet.to_schedule import plan_poet
@@ -305,7 +306,8 @@ def paging_executor(directory: str, rounds: int = 9) -> dict[str, object]:
 
     from edgetrain import plan
     from edgetrain.autograd.storage_counter import StorageCounter
-    from edgetrain.core.schedule import Op, Schedule, simulate
+    from edgetrain.core.schedule import Op, Schedule
+    from edgetrain.core.simulator import simulate
     from edgetrain.frontend.profiling import analytic_chain
     from edgetrain.planners.optimal import minimum_memory, store_all
     from edgetrain.runtime.checkpointed import Checkpointed

@@ -38,7 +38,7 @@ from _common import emit
 
 from edgetrain.autograd import meta_memo
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.device_speed import device_speed

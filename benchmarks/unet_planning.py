@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit
 
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import Op, Schedule, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import simulate
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.profiling import NOMINAL_FLOPS

@@ -16,7 +16,8 @@ import warnings
 from typing import Any
 
 from edgetrain.core.chain import Chain, Stage
-from edgetrain.core.schedule import Cost, Op, Schedule, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import Cost, simulate
 from edgetrain.errors import (
     CorruptFile,
     EdgetrainError,

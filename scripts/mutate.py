@@ -242,7 +242,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "simulate-ignores-saved-bytes",
-        "edgetrain/core/schedule.py",
+        "edgetrain/core/simulator.py",
         "take(pieces[k + 1]) + stage.saved_bytes",
         "take(pieces[k + 1])",
         SIMULATOR_TESTS,
@@ -250,7 +250,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "simulate-ignores-backward-peak",
-        "edgetrain/core/schedule.py",
+        "edgetrain/core/simulator.py",
         "during = held + stage.backward_peak(grads_exist)",
         "during = held",
         SIMULATOR_TESTS,

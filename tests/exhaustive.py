@@ -3,7 +3,7 @@
 It knows nothing of the dynamic program: it walks all states (which activations we hold, which
 graphs, how far the backward has come) reachable by any operation, keeping each operation's peak
 within the budget, and returns the fastest schedule. Its memory count is written from the
-simulator's documented rules, independently of :func:`edgetrain.core.schedule.simulate`: an
+simulator's documented rules, independently of :func:`edgetrain.core.simulator.simulate`: an
 activation
 is held while our reference, a graph that saved it as input, or a graph that saved it as output
 refers to it; the caller holds the output, autograd its gradient; parameter gradients stay

@@ -55,6 +55,17 @@ def test_no_public_function_is_named_like_a_module():
     assert not modules & set(edgetrain.__all__)
 
 
+def test_no_package_exports_a_name_one_of_its_submodules_has():
+    """A submodule named like a name its package exports replaces that name on the package once
+    imported (``edgetrain.core.simulate`` would turn the function into the module)."""
+    for info in pkgutil.walk_packages(edgetrain.__path__, "edgetrain."):
+        if not info.ispkg:
+            continue
+        package = importlib.import_module(info.name)
+        submodules = {sub.name for sub in pkgutil.iter_modules(package.__path__)}
+        assert not submodules & set(getattr(package, "__all__", ())), info.name
+
+
 def test_profile_chain_works_twice_in_a_row_after_checkpointed_ran():
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     x = torch.randn(3, 4)

@@ -33,7 +33,7 @@ from torch import nn
 from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain, uniform_chain
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.models import model_chain

@@ -152,7 +152,8 @@ def check_unchanged(watched: list[tuple[torch.Tensor, int]]) -> None:
 
 
 class GraphRunModule(nn.Sequential):
-    """Consecutive stages run as one autograd graph (a :class:`~edgetrain.core.schedule.GraphRun`).
+    """Consecutive stages run as one autograd graph (a
+    :class:`~edgetrain.core.graph_merge.GraphRun`).
 
     With grad, the output of each stage at a position in ``recomputed`` is not held by the
     graph of the stage after it: what that stage's operations save of it is replaced by a

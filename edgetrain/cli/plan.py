@@ -24,12 +24,13 @@ from edgetrain.cli.output import console, emit_json, table
 from edgetrain.core.accounting import OPTIMIZER_STATES, fixed_training_bytes, optimizer_state_bytes
 from edgetrain.core.chain import Chain
 from edgetrain.core.explain import PeakExplanation, explain_plan
-from edgetrain.core.schedule import Op, Schedule, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.profiling import NOMINAL_FLOPS, analytic_chain
 from edgetrain.models import MODELS, build, model_chain
 from edgetrain.models.factory import load_model_file
-from edgetrain.planners import STRATEGIES
+from edgetrain.planners import FRONTIER_STRATEGIES
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan_for_device
 from edgetrain.runtime.checks import check_budget_holds_weights
@@ -38,7 +39,9 @@ from edgetrain.units import format_bytes, mib
 
 @click.command(name="plan")
 @model_options(default="resnet101", what="to plan for")
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="optimal", show_default=True)
+@click.option(
+    "--strategy", type=click.Choice(FRONTIER_STRATEGIES), default="optimal", show_default=True
+)
 @click.option(
     "--memory",
     type=Size(),
@@ -161,10 +164,23 @@ def plan_command(
     if as_json:
         emit_json(report)
         return
+    _print_plan(report, chain.name, strategy, shape, fixed, save_path, explained)
+
+
+def _print_plan(
+    report: dict[str, Any],
+    name: str,
+    strategy: str,
+    shape: tuple[int, ...],
+    fixed: int,
+    save_path: str | None,
+    explained: PeakExplanation | None,
+) -> None:
+    """The plan's table of stages, its predicted peak and time, and what it holds at the peak."""
     several = any(s["tensors"] > 1 for s in report["stages"])
     console.print(
         table(
-            f"{strategy} plan for {chain.name}, {input_words(shape)}",
+            f"{strategy} plan for {name}, {input_words(shape)}",
             [
                 "stage",
                 "output MiB",

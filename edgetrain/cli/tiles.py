@@ -111,10 +111,9 @@ def tiles(
 
     Trains the models --model lists, at any image size and batch they accept. Prints per rank the
     peak tensor memory, the median step time and the bytes sent, and the layer groups used.
-    At most 16 workers (tiles) run on one machine; they stop when the command is stopped. A
-    worker that dies or stops answering is dropped: the others re-tile the model and repeat the
-    interrupted step (--no-recover stops them all instead). Across boards use torchrun
-    (docs/tiles.md).
+    At most 16 workers run on one machine; they stop when the command is stopped. A worker that
+    dies or hangs is dropped: the others re-tile and repeat the step (--no-recover: stop all).
+    Across boards use torchrun (docs/tiles.md).
     """
     from edgetrain.devices import load
     from edgetrain.tiles.launch import check_local_workers
@@ -134,7 +133,6 @@ def tiles(
     job, doc = setup(network_model, image, grid, batch, groups, cut_text, cluster, dtype)
     job = replace(job, steps=steps, seed=seed, collect=check)
     results = _run_job(job, address, threads, timeout, recover)
-    recoveries = results[0].recoveries if results else []
     predicted = doc.pop("predicted_halo_bytes")
     doc = {
         "model": name,
@@ -153,11 +151,11 @@ def tiles(
                     r.output_region.left,
                     r.output_region.right,
                 ],
-                "predicted_halo_bytes": None if recoveries else predicted[r.rank] * steps,
+                "predicted_halo_bytes": None if r.recoveries else predicted[r.rank] * steps,
             }
             for r in results
         ],
-        "recoveries": recoveries,
+        "recoveries": results[0].recoveries if results else [],
     }
     failed = False
     if check:

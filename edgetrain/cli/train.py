@@ -33,7 +33,7 @@ from edgetrain.errors import InvalidInput
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.models import MODELS, build, sample_input
 from edgetrain.models.factory import load_model_file
-from edgetrain.planners import STRATEGIES
+from edgetrain.planners import FRONTIER_STRATEGIES
 from edgetrain.runtime.checkpointed import Checkpointed
 from edgetrain.runtime.checks import check_plan_for
 from edgetrain.runtime.training import train
@@ -55,7 +55,9 @@ from edgetrain.units import format_bytes
     help="Largest recompute factor (at least 1) instead of --memory.",
 )
 @click.option("--steps", type=POSITIVE, default=5, show_default=True, help="Training steps.")
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="optimal", show_default=True)
+@click.option(
+    "--strategy", type=click.Choice(FRONTIER_STRATEGIES), default="optimal", show_default=True
+)
 @click.option(
     "--optimizer",
     type=click.Choice(sorted(OPTIMIZER_STATES)),

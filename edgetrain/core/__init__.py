@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from edgetrain.core.accounting import OPTIMIZER_STATES, fixed_training_bytes
 from edgetrain.core.chain import Chain, Stage
-from edgetrain.core.schedule import Cost, Op, Schedule, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import Cost, simulate
 
 __all__ = [
     "OPTIMIZER_STATES",

@@ -64,8 +64,8 @@ class Stage:
             first to use, so that a sum over a chain counts a module run by several stages once.
         copied_buffer_bytes: all the buffers of the modules the stage runs, those an earlier
             stage ran too included (one BatchNorm applied twice): what a run of the stage
-            again copies (see :attr:`recompute_buffer_bytes`). None: ``buffer_bytes`` (chains
-            written before this field).
+            again copies (see :attr:`recompute_buffer_bytes`). None: ``buffer_bytes`` (a saved
+            chain without this field).
         span: how many consecutive children of the ``nn.Sequential`` the stage runs (a child that
             returns a view of its input or overwrites it in place is merged with its neighbour).
         output_requires_grad: whether the output needs a gradient (False for leading stages
@@ -190,7 +190,7 @@ class Chain:
             caller and held until the backward ends), measured when the chain was profiled:
             ``(gradients created by the step, gradients kept from the step before)``. The
             store-all plan runs exactly that (no executor), so it is that plan's peak (see
-            :func:`~edgetrain.core.schedule.simulate`): autograd's engine adds the two gradients of
+            :func:`~edgetrain.core.simulator.simulate`): autograd's engine adds the two gradients of
             a
             tensor used twice into a new tensor where the executor adds in place, which no
             stage-by-stage count sees. None: not measured (a chain made by hand).

@@ -1,9 +1,9 @@
 """What is held at a plan's predicted peak, by category, and the operation where it happens.
 
 :func:`explain_plan` replays a plan with the one simulator
-(:func:`edgetrain.core.schedule.simulate`'s
+(:func:`edgetrain.core.simulator.simulate`'s
 replay, stopped just before the operation at the peak:
-:func:`~edgetrain.core.schedule.replay_state`)
+:func:`~edgetrain.core.simulator.replay_state`)
 and splits what it holds there into categories:
 
 ==========================  ===============================================================
@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import Op, ReplayState, Schedule, memory_trace, replay_state, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import ReplayState, memory_trace, replay_state, simulate
 from edgetrain.units import format_bytes
 
 FIXED = ("weights", "buffers", "input", "gradients", "optimizer state", "reserve")

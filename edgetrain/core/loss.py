@@ -15,7 +15,7 @@ def with_loss(chain: Chain, loss: Stage) -> Chain:
 
     The loss runs between the forward phase and the backward phase, on top of what the plan
     holds when the forward ends, not at the chain's peak; and the forward's output and its
-    gradient are already counted by :func:`~edgetrain.core.schedule.simulate` (the caller holds the
+    gradient are already counted by :func:`~edgetrain.core.simulator.simulate` (the caller holds the
     output, the output's gradient is held until the backward ends), so the loss cannot be a
     reserve subtracted from the budget without counting it wrongly. Merged into the last stage
     (not appended as a stage of its own, which would let a plan run the last stage without

@@ -12,8 +12,8 @@ names itself (its image names, their temporary files, its checkpoint's temporary
 user's files are never touched. Its database carries the store's mark (SQLite's
 ``application_id``, :data:`APPLICATION_ID`), written when it is made: a ``store.sqlite`` without
 it is someone else's database and is refused before anything in the directory changes (no
-journal mode set, no table added, no file created); a store made before the mark existed (exactly
-the store's tables) is marked at its next open. One process at a time: a second one
+journal mode set, no table added, no file created); an unmarked database holding exactly the
+store's tables is marked at its next open. One process at a time: a second one
 opening the store gets one line saying it is in use.
 
 Crash safety. A track's images are written first, each atomically (temporary file, fsync,
@@ -45,7 +45,6 @@ evaluation only; the trainer reads the ``images`` table.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import io
 import os
@@ -56,45 +55,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 from PIL import Image
 
-from edgetrain.errors import CorruptFile, EdgetrainError, InvalidInput
+from edgetrain.errors import CorruptFile, InvalidInput
+from edgetrain.insitu.database import (
+    APPLICATION_ID,
+    StoreError,
+    claimed_names,
+    connect,
+    create_database,
+    holds_other_files,
+    is_marked,
+    lock_file,
+    name_of,
+    raise_sqlite,
+)
 from edgetrain.insitu.files import DISK_FULL, DiskFull, write_files
 
 WEBP_QUALITY = 80  # Pillow WebP quality (<= 80); 224^2 crops of the synthetic scene average ~2 KB
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS images (
-    id INTEGER PRIMARY KEY,
-    file TEXT NOT NULL UNIQUE,
-    sha256 TEXT NOT NULL,
-    bytes INTEGER NOT NULL,
-    label INTEGER NOT NULL,
-    track INTEGER NOT NULL,
-    frame INTEGER NOT NULL,
-    time REAL NOT NULL,
-    confidence REAL NOT NULL,
-    source TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS crops (
-    id INTEGER PRIMARY KEY,
-    frame INTEGER NOT NULL,
-    x0 INTEGER NOT NULL, y0 INTEGER NOT NULL, x1 INTEGER NOT NULL, y1 INTEGER NOT NULL,
-    track INTEGER NOT NULL,
-    label INTEGER NOT NULL,        -- the propagated label, -1 when the track was dropped
-    true_label INTEGER NOT NULL,   -- ground truth (synthetic scenes), -1 when unknown
-    angle REAL                     -- ground-truth off-axis angle, degrees (synthetic scenes)
-);
-CREATE INDEX IF NOT EXISTS crops_frame ON crops(frame);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
-
-
-class StoreError(EdgetrainError):
-    """The store cannot be used (not a store, or empty when images are needed)."""
 
 
 class UnreadableImage(CorruptFile):
@@ -111,54 +91,6 @@ _IMAGE = re.compile(r"[0-9a-f]{20}\.webp")
 _NOT_OWN = "file is not the store's name for its image (a path or another name)"
 _TEMPORARY = re.compile(r"\.([0-9a-f]{20}\.webp|student\.ckpt)\..+\.tmp")
 """A temporary file of one of the store's writes (an image, the student's checkpoint)."""
-
-
-def _raise_sqlite(exc: sqlite3.Error, path: Path, doing: str) -> NoReturn:
-    """Raise the one-line error for a failed SQLite call on the store's database ``path``, or
-    ``exc`` itself for what is a bug, not the user's (a constraint, misuse, an SQL error)."""
-    name = getattr(exc, "sqlite_errorname", "")
-    if name.startswith(("SQLITE_CONSTRAINT", "SQLITE_MISUSE")) or name == "SQLITE_ERROR":
-        raise exc
-    if name in ("SQLITE_FULL", "SQLITE_IOERR_WRITE", "SQLITE_IOERR_FSYNC", "SQLITE_IOERR_TRUNCATE"):
-        # A write past the disk's room or the file-size limit reads "disk I/O error".
-        raise DiskFull(
-            f"no room to {doing} {path} ({exc}); free space on the disk or lower --store-cap, "
-            "then run again: what is stored is intact"
-        ) from exc
-    damaged = name in ("SQLITE_CORRUPT", "SQLITE_NOTADB")
-    if damaged or (isinstance(exc, sqlite3.DatabaseError) and not name):
-        raise CorruptFile(
-            f"{path} is not a readable SQLite database ({exc}); move the store away and start a "
-            "new one with another --store"
-        ) from exc
-    raise InvalidInput(f"cannot {doing} {path} ({exc}); check the directory") from exc
-
-
-def _connect(db_path: Path) -> sqlite3.Connection:
-    """The store's database, its schema made and its pages checked (``PRAGMA quick_check``);
-    one-line errors for what the user can mend (see :func:`_raise_sqlite`)."""
-    try:
-        db = sqlite3.connect(db_path, isolation_level=None, timeout=30)
-    except sqlite3.Error as exc:
-        _raise_sqlite(exc, db_path, "open")
-    try:
-        db.execute("PRAGMA journal_mode=DELETE")
-        db.execute("PRAGMA synchronous=FULL")
-        db.executescript(_SCHEMA)
-        check = db.execute("PRAGMA quick_check").fetchone()
-    except BaseException as exc:
-        db.close()
-        if isinstance(exc, sqlite3.Error):
-            _raise_sqlite(exc, db_path, "open")
-        raise
-    if check is None or check[0] != "ok":
-        db.close()
-        raise CorruptFile(
-            f"{db_path} is not a readable SQLite database (SQLite's check: "
-            f"{check and check[0]}); move the store away and start a new one with another "
-            "--store"
-        )
-    return db
 
 
 @dataclass(frozen=True)
@@ -308,28 +240,28 @@ class Store:
         db_path = path / "store.sqlite"
         marked = True
         if db_path.exists():
-            marked = _is_marked(db_path)  # refuses another's database before any change
+            marked = is_marked(db_path)  # refuses another's database before any change
         else:
             if not create:
                 raise StoreError(
                     f"{path} is not an in-situ store (no store.sqlite); run `insitu run`"
                 )
-            if _holds_other_files(path):
+            if holds_other_files(path):
                 raise StoreError(
                     f"{path} holds files and no store (no store.sqlite); give a new or empty "
                     "directory for the store, so that none of those files is touched"
                 )
         try:
             (path / "images").mkdir(parents=True, exist_ok=True)
-            lock = _lock(path / "store.lock")
+            lock = lock_file(path / "store.lock")
         except OSError as exc:
             if exc.errno in DISK_FULL:
                 raise DiskFull(f"no room to create the store in {path}; free space") from exc
             raise InvalidInput(f"cannot create the store in {path}: {exc.strerror}") from exc
         try:
             if not db_path.exists():
-                _create_database(db_path)
-            store = cls(path, _connect(db_path), cap_bytes, lock)
+                create_database(db_path)
+            store = cls(path, connect(db_path), cap_bytes, lock)
             if not marked:
                 store.db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
         except BaseException:
@@ -357,7 +289,7 @@ class Store:
         """Delete what an interrupted write left: images no row names, temporary files of the
         store's own writes. Any other file is left alone."""
         repaired = self._repair_names()
-        known = _claimed_names(self.db)
+        known = claimed_names(self.db)
         orphans = temporaries = 0
         for path in [*self.images_dir.iterdir(), *self.directory.iterdir()]:
             if _TEMPORARY.fullmatch(path.name):
@@ -379,7 +311,7 @@ class Store:
         fixes: list[tuple[str, int]] = []
         taken = {str(row[0]) for row in self.db.execute("SELECT file FROM images")}
         for row_id, file, digest in self.db.execute("SELECT id, file, sha256 FROM images"):
-            name = _name_of(digest)
+            name = name_of(digest)
             if name is None or file == name or name in taken:
                 continue
             if (self.images_dir / name).is_file():
@@ -401,7 +333,7 @@ class Store:
                 raise
             self.db.execute("COMMIT")
         except sqlite3.Error as exc:
-            _raise_sqlite(exc, self.directory / "store.sqlite", "write")
+            raise_sqlite(exc, self.directory / "store.sqlite", "write")
 
     # -- meta -----------------------------------------------------------------------------
     def get(self, key: str, default: str | None = None) -> str | None:
@@ -606,145 +538,3 @@ class Store:
             (int(r[0]), int(r[1]), int(r[2]), int(r[3]))
             for r in self.db.execute("SELECT x0, y0, x1, y1 FROM crops WHERE frame = ?", (frame,))
         ]
-
-
-def _holds_other_files(path: Path) -> bool:
-    """Whether ``path`` has anything in it but an empty ``images`` folder (what a store's
-    creation leaves before its database exists)."""
-    if not path.is_dir():
-        return False
-    for entry in path.iterdir():
-        if entry.name in ("store.lock", _NEW_DATABASE, f"{_NEW_DATABASE}-journal"):
-            continue
-        if entry.name != "images" or not entry.is_dir() or any(entry.iterdir()):
-            return True
-    return False
-
-
-def _lock(path: Path) -> int:
-    """An exclusive ``flock`` on ``path`` (created if needed), held by the returned descriptor
-    until it is closed; StoreError when another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise StoreError(
-                f"the store {path.parent} is in use by another edgetrain process (or is open "
-                "already in this one); wait for it to finish, or give another --store"
-            ) from exc
-        raise
-    return fd
-
-
-# -- the store's own database ------------------------------------------------------------------
-
-APPLICATION_ID = int.from_bytes(b"edgT", "big")
-"""SQLite ``PRAGMA application_id`` of a store's database: the mark of a database the store made
-(bytes 68-71 of the file's header)."""
-
-_NEW_DATABASE = ".store.sqlite.new"
-"""Where a new database is made (under the store's lock) before it is renamed ``store.sqlite``."""
-
-_HEADER = b"SQLite format 3\x00"
-
-
-def _name_of(digest: object) -> str | None:
-    """The image name of a row's ``sha256`` (None when the hash is not 64 hex digits)."""
-    text = str(digest)
-    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
-        return None
-    return f"{text[:20]}.webp"
-
-
-def _claimed_names(db: sqlite3.Connection) -> set[str]:
-    """Every image name a row claims: its ``file``, and the name its ``sha256`` gives."""
-    names: set[str] = set()
-    for file, digest in db.execute("SELECT file, sha256 FROM images"):
-        names.add(str(file))
-        name = _name_of(digest)
-        if name is not None:
-            names.add(name)
-    return names
-
-
-def _is_marked(db_path: Path) -> bool:
-    """True when ``db_path`` is a store's database with the mark; False for one the store made
-    before it wrote the mark (exactly the store's tables, not in WAL mode); StoreError for any
-    other SQLite database and CorruptFile for a file that is not one. Reads only: the file, its
-    journal and its directory are left as they are."""
-    try:
-        with open(db_path, "rb") as handle:
-            header = handle.read(100)
-    except OSError as exc:
-        raise InvalidInput(f"cannot read {db_path} ({exc.strerror}); check the directory") from exc
-    if len(header) < 100 or not header.startswith(_HEADER):
-        raise CorruptFile(
-            f"{db_path} is not a readable SQLite database (no SQLite header); move the store "
-            "away and start a new one with another --store"
-        )
-    if int.from_bytes(header[68:72], "big") == APPLICATION_ID:
-        return True
-    unmarked = int.from_bytes(header[68:72], "big") == 0 and header[18:20] == b"\x01\x01"
-    if unmarked and _has_store_schema(db_path):
-        return False
-    raise StoreError(
-        f"{db_path} is an SQLite database edgetrain did not create; it is left untouched: "
-        "give --store a new or empty directory"
-    )
-
-
-def _has_store_schema(db_path: Path) -> bool:
-    """Whether the database holds exactly the store's tables and index (read-only; False when it
-    cannot be read without writing, e.g. it has a journal to roll back)."""
-    expected = sqlite3.connect(":memory:")
-    try:
-        expected.executescript(_SCHEMA)
-        want = set(expected.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
-    finally:
-        expected.close()
-    if Path(f"{db_path}-journal").exists() or Path(f"{db_path}-wal").exists():
-        return False
-    try:
-        db = sqlite3.connect(f"{db_path.resolve().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error:
-        return False
-    try:
-        have = set(db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master"))
-    except sqlite3.Error:
-        return False
-    finally:
-        db.close()
-    return have == want
-
-
-def _create_database(db_path: Path) -> None:
-    """Make the store's database, with its mark and tables, as ``db_path`` in one step: built
-    under a temporary name, flushed, then renamed (a crash leaves no half-made database)."""
-    new = db_path.with_name(_NEW_DATABASE)
-    new.unlink(missing_ok=True)
-    Path(f"{new}-journal").unlink(missing_ok=True)
-    try:
-        db = sqlite3.connect(new, isolation_level=None)
-        try:
-            db.execute("PRAGMA journal_mode=DELETE")
-            db.executescript(f"BEGIN; PRAGMA application_id = {APPLICATION_ID}; {_SCHEMA} COMMIT;")
-        finally:
-            db.close()
-        with open(new, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(new, db_path)
-        directory = os.open(db_path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    except sqlite3.Error as exc:
-        new.unlink(missing_ok=True)
-        _raise_sqlite(exc, db_path, "create")
-    except OSError as exc:
-        new.unlink(missing_ok=True)
-        if exc.errno in DISK_FULL:
-            raise DiskFull(f"no room to create the store in {db_path.parent}; free space") from exc
-        raise InvalidInput(f"cannot create {db_path}: {exc.strerror}") from exc

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from edgetrain.core.accounting import optimizer_state_bytes
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.planners.sequential import sequential
 from edgetrain.units import MB_PAPER

@@ -15,7 +15,7 @@ row per option), "checkpoint" runs the block's stages without grad (``Fc`` then 
 is expanded into an ordinary :class:`~edgetrain.core.schedule.Schedule` of the fine chain and
 checked
 with the one simulator. Every number of an option is read off
-:func:`~edgetrain.core.schedule.memory_trace` of its operations on the block's stages between
+:func:`~edgetrain.core.simulator.memory_trace` of its operations on the block's stages between
 stand-ins for the block's input (counted, or held elsewhere) and for the rest of the chain
 (which hands the block its output's gradient), so the prediction is the simulator's.
 Pure planning code: no torch.
@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from edgetrain.core.chain import Chain, Stage
-from edgetrain.core.schedule import Op, Schedule, memory_trace, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import memory_trace, simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.planners.optimal import (
     DEFAULT_SLOTS,
@@ -389,7 +390,7 @@ class BlockPlan:
         chain: the fine chain.
         blocks: its blocks (ranges of stage indices).
         options: per block, its options (operations in the chain's indices).
-        grads_exist: as in :func:`~edgetrain.core.schedule.simulate`.
+        grads_exist: as in :func:`~edgetrain.core.simulator.simulate`.
     """
 
     chain: Chain

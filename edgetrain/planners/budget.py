@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import Cost, Schedule, simulate
+from edgetrain.core.schedule import Schedule
+from edgetrain.core.simulator import Cost, simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.planners.optimal import (
     MIN_SLOTS,
@@ -65,7 +66,7 @@ class Frontier:
 
     Attributes:
         strategy: the planner.
-        grads_exist: the loop (see :func:`~edgetrain.core.schedule.simulate`).
+        grads_exist: the loop (see :func:`~edgetrain.core.simulator.simulate`).
         points: sorted by ``peak_bytes`` ascending; each strictly faster than the one before.
         exact: whether the frontier is the planner's optimum at every byte (exact tables, or
             a family of plans enumerated in full), so that one byte less than

@@ -22,7 +22,7 @@ first" may be one of several *options* (its forward phase, what it leaves held, 
 phase) and the best is taken: a chain's own stages have one option each (:func:`chain_costs`),
 blocks of stages several (:mod:`edgetrain.planners.blocks`, through :class:`TableMaker`).
 
-Memory is counted exactly as :func:`edgetrain.core.schedule.simulate` counts it (a graph holds what
+Memory is counted exactly as :func:`edgetrain.core.simulator.simulate` counts it (a graph holds what
 autograd saves: its input, its output or neither; shared storages once; transient peaks per
 operation; the output held by the caller after the loss; parameter gradients held from the backward
 that creates them to the end of the step), with every size rounded *up* to whole slots, so a plan

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import Schedule, simulate, store_all_operations
+from edgetrain.core.schedule import Schedule, store_all_operations
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.planners.dp_table import (
     DEFAULT_SLOTS,

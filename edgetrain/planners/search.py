@@ -16,7 +16,8 @@ import warnings
 from collections.abc import Callable
 
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import Schedule, made_for, simulate
+from edgetrain.core.schedule import Schedule, made_for
+from edgetrain.core.simulator import simulate
 from edgetrain.devices import energy
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget, InvalidInput
@@ -35,7 +36,11 @@ from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
 from edgetrain.units import format_bytes, parse_bytes
 
-STRATEGIES = ("optimal", "blocks", "revolve", "sequential")
+FRONTIER_STRATEGIES = ("optimal", "blocks", "revolve", "sequential")
+"""The strategies whose plans form a memory/time frontier that the budget search walks (see
+:func:`frontier`); POET's MILP solves for one budget at a time."""
+STRATEGIES = (*FRONTIER_STRATEGIES, "poet")
+"""Every strategy :func:`plan` takes."""
 
 _TOLERANCE = 1e-9
 
@@ -65,8 +70,8 @@ def plan(
 
     ``memory`` (bytes, or a size such as "1GB" or "512MiB", as everywhere in edgetrain) counts
     what the step holds above what it starts with: activations, graphs, activation gradients and
-    the parameter gradients it creates (see :class:`~edgetrain.core.schedule.Cost`; ``grads_exist``
-    as in :func:`~edgetrain.core.schedule.simulate`).
+    the parameter gradients it creates (see :class:`~edgetrain.core.simulator.Cost`; ``grads_exist``
+    as in :func:`~edgetrain.core.simulator.simulate`).
     ``max_recompute`` is the largest recompute factor (the plan's time over plain autograd's),
     the keyword :class:`~edgetrain.runtime.checkpointed.Checkpointed` takes too; ``recompute=`` is
     its previous name, kept for one release.
@@ -179,6 +184,11 @@ def frontier(
 ) -> Frontier:
     """The Pareto frontier of ``strategy``'s plans on ``chain``: from the smallest feasible
     budget to storing everything (see :mod:`edgetrain.planners.budget`)."""
+    if strategy == "poet":
+        raise InvalidInput(
+            "poet's MILP plans one budget at a time and has no frontier; choose one of "
+            f"{', '.join(FRONTIER_STRATEGIES)}"
+        )
     if strategy not in STRATEGIES:
         raise InvalidInput(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     return frontier_for(chain, strategy, grads_exist, slots)

@@ -4,6 +4,11 @@
     loss = criterion(net(x), target)
     loss.backward()              # runs the plan's backward phase; gradients land in .grad
 
+A plan is prepared for each state a step may be in (:mod:`edgetrain.runtime.prepared`: a frozen
+:class:`~edgetrain.runtime.prepared.PreparedPlan`), kept by that state and made again when the
+state changes (:mod:`edgetrain.runtime.replanning`), and run inside autograd by the interpreter
+of its operations (:mod:`edgetrain.runtime.interpreter`).
+
 Contract (compare ``torch.utils.checkpoint``). What is the same as plain autograd on the same
 inputs and random-number state:
 
@@ -40,7 +45,7 @@ inputs and random-number state:
   :data:`KEPT_PLANS`), or refused with ``on_new_shape="error"``;
 * under ``torch.no_grad()``, or when nothing needs a gradient, the model just runs; so it does
   when the plan stores everything (plain autograd's step, which holds no more than predicted);
-  a plan whose every stage belongs to one graph run (:func:`~edgetrain.core.schedule.graph_runs`:
+  a plan whose every stage belongs to one graph run (:func:`~edgetrain.core.graph_merge.graph_runs`:
   stages stored, recomputed for the backward of the stage after them, or checkpointed segments)
   is plain autograd on that run (:class:`~edgetrain.autograd.replay.GraphRunModule`), its step
   measured as it runs.
@@ -81,8 +86,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -94,45 +98,24 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from edgetrain import progress
 from edgetrain.autograd.heap import HeapPeak
-from edgetrain.autograd.replay import (
-    autocast_label,
-    autocast_state,
-    autocasting,
-)
 from edgetrain.autograd.stages import (
     leaves,
-    shapes,
-    signature,
-    stage_params,
 )
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.accounting import fixed_training_bytes
-from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.chain import Chain
 from edgetrain.core.explain import UNSPLIT, PeakExplanation, explain_plan
-from edgetrain.core.schedule import (
-    Cost,
-    GraphRun,
-    Op,
-    Schedule,
-    graph_runs,
-    merged_schedule,
-    simulate,
-    stores_everything,
-)
-from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
-from edgetrain.frontend.cuts import as_stages, on_stage_input, stage_input
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import Cost, simulate
+from edgetrain.errors import InvalidInput
+from edgetrain.frontend.cuts import as_stages, stage_input
 from edgetrain.frontend.profiling import (
     analytic_chain,
-    graph_step_peaks,
-    merged_chain,
-    profile_chain,
-    with_module_step,
 )
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan, plan_for_device
 from edgetrain.runtime.checks import (
     check_budget_holds_weights,
-    check_made_for,
     check_plan_for,
 )
 from edgetrain.runtime.interpreter import (
@@ -143,27 +126,15 @@ from edgetrain.runtime.interpreter import (
 )
 from edgetrain.runtime.paging import PageStore
 from edgetrain.runtime.peak_probe import PeakProbe
-from edgetrain.runtime.replanning import KEPT_PLANS, autocast_mismatch, describe_change
+from edgetrain.runtime.prepared import PreparedPlan, Preparing
+from edgetrain.runtime.replanning import Replanning
 from edgetrain.runtime.stage_cost import cached_stage_seconds, time_factor, with_stage_cost
-from edgetrain.runtime.stages_as_run import modules_as_run, own_params, stage_modules
-from edgetrain.units import format_bytes, parse_bytes
+from edgetrain.units import parse_bytes
 
 _NEW_SHAPE = ("replan", "error")
-STAGE_SECONDS = 75e-6
-"""The executor's own cost per stage it runs (Python and autograd: taps, hands, parameter
-leaves, an engine call), in seconds: 60-95 µs measured on this machine by
-``benchmarks/executor_overhead.py --per-stage``. A plan run as one graph pays it once."""
-ONE_GRAPH_TRIES = 2
-"""How many tighter plans :class:`Checkpointed` tries when its plan would run as one graph but,
-so run, holds a little more than its memory budget allows."""
-MERGE_GROWTH = 0.01
-"""Without a memory budget (``max_recompute``, or a given plan), how much a merge of stages
-into one graph may raise the plan's peak (a fraction of it). One graph may hold a little more:
-ViT-Tiny's plan at 1.02 recomputes its LayerNorms and GELUs; as one graph each LayerNorm also
-keeps its mean and deviation, 0.16 % more, for a step about 7 % faster."""
 
 
-class Checkpointed(nn.Module):
+class Checkpointed(Replanning, Preparing, nn.Module):
     """Train an ``nn.Sequential`` within a memory budget by running a checkpointing plan.
 
     Args:
@@ -200,13 +171,14 @@ class Checkpointed(nn.Module):
             read back, deleted after use (see :mod:`edgetrain.runtime.paging`).
         leaf_modules: module classes the capture keeps as one call each, not traced into
             (a block whose ``forward()`` torch.fx cannot trace); each is one stage at most.
+        merge_graph_runs: run each graph run of the plan as one stage
+            (:func:`~edgetrain.core.graph_merge.graph_runs`); False runs every stage on its own
+            (a diagnostic: the executor's cost per stage, the plan as the simulator counts it).
 
     Attributes:
         chain: the profiled chain. schedule: the plan. cost: its simulated cost (``peak_bytes``:
         the most the step holds above what it starts with; seconds; recompute factor).
     """
-
-    _merge_graph_runs = True  # run each graph run as one stage (False: a diagnostic)
 
     def __init__(
         self,
@@ -221,6 +193,7 @@ class Checkpointed(nn.Module):
         schedule: Schedule | None = None,
         on_new_shape: str = "replan",
         page_dir: str | Path | None = None,
+        merge_graph_runs: bool = True,
         leaf_modules: Sequence[type[nn.Module]] = (),
     ) -> None:
         super().__init__()
@@ -246,15 +219,16 @@ class Checkpointed(nn.Module):
         if schedule is not None:
             check_plan_for(schedule, self.model, sample_input, type(model).__name__)
         self.strategy = strategy
+        self.merge_graph_runs = merge_graph_runs
         self.on_new_shape = on_new_shape
         self._max_recompute = max_recompute
         self._params = list(self.model.parameters())
         self._grads_exist: bool | None = None
         self._probe: PeakProbe | None = None  # the step being measured (see measuring)
         self._measured: PeakProbe | None = None  # the last step measured
-        # Plans made so far, by what each was made for (see _state): everything a plan set up,
-        # restored as it was when a step comes back to that state (see _PLANNED).
-        self._plans: dict[tuple[Any, ...], dict[str, Any]] = {}
+        # Plans made so far, by what each was made for (see _state), made current again as they
+        # were prepared when a step comes back to that state.
+        self._plans: dict[tuple[Any, ...], PreparedPlan] = {}
         self._key: tuple[Any, ...] = ()  # what the current plan was made for (_state)
         self._unplanned = False  # a new plan failed half way: plan again at the next step
         self._given_bytes = 0  # activation bytes a given schedule was made for (see _plan)
@@ -269,105 +243,6 @@ class Checkpointed(nn.Module):
 
     # -- planning ----------------------------------------------------------------------------------
 
-    def _plan(
-        self, sample: Any, chain: Chain | None, schedule: Schedule | None, as_is: bool = False
-    ) -> None:
-        """Plan (or adopt ``schedule``) for ``sample``, and remember the plan for its state
-        (``as_is``: ``chain`` is this model's as profiled, nothing to measure again)."""
-        self._make_plan(sample, chain, schedule, as_is)
-        self._remember()
-        if schedule is not None:  # a given plan runs in either loop
-            other = (*self._key[:-1], not self._key[-1])
-            self._plans[other] = {**self._plans[self._key], "_key": other}
-        elif not as_is:
-            self._plan_other_loop(sample)
-
-    def _remember(self) -> None:
-        self._plans[self._key] = {name: getattr(self, name) for name in _PLANNED}
-        while len(self._plans) > KEPT_PLANS:  # the oldest first; the one just made stays
-            del self._plans[next(iter(self._plans))]
-
-    def _plan_other_loop(self, sample: Any) -> None:
-        """Plan for the other training loop too (gradients kept between steps, or set to
-        None), now: a step that finds the loop changed then takes that plan as it is, with
-        nothing planned or measured inside it. A budget that loop cannot meet is planned for
-        (and refused) when it comes."""
-        key, exist = self._key, self._grads_exist
-        try:
-            self._make_plan(sample, self.chain, None, as_is=True, loop=not key[-1])
-            self._remember()
-        except InfeasibleBudget:
-            pass
-        finally:
-            for name, value in self._plans[key].items():
-                setattr(self, name, value)
-            self._grads_exist = exist
-
-    def _make_plan(
-        self,
-        sample: Any,
-        chain: Chain | None,
-        schedule: Schedule | None,
-        as_is: bool = False,
-        loop: bool | None = None,
-    ) -> None:
-        """Plan for ``sample``'s state in the training loop ``loop`` (gradients kept between
-        steps or not; None: the loop the gradients are in now)."""
-        if chain is None:
-            chain = profile_chain(self.model, sample, autocast=autocast_state(), timing="modelled")
-        elif chain.autocast != autocast_label(autocast_state()):
-            raise InvalidInput(autocast_mismatch(chain.autocast, autocast_label(autocast_state())))
-        if self.model is not self.module and not as_is:
-            # The store-all plan runs the module itself: its own step's peak counts too.
-            chain = with_module_step(chain, on_stage_input(self.module, self.model), sample)
-        self.chain = chain
-        self._signature = signature(sample)
-        self._key = self._state(sample)
-        if loop is not None:
-            self._key = (*self._key[:-1], loop)
-        self._grads_exist = self._key[-1]  # plan for the loop the step starts in
-        # A run's merged stage depends on its stages and the sample only: sized once for every
-        # plan tried here (see the tighter plan below).
-        self._sized: dict[GraphRun, Stage] = {}
-        if schedule is not None:
-            check_made_for(schedule, self.chain)
-            self._adopt(schedule, sample)
-            if self._device is None and self._max_recompute is None and not self._given_bytes:
-                # Another input or model state is planned for the memory this plan was made
-                # for (its planner's budget, else its own peak), not for storing everything.
-                made_for = schedule.params.get("budget_bytes")
-                self._given_bytes = (
-                    made_for if isinstance(made_for, int) else self._costs[False].peak_bytes
-                )
-            return
-        if self._rule is not None:
-            self._device = self._ruled_device()
-        planned = self._planned(self._device)
-        self._adopt(planned, sample)
-        excess = self._one_graph_excess
-        if self._device is None or excess is None:
-            return
-        # The plan is one graph run end to end but, as one graph, holds ``excess`` bytes more
-        # than the budget allows (a LayerNorm's statistics: the DP fills the budget): the plan
-        # for a budget less by that much may run as one graph, without the executor's cost per
-        # stage. Kept when its time and that cost come to less; else the first plan is rebuilt.
-        first = self.cost.seconds + STAGE_SECONDS * self._exec_length
-        device = self._device
-        for _ in range(ONE_GRAPH_TRIES):
-            # Less by at least 0.5 % of the room for activations: the planner's budgets are
-            # discrete, and the tighter plan may fill its own as closely.
-            device -= max(2 * excess, int(0.005 * (device - self.fixed_bytes)))
-            try:
-                tighter = self._planned(device)
-            except InfeasibleBudget:
-                break
-            self._adopt(tighter, sample)
-            if self._one_graph or self._one_graph_excess is None:
-                break
-            excess = self._one_graph_excess
-        if not self._one_graph or self.cost.seconds + STAGE_SECONDS > first:
-            self._adopt(planned, sample)
-
     def _ruled_device(self) -> int:
         """The budget ``memory_budget="min"`` or ``"auto"`` stands for on this chain and loop."""
         from edgetrain.runtime.frontier import frontier, knee
@@ -379,29 +254,6 @@ class Checkpointed(nn.Module):
             fixed_bytes=self.fixed_bytes + self.reserve_bytes,
         )
         return (points[0] if self._rule == "min" else knee(points)).budget_bytes
-
-    def _state(self, x: Any) -> tuple[Any, ...]:
-        """What a plan is made for besides the model: the input's shapes and dtypes, which
-        input tensors and parameters need a gradient, each module's train/eval mode (the chain
-        records what needs a gradient, and a Dropout in eval mode was profiled as the
-        identity), the autocast state (under ``torch.autocast`` the stages are profiled
-        under it: other dtypes, other sizes, the weights' copies), and for a captured model
-        the plain Python attributes its ``forward()`` read while traced
-        (:attr:`~edgetrain.frontend.fx_capture.Captured.reads`: fx traced their values in, so a
-        temperature
-        annealed after planning would otherwise stay the old one; an attribute forward() does
-        not read, a step counter the loop keeps on the model, plans nothing again), and
-        whether the loop keeps gradients between steps (what a step starts with, see
-        :attr:`fixed_bytes`, and what its backward creates differ)."""
-        return (
-            shapes(x),
-            tuple(t.requires_grad for t in leaves(x)),
-            tuple(p.requires_grad for p in self._params),
-            tuple(m.training for m in self.module.modules()),
-            tuple(autocast_state()),
-            tuple(getattr(m, name, None) for m, name in getattr(self.model, "traced_reads", ())),
-            gradients_kept(p for p in self._params if p.requires_grad),
-        )
 
     def _planned(self, device: int | None) -> Schedule:
         """The planner's plan for a memory budget of ``device`` bytes (None: none)."""
@@ -440,202 +292,6 @@ class Checkpointed(nn.Module):
             max_recompute=max(factor, 1.0) if rho >= 1.0 else rho,
             grads_exist=self.grads_exist,
         )
-
-    def _adopt(self, schedule: Schedule, sample: Any) -> None:
-        """Make ``schedule`` the plan: its costs, the stages as they run (runs merged)."""
-        self.schedule = schedule
-        try:
-            self._costs = {
-                exist: simulate(self.chain, schedule, grads_exist=exist) for exist in (False, True)
-            }
-        except InvalidSchedule as exc:
-            raise InvalidSchedule(f"the plan does not fit this model: {exc}") from exc
-        if self._device is not None:
-            limit = self._device - self.reserve_bytes
-            worst = self.fixed_bytes + self._costs[self.grads_exist].peak_bytes
-            if worst > limit:
-                raise InfeasibleBudget(
-                    f"the given plan needs {format_bytes(worst)}, more than "
-                    f"the budget {format_bytes(limit)}; re-plan for this budget",
-                    worst,
-                )
-        self._stages = stage_modules(self.model, self.chain)
-        # Stages whose result depends on buffers their forward changes (spectral_norm): a run
-        # again starts from a snapshot of their buffers taken before the first run.
-        self._snapshotted = {
-            k for k, stage in enumerate(self.chain.stages) if stage.reads_updated_buffers
-        }
-        # The store-all plan runs as plain autograd when its peak was measured so (the chain's
-        # autograd_peak_bytes, which simulate() gives it); otherwise stage by stage, as counted.
-        self._stores_everything = (
-            stores_everything(schedule) and self.chain.autograd_peak_bytes is not None
-        )
-        index_of = {id(p): i for i, p in enumerate(self._params)}
-        fine = [stage_params(m, index_of) for m in self._stages]
-        # What every step runs, decoded once: the stages as they run (a run of the plan's that
-        # can run as one graph, one stage: see graph_runs), the operations of each phase, and
-        # the stages run more than once (only their random-number state is kept for a replay).
-        self._one_graph = False  # the plan runs as one graph run by plain autograd (_merge)
-        self._one_graph_excess: int | None = None  # bytes over, when it could but does not fit
-        merging = self._merge_graph_runs and not self._stores_everything
-        runs = list(graph_runs(schedule)) if merging else []
-        chosen, self._exec_first, executed = self._merge(
-            runs, schedule, sample, lambda run: own_params(fine, run)
-        )
-        self._exec_stages = modules_as_run(self._stages, chosen, self._snapshotted)
-        self._exec_length = executed.length
-        self._stage_params = [
-            fine[k] if module is self._stages[k] else stage_params(module, index_of)
-            for k, module in zip(self._exec_first, self._exec_stages, strict=True)
-        ]
-        # Parameters that more than one stage as run uses (a tied weight): their gradients are
-        # summed over the stages before autograd adds them to .grad (see StepRun.receive).
-        users = Counter(i for stage in self._stage_params for i, _ in stage.params)
-        self._shared_params = {i for i, count in users.items() if count > 1}
-        ops = list(executed)
-        self._forward_ops = ops[: executed.forward_phase_end]
-        self._backward_ops = ops[executed.forward_phase_end :]
-        forwards = Counter(k for kind, k in ops if kind.is_forward)
-        self._rerun = {k for k, count in forwards.items() if count > 1}
-        self._runs = {k: forwards[k] for k in self._rerun}
-        # A recomputation runs on copies of the buffers of these modules (see recomputing): those
-        # the chain counts (Stage.copied_buffer_bytes, from buffer_copy_bytes).
-        self._submodules = {k: list(self._exec_stages[k].modules()) for k in self._rerun}
-        bounds = [*self._exec_first, self.chain.length]
-        self._snapshots = {
-            k
-            for k in self._rerun
-            if any(j in self._snapshotted for j in range(bounds[k], bounds[k + 1]))
-        }
-        self._needs: dict[int, list[bool]] = {}  # per stage, filled as the stages first run
-
-    def _merge(
-        self,
-        runs: list[GraphRun],
-        schedule: Schedule,
-        sample: Any,
-        owns: Callable[[GraphRun], bool],
-    ) -> tuple[list[GraphRun], list[int], Schedule]:
-        """The runs to merge, the chain's stage each executed stage begins with, and the plan on
-        the executed stages. Each run of :func:`graph_runs` is sized as it runs (one graph: it
-        may hold more or less than its stages one by one; a parameter used twice in a run, for
-        one, has its first gradient held by autograd until the second comes when the loop keeps
-        gradients) and merged when the plan, so run, still fits in either training loop: within
-        ``memory_budget`` when one is given, else within :data:`MERGE_GROWTH` of the plan's own
-        peak and within the budget a given plan was made for. The plan's :attr:`cost` is then
-        that of the stages as they run. Only runs that ``owns`` (no stage outside uses their
-        parameters: see :func:`own_params`) are merged."""
-        runs = [run for run in runs if owns(run) or run.rebuilds]
-        self._exec_chain, self._exec_plan = self.chain, schedule  # as it runs (see explain)
-        if not runs:
-            return [], *merged_schedule(schedule, [])
-        as_one = self._sized  # each run's stage, sized as it runs (kept across plans: _plan)
-
-        def size(candidates: list[GraphRun]) -> None:
-            candidates = [run for run in candidates if run not in as_one]
-            if not candidates:
-                return
-            first, _ = merged_schedule(schedule, candidates)
-            modules = modules_as_run(self._stages, candidates, self._snapshotted)
-            with autocasting(autocast_state()):  # as the step runs them (see autocasting)
-                sized = merged_chain(self.chain, modules, first, sample)
-            if sized is not None:
-                by_first = dict(zip(first, sized.stages, strict=True))
-                as_one.update({run: by_first[run.first] for run in candidates})
-
-        allowed = {e: int(c.peak_bytes * (1 + MERGE_GROWTH)) for e, c in self._costs.items()}
-        planned_for = schedule.params.get("budget_bytes")  # the planner's, for a given plan
-        for exist, cost in self._costs.items():
-            if self._device is not None:
-                # What a step starts with in this loop (see fixed_bytes), and the reserve.
-                grads = 0 if exist else self.chain.gradient_bytes
-                fixed = fixed_training_bytes(self.chain) - grads + self.reserve_bytes
-                allowed[exist] = max(cost.peak_bytes, self._device - fixed)
-            elif isinstance(planned_for, int):
-                allowed[exist] = min(allowed[exist], max(cost.peak_bytes, planned_for))
-
-        def costs(chosen: list[GraphRun]) -> dict[bool, Cost]:
-            """The plan's cost with ``chosen`` merged: its peak as it runs; its time, steps and
-            recompute factor the plan's (a rebuild is the plan's recomputation)."""
-            starts, plan = merged_schedule(schedule, chosen)
-            merged = {run.first: as_one[run] for run in chosen}
-            stages = tuple(merged.get(k, self.chain.stages[k]) for k in starts)
-            chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
-            return {
-                exist: replace(fine, peak_bytes=simulate(chain, plan, grads_exist=exist).peak_bytes)
-                for exist, fine in self._costs.items()
-            }
-
-        def over(cost: dict[bool, Cost]) -> int:
-            """How far the worse of the two loops is above what it allows (bytes)."""
-            return max(c.peak_bytes - allowed[e] for e, c in cost.items())
-
-        def fits(chosen: list[GraphRun]) -> bool:
-            return over(costs(chosen)) <= 0
-
-        def fit(run: GraphRun) -> bool:
-            return run in as_one and fits([run])
-
-        whole = [run for run in runs if owns(run)]
-        size(whole)
-        chosen = [run for run in whole if fit(run)]
-        # A run that does not fit whole: without the pairs and segments that do not fit alone
-        # (one graph may hold more of a pair: a Dropout's mask), else as stored parts.
-        rest = [run for run in runs if run.rebuilds and run not in chosen]
-        pairs = [pair for run in rest for pair in run.pairs()]
-        size(pairs)
-        pieces = [
-            piece
-            for run in rest
-            for piece in run.without({p.first for p in run.pairs() if not fit(p)})
-            if owns(piece)
-        ]
-        size(pieces)  # each size() profiles the whole model once: one per kind of candidate
-        chosen += [piece for piece in pieces if fit(piece)]
-        parts = [
-            part
-            for piece in pieces
-            if not fit(piece)
-            for part in piece.without(piece.rebuilds)
-            if owns(part)
-        ]
-        size(parts)
-        chosen += [part for part in parts if fit(part)]
-        chosen.sort(key=lambda run: run.first)
-        while chosen and not fits(chosen):  # each fits alone, not together: drop the last
-            chosen.pop()
-        if chosen:
-            self._costs = costs(chosen)
-        first, plan = merged_schedule(schedule, chosen)
-        if chosen:
-            merged = {run.first: as_one[run] for run in chosen}
-            stages = tuple(merged.get(k, self.chain.stages[k]) for k in first)
-            self._exec_chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
-            self._exec_plan = plan
-        spans = [(run.first, run.last) for run in chosen]
-        ends = [(run.first, run.last) for run in whole]
-        if ends == [(0, self.chain.length - 1)] and whole[0].rebuilds and whole[0] in as_one:
-            # How much more than allowed the whole model as one graph holds (see _plan).
-            self._one_graph_excess = over(costs([whole[0]]))
-        if spans == [(0, self.chain.length - 1)] and chosen[0].rebuilds:
-            # One graph for the whole model: plain autograd runs it (as a store-all plan runs
-            # the module), its step measured as it runs; if that fits too.
-            peaks = graph_step_peaks(
-                modules_as_run(self._stages, chosen, self._snapshotted)[0], sample
-            )
-            if peaks is not None:
-                one = replace(self.chain, stages=(as_one[chosen[0]],), autograd_peak_bytes=peaks)
-                direct = {
-                    e: replace(c, peak_bytes=simulate(one, plan, grads_exist=e).peak_bytes)
-                    for e, c in self._costs.items()
-                }
-                self._one_graph_excess = over(direct)
-                if self._one_graph_excess <= 0:
-                    self._costs, self._one_graph = direct, True
-                    self._exec_chain = one
-        if self._one_graph_excess is not None and self._one_graph_excess <= 0:
-            self._one_graph_excess = None
-        return chosen, first, plan
 
     @property
     def runs_as(self) -> str:
@@ -799,7 +455,7 @@ class Checkpointed(nn.Module):
         if self._stores_everything:
             # Every stage once with its graph, nothing recomputed: plain autograd on the module,
             # whose step's peak was measured (Chain.autograd_peak_bytes); no executor overhead.
-            return self.module(x)
+            return self._call_module(x, given)
         if self._one_graph:
             # The whole plan one graph that rebuilds the outputs it recomputes (GraphRunModule):
             # plain autograd on it, its step's peak measured as it runs; the inputs and
@@ -817,40 +473,6 @@ class Checkpointed(nn.Module):
         views = [t.view_as(t) if t.requires_grad else t for t in inputs]
         outs = ScheduleFunction.apply(run, len(views), *views, *(p.view_as(p) for p in params))
         return run.output(outs)
-
-    def _plan_for(self, x: Any, key: tuple[Any, ...], given: dict[str, Any] | None) -> None:
-        """Make the plan for the state ``key`` of a step on ``x`` (see :meth:`_state`) the
-        current one: restored as it was if planned for before, else planned now (or refused
-        with ``on_new_shape="error"``)."""
-        shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
-        known = self._plans.get(key)
-        if known is not None:  # a state planned for (the other loop's plan is made with each)
-            for name, value in known.items():
-                setattr(self, name, value)
-            self._unplanned = False
-            return
-        if self.on_new_shape == "error":
-            raise InvalidInput(
-                f"Checkpointed was planned for another state than this step's "
-                f"({describe_change(self._key, key, shapes_now)}); plan for it (or pass "
-                "on_new_shape='replan')"
-            )
-        # Only the loop changed: the same chain, planned for the other loop (nothing profiled
-        # or measured again inside the step).
-        loop_only = key[:-1] == self._key[:-1] and not self._unplanned
-        if self.model is not self.module and not loop_only:
-            self.model = as_stages(
-                self.module, x if given is None else given, leaf_modules=self.leaf_modules
-            )
-            self._params = list(self.model.parameters())
-        planned, change = self._key, describe_change(self._key, key, shapes_now)
-        self._unplanned = True  # until this plan is made: half planned, every call plans
-        try:
-            self._plan(x, self.chain if loop_only else None, None, as_is=loop_only)
-        except InfeasibleBudget as exc:
-            self._key = planned
-            raise InfeasibleBudget(f"planning again for {change}: {exc}", exc.smallest) from exc
-        self._unplanned = False
 
     def extra_repr(self) -> str:
         return (
@@ -884,39 +506,6 @@ def _device_bytes(memory_budget: int | float | str) -> int:
     return parse_bytes(memory_budget)
 
 
-_PLANNED = (
-    "_device",
-    "model",
-    "_params",
-    "chain",
-    "schedule",
-    "_signature",
-    "_key",
-    "_sized",
-    "_costs",
-    "_stages",
-    "_stores_everything",
-    "_one_graph",
-    "_one_graph_excess",
-    "_exec_stages",
-    "_exec_first",
-    "_exec_length",
-    "_stage_params",
-    "_shared_params",
-    "_forward_ops",
-    "_backward_ops",
-    "_rerun",
-    "_runs",
-    "_snapshotted",
-    "_snapshots",
-    "_submodules",
-    "_needs",
-    "_exec_chain",
-    "_exec_plan",
-)
-"""What :meth:`Checkpointed._plan` sets up for a state (see ``Checkpointed._plans``)."""
-
-
 CALIBRATION_STAGES = 32
 CALIBRATION_ROUNDS = 21
 
@@ -934,14 +523,13 @@ def measure_stage_seconds(
 ) -> float:
     """One measurement of the executor's cost per stage operation (seconds, at least 0)."""
 
-    class StageByStage(Checkpointed):
-        _merge_graph_runs = False
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(stages)))
     x = torch.randn(2, 4)
     chain = replace(analytic_chain(model, x), autograd_peak_bytes=None)
-    executor = StageByStage(model, x, chain=chain, schedule=store_all(chain))
+    executor = Checkpointed(
+        model, x, chain=chain, schedule=store_all(chain), merge_graph_runs=False
+    )
 
     def step(net: torch.nn.Module) -> float:
         start = time.process_time()

@@ -14,9 +14,7 @@ from edgetrain.autograd.stages import (
 from edgetrain.autograd.storage_counter import storage_bytes
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import (
-    Schedule,
-)
+from edgetrain.core.schedule import Schedule
 from edgetrain.errors import EdgetrainError, InfeasibleBudget, InvalidSchedule
 from edgetrain.frontend.profiling import (
     analytic_chain,

@@ -36,9 +36,7 @@ from edgetrain.autograd.stages import (
     run_forward_with_grad,
 )
 from edgetrain.autograd.storage_counter import storage_key
-from edgetrain.core.schedule import (
-    Op,
-)
+from edgetrain.core.schedule import Op
 from edgetrain.runtime.paging import PageStore
 from edgetrain.runtime.peak_probe import PeakProbe
 

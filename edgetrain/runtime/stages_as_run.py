@@ -12,9 +12,7 @@ from edgetrain.autograd.stages import (
     StageParams,
 )
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import (
-    GraphRun,
-)
+from edgetrain.core.graph_merge import GraphRun
 from edgetrain.errors import InvalidInput
 
 
@@ -54,7 +52,7 @@ def modules_as_run(
     """The stages as the executor runs them: each of ``runs`` one stage (a
     :class:`~edgetrain.autograd.replay.GraphRunModule`; of its stages, those in ``snapshotted`` are
     rebuilt from a snapshot of their buffers), the others as they are (see
-    :func:`~edgetrain.core.schedule.merged_schedule`)."""
+    :func:`~edgetrain.core.graph_merge.merged_schedule`)."""
     merged = {run.first: run for run in runs}
     modules: list[nn.Module] = []
     k = 0

@@ -24,12 +24,13 @@ from torch.nn.utils import spectral_norm as hook_spectral_norm
 from torch.nn.utils.parametrizations import spectral_norm
 
 import edgetrain
-from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.chain import Chain, Stage
-from edgetrain.core.schedule import Op, Schedule, memory_trace, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import memory_trace, simulate
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.runtime.checkpointed import Checkpointed
+from tests.helpers import step_peak
 
 # The caller's loss (a sum of squares of a 64 × 10 or 4 × 1 output): its squares and scalar.
 LOSS_BYTES = 64 * 10 * 4 + 8
@@ -115,19 +116,6 @@ def models() -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor]]:
     }
 
 
-def step(net: nn.Module, params: list[nn.Parameter], x: torch.Tensor, kept: bool) -> int:
-    """One training step, the gradients set to None before it (``zero_grad()``) or kept and
-    zeroed (``zero_grad(set_to_none=False)``); returns its tensor peak."""
-    for p in params:
-        p.grad = torch.zeros_like(p) if kept else None
-    counter = StorageCounter()
-    with counter:
-        out = net(x)
-        out.square().sum().backward()
-        del out
-    return counter.peak_bytes
-
-
 def test_flow_finds_the_stages_that_read_buffers_they_change():
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -170,13 +158,13 @@ def test_recomputed_stages_match_plain_autograd_and_hold_their_budget(name, kept
     reran = set()
     for budget in (least, (least + everything) / 2, everything):
         plain = build()
-        step(plain, list(plain.parameters()), x, kept)
+        step_peak(plain, x, kept=kept, params=list(plain.parameters()))
         ours = build()
         schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=kept)
         forwards = [k for kind, k in schedule if kind.is_forward]
         reran |= {k for k in flagged if forwards.count(k) > 1}
         run = Checkpointed(ours, x, chain=chain, schedule=schedule)
-        measured = step(run, list(ours.parameters()), x, kept)
+        measured = step_peak(run, x, kept=kept, params=list(ours.parameters()))
         for a, b in zip(plain.parameters(), ours.parameters(), strict=True):
             assert torch.equal(a.grad, b.grad), (budget, schedule.text())
         for a, b in zip(plain.buffers(), ours.buffers(), strict=True):

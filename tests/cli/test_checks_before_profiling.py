@@ -11,6 +11,7 @@ from torch import nn
 import edgetrain.cli.demo
 import edgetrain.cli.plan
 import edgetrain.runtime.checkpointed
+import edgetrain.runtime.prepared
 from edgetrain import plan
 from edgetrain.cli.main import cli
 from edgetrain.errors import InfeasibleBudget, InvalidSchedule
@@ -29,7 +30,7 @@ def _mlp(width: int) -> nn.Sequential:
 
 
 def test_a_budget_below_the_weights_is_refused_before_the_profile(monkeypatch):
-    monkeypatch.setattr(edgetrain.runtime.checkpointed, "profile_chain", _no_profile)
+    monkeypatch.setattr(edgetrain.runtime.prepared, "profile_chain", _no_profile)
     model, x = _mlp(256), torch.randn(8, 32, dtype=torch.float64)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     with pytest.raises(InfeasibleBudget, match="the step starts with") as caught:
@@ -46,7 +47,7 @@ def test_a_plan_for_another_model_is_refused_before_the_profile_naming_both(monk
     x = torch.randn(8, 32, dtype=torch.float64)
     chain = analytic_chain(_mlp(256), x)
     schedule = plan(replace(chain, name="wide-mlp"), "optimal")
-    monkeypatch.setattr(edgetrain.runtime.checkpointed, "profile_chain", _no_profile)
+    monkeypatch.setattr(edgetrain.runtime.prepared, "profile_chain", _no_profile)
     with pytest.raises(InvalidSchedule, match=r"made for wide-mlp .* not for Sequential"):
         Checkpointed(_mlp(128), x, schedule=schedule)
     with pytest.raises(InvalidSchedule, match=r"an input of 2048 bytes\), not for Sequential"):
@@ -76,7 +77,7 @@ def test_poet_reads_its_flags_before_any_work(args, message):
 def test_a_budget_below_the_weights_is_refused_before_any_chain_or_profile(args, monkeypatch):
     for module in (edgetrain.cli.plan, edgetrain.cli.demo):
         monkeypatch.setattr(module, "model_chain", _no_profile)
-    monkeypatch.setattr(edgetrain.runtime.checkpointed, "profile_chain", _no_profile)
+    monkeypatch.setattr(edgetrain.runtime.prepared, "profile_chain", _no_profile)
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2, result.output
     lines = result.output.splitlines()

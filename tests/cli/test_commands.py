@@ -131,7 +131,7 @@ def test_the_demo_budget_is_feasible_and_below_plain_autograd():
     # scripts/run must work on its defaults: the demo trains ResNet-18, batch 16, 224x224.
     from edgetrain.cli.demo import demo
     from edgetrain.core.accounting import fixed_training_bytes
-    from edgetrain.core.schedule import simulate
+    from edgetrain.core.simulator import simulate
     from edgetrain.models import model_chain
     from edgetrain.planners.optimal import minimum_memory, store_all
     from edgetrain.units import parse_bytes
@@ -175,7 +175,7 @@ def test_json_sizes_name_their_unit(command):
 
 
 def test_plan_summary_says_what_a_store_all_plan_keeps():
-    # "at most 0 activations stored" was printed for a plan that keeps every graph
+    # a plan that keeps every graph says so, not "at most 0 activations stored"
     table_text = run("plan --model resnet18 --batch 2 --image 64 --memory 2GB").stdout
     assert "0 activations" not in table_text
     assert "keeps the graph of every stage (10), recomputes nothing" in " ".join(table_text.split())

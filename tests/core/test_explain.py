@@ -16,7 +16,8 @@ from torch import nn
 
 from edgetrain.core.chain import uniform_chain
 from edgetrain.core.explain import STEP, UNSPLIT, explain_plan, step_parts
-from edgetrain.core.schedule import Op, Schedule, memory_trace, replay_state, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import memory_trace, replay_state, simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan

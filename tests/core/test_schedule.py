@@ -8,17 +8,11 @@ import pytest
 from hypothesis import given, settings
 
 from edgetrain.core.chain import Chain, Stage, uniform_chain
-from edgetrain.core.schedule import (
-    GraphRun,
-    Op,
-    Schedule,
-    graph_runs,
-    memory_trace,
-    merged_schedule,
-    simulate,
-)
+from edgetrain.core.graph_merge import GraphRun, graph_runs, merged_schedule
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import memory_trace, simulate
 from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidSchedule
-from edgetrain.planners import STRATEGIES, plan
+from edgetrain.planners import FRONTIER_STRATEGIES, plan
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.sequential import sequential
 from tests.conftest import chains, random_chain
@@ -147,7 +141,7 @@ def test_a_stage_that_saves_neither_end_frees_its_input_and_output():
 @given(chains(max_length=12))
 def test_every_planner_returns_a_valid_schedule_within_its_budget(chain):
     plain = simulate(chain, store_all(chain))
-    for strategy in STRATEGIES:
+    for strategy in FRONTIER_STRATEGIES:
         fastest = plan(chain, strategy)
         assert simulate(chain, fastest).seconds <= plain.seconds * 3 + 1e-9 or strategy != "optimal"
         for factor in (1.0, 1.5, 2.5):

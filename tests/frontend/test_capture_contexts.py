@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.errors import InvalidInput
 from edgetrain.runtime.checkpointed import Checkpointed
+from tests.helpers import step_peak
 
 F64 = torch.float64
 MERGE = pytest.mark.parametrize("merge", [True, False], ids=["merged", "stage-by-stage"])
@@ -55,29 +55,17 @@ class Distill(nn.Module):
         return self.student(x) - target
 
 
-def _peak_step(module: nn.Module, x: torch.Tensor, params: list[nn.Parameter]) -> int:
-    for p in params:
-        p.grad = None
-    counter = StorageCounter()
-    with counter:
-        out = module(x)
-        out.square().sum().backward()
-        del out
-    return counter.peak_bytes
-
-
 @MERGE
 @pytest.mark.parametrize("make", [FrozenBackbone, Distill])
-def test_a_no_grad_block_in_forward_gets_no_gradients_at_any_plan(make, merge, monkeypatch):
-    monkeypatch.setattr(Checkpointed, "_merge_graph_runs", merge)
+def test_a_no_grad_block_in_forward_gets_no_gradients_at_any_plan(make, merge):
     torch.manual_seed(0)
     model = make().to(F64)
     x = torch.randn(256, 16, dtype=F64)
     for plan in ({"max_recompute": 1.3}, {"max_recompute": 2.0}, {"max_recompute": 5.0}):
         reference, ours = copy.deepcopy(model), copy.deepcopy(model)
-        net = Checkpointed(ours, x, **plan)
-        plain_peak = _peak_step(reference, x, list(reference.parameters()))
-        measured = _peak_step(net, x, list(ours.parameters()))
+        net = Checkpointed(ours, x, **plan, merge_graph_runs=merge)
+        plain_peak = step_peak(reference, x, kept=False, params=list(reference.parameters()))
+        measured = step_peak(net, x, kept=False, params=list(ours.parameters()))
         assert net.cost.recompute_factor > 1 and net.runs_as != "the module itself"
         assert measured <= net.cost.peak_bytes + 64, (plan, net.runs_as)
         assert measured <= plain_peak + 64

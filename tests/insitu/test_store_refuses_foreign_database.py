@@ -10,7 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from edgetrain.cli.main import cli
-from edgetrain.insitu.store import _SCHEMA, APPLICATION_ID, Store, StoreError
+from edgetrain.insitu.database import APPLICATION_ID, SCHEMA
+from edgetrain.insitu.store import Store, StoreError
 from tests.insitu.helpers import fill
 
 
@@ -69,7 +70,7 @@ def test_the_cli_refuses_a_users_database_in_one_line_exit_2(tmp_path, command):
 
 def test_a_database_with_the_store_tables_but_other_content_elsewhere_is_refused(tmp_path):
     db = sqlite3.connect(tmp_path / "store.sqlite")
-    db.executescript(_SCHEMA + "CREATE TABLE notes (text TEXT);")
+    db.executescript(SCHEMA + "CREATE TABLE notes (text TEXT);")
     db.close()
     before = _snapshot(tmp_path)
     with pytest.raises(StoreError, match="did not create"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.paper.figure1 import CLAIM_RHO, curve
 from edgetrain.paper.linear_resnet import linear_resnet_chain
 from edgetrain.planners import plan

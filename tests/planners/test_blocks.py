@@ -16,7 +16,8 @@ import torch
 
 import edgetrain
 from edgetrain.core.chain import Chain, Stage
-from edgetrain.core.schedule import Op, Schedule, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.fx_capture import ALL_CUTS_UP_TO, all_cuts, capture

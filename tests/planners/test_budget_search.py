@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from edgetrain.core.chain import Chain, uniform_chain
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.paper.linear_resnet import linear_resnet_chain
-from edgetrain.planners import STRATEGIES, plan
+from edgetrain.planners import FRONTIER_STRATEGIES, plan
 from edgetrain.planners.budget import frontier_of, optimal_candidates
 from edgetrain.planners.optimal import DEFAULT_SLOTS, TableMaker, store_all
 from edgetrain.planners.search import frontier, plan_for_device, tradeoff
@@ -41,7 +41,7 @@ def refused_smallest(chain: Chain, strategy: str, budget: float, grads_exist: bo
 
 
 @pytest.mark.parametrize("grads_exist", LOOPS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", FRONTIER_STRATEGIES)
 @PROPERTY
 @given(chain=every_kind_chains(1, 7), data=st.data())
 def test_every_budget_from_the_reported_smallest_up_plans_within_it_and_none_below(
@@ -68,7 +68,7 @@ def test_every_budget_from_the_reported_smallest_up_plans_within_it_and_none_bel
 
 
 @pytest.mark.parametrize("grads_exist", LOOPS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", FRONTIER_STRATEGIES)
 @PROPERTY
 @given(chain=chains(1, 6))
 def test_the_smallest_budget_is_minimal_where_the_search_is_exact(strategy, grads_exist, chain):
@@ -81,7 +81,7 @@ def test_the_smallest_budget_is_minimal_where_the_search_is_exact(strategy, grad
 
 
 @pytest.mark.parametrize("grads_exist", LOOPS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", FRONTIER_STRATEGIES)
 def test_the_frontier_is_sorted_pareto_and_each_point_is_its_own_plans_cost(strategy, grads_exist):
     chain = every_kind_chain(random.Random(7), 9, scale=40)
     points = frontier(chain, strategy, grads_exist=grads_exist).points
@@ -208,7 +208,7 @@ def test_a_long_chains_recompute_factor_gives_less_than_storing_everything():
     assert len(tradeoff(chain, "optimal")) > 20
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", FRONTIER_STRATEGIES)
 def test_a_device_budget_below_the_fixed_part_reports_a_smallest_that_plans(strategy):
     chain = every_kind_chain(random.Random(3), 10, scale=50)
     fixed = 5_000

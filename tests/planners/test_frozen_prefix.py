@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgetrain.core.chain import Chain, Stage
-from edgetrain.core.schedule import Op, Schedule, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import simulate
 from edgetrain.planners.search import frontier
 from tests.conftest import random_chain
 

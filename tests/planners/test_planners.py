@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgetrain.core.chain import uniform_chain
-from edgetrain.core.schedule import Op, Schedule, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.models import model_chain
 from edgetrain.planners import plan

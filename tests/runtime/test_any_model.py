@@ -15,7 +15,7 @@ from torch import nn
 
 import edgetrain
 from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.models import build, sample_input
@@ -27,6 +27,7 @@ from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
 from edgetrain.runtime.checkpointed import Checkpointed
+from tests.helpers import step_peak
 
 F64 = torch.float64
 
@@ -82,17 +83,15 @@ def train_step(net: nn.Module, x: torch.Tensor, seed: int) -> torch.Tensor:
     return out.detach()
 
 
+def mean_gradient(out: torch.Tensor) -> None:
+    """The backward from a loss gradient made when the forward is done (what a mean loss would
+    hand back; the loss's own temporaries are not the model's)."""
+    out.backward(torch.full_like(out, 1 / out.numel()))
+
+
 def measured_peak(net: nn.Module, x: torch.Tensor) -> int:
-    """The step's peak: forward, then backward from a loss gradient made when the forward is
-    done (what the loss would hand back; the loss's own temporaries are not the model's)."""
-    for p in net.parameters():
-        p.grad = None  # PyTorch's default zero_grad()
-    counter = StorageCounter()
-    with counter:  # the usual loop: the output stays referenced until the step ends
-        out = net(x)
-        out.backward(torch.full_like(out, 1 / out.numel()))
-        del out
-    return counter.peak_bytes
+    """The step's peak, gradients set to None before it (PyTorch's default ``zero_grad()``)."""
+    return step_peak(net, x, backward=mean_gradient, kept=False)
 
 
 def same_state(ours: nn.Module, plain: nn.Module) -> None:

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import edgetrain
-from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.runtime.checkpointed import Checkpointed
+from tests.helpers import step_peak
 
 # The caller's loss (a sum of squares of a 4 × 10 output) is not part of the model's step: at
 # most its scalar and the squares' 160 bytes come on top of the prediction.
@@ -84,26 +84,13 @@ def model(block: type[nn.Module]) -> tuple[nn.Module, torch.Tensor]:
     return Net(block), torch.randn(4, 16, 32)
 
 
-def step_peak(net: nn.Module, params: list[nn.Parameter], x: torch.Tensor, kept: bool) -> int:
-    """One step's tensor peak, the gradients set to None before it (``zero_grad()``) or kept
-    and zeroed (``zero_grad(set_to_none=False)``)."""
-    for p in params:
-        p.grad = torch.zeros_like(p) if kept else None
-    counter = StorageCounter()
-    with counter:
-        out = net(x)
-        out.square().sum().backward()
-        del out
-    return counter.peak_bytes
-
-
 @pytest.mark.parametrize("block", [Block, SdpaBlock])
 def test_plain_autograds_step_sized_on_meta_tensors_is_the_cpus(block):
     net, x = model(block)
     chain = analytic_chain(net, x)
     params = list(net.parameters())
     for kept, predicted in zip((False, True), chain.autograd_peak_bytes, strict=True):
-        measured = step_peak(net, params, x, kept)
+        measured = step_peak(net, x, kept=kept, params=params)
         assert predicted - LOSS_BYTES <= measured <= predicted + LOSS_BYTES, kept
 
 
@@ -126,7 +113,7 @@ def test_attention_plans_hold_their_budget_in_both_loops(block, kept):
         ours = copy.deepcopy(net)
         schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=kept)
         run = Checkpointed(ours, x, chain=chain, schedule=schedule)
-        measured = step_peak(run, list(ours.parameters()), x, kept)
+        measured = step_peak(run, x, kept=kept, params=list(ours.parameters()))
         predicted = run.cost.peak_bytes
         assert predicted <= budget + 1
         assert predicted * 0.98 <= measured <= predicted + LOSS_BYTES, (budget, run.runs_as)

@@ -18,7 +18,7 @@ from torch import nn
 
 import edgetrain
 from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.runtime.checkpointed import Checkpointed

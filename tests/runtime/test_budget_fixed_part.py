@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from edgetrain.errors import InfeasibleBudget
-from edgetrain.planners import STRATEGIES
+from edgetrain.planners import FRONTIER_STRATEGIES
 from edgetrain.runtime.checkpointed import Checkpointed
 from edgetrain.units import format_bytes
 
@@ -31,7 +31,7 @@ def step(net: nn.Module, x: torch.Tensor) -> None:
     net(x).square().mean().backward()
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", FRONTIER_STRATEGIES)
 def test_a_budget_below_the_fixed_part_reports_a_smallest_that_plans(strategy):
     model, x = linear_bn_tanh(), sample()
     plain = Checkpointed(model, x, strategy=strategy)

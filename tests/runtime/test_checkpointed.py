@@ -11,7 +11,8 @@ from torch import nn
 
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.accounting import fixed_training_bytes
-from edgetrain.core.schedule import Schedule, simulate
+from edgetrain.core.schedule import Schedule
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import CorruptFile, InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.frontend.profiling import analytic_chain
 from edgetrain.models import build

@@ -12,13 +12,17 @@ from torch import nn
 import edgetrain
 from edgetrain.autograd.replay import GraphRunModule
 from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.core.schedule import Op, Schedule, simulate
+from edgetrain.core.accounting import fixed_training_bytes
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InvalidInput, InvalidSchedule
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
-from edgetrain.runtime.checkpointed import STAGE_SECONDS, Checkpointed, fixed_training_bytes
+from edgetrain.runtime.checkpointed import Checkpointed
+from edgetrain.runtime.prepared import STAGE_SECONDS
+from tests.helpers import step_peak
 
 F64 = torch.float64
 # Every strategy, and budgets from storing everything down to the tightest.
@@ -121,24 +125,21 @@ def _mix_thrice():
     "make", [_reused_linear, _tied_lm, _mix_thrice], ids=["reused-linear", "tied-lm", "mix-thrice"]
 )
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "stage-by-stage"])
-def test_a_weight_used_twice_accumulates_like_plain_autograd_over_micro_batches(
-    make, merge, monkeypatch
-):
+def test_a_weight_used_twice_accumulates_like_plain_autograd_over_micro_batches(make, merge):
     """Gradient accumulation (no zero_grad() between micro-batches): autograd sums a parameter's
     gradients from all its uses first, then adds the sum to the ``.grad`` that exists; adding
     each use's gradient to ``.grad`` in turn differs in the last bits. Over three micro-batches
     every gradient equals plain autograd's bitwise, for plans run in one graph and stage by
     stage, and the last step holds what the plan predicts for a loop that keeps gradients."""
-    monkeypatch.setattr(Checkpointed, "_merge_graph_runs", merge)
     model, x = make()
     # Sized on the CPU, as a user's Checkpointed is (on meta, attention saves one tensor more).
-    chain = Checkpointed(copy.deepcopy(model), x).chain
+    chain = Checkpointed(copy.deepcopy(model), x, merge_graph_runs=merge).chain
     everything = simulate(chain, store_all(chain), grads_exist=True).peak_bytes
     least = minimum_memory(chain, grads_exist=True)
     for budget in ((everything + least) / 2, least):
         schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=True)
         plain, ours = copy.deepcopy(model), copy.deepcopy(model)
-        net = Checkpointed(ours, x, chain=chain, schedule=schedule)
+        net = Checkpointed(ours, x, chain=chain, schedule=schedule, merge_graph_runs=merge)
         for micro in range(3):
             batch = x.roll(micro, 0)
             torch.manual_seed(micro)
@@ -245,17 +246,16 @@ MODELS = [
 ]
 
 
+def cross_entropy(out: torch.Tensor) -> None:
+    """The step's loss and backward: cross-entropy against class 0 (the target held only by the
+    loss's graph, which frees it in the backward)."""
+    loss = torch.nn.functional.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long))
+    loss.backward()
+
+
 def measured_peak(net, x, set_to_none):
-    params = list(net.parameters())
-    for p in params:  # the loop's zero_grad(): gradients to None, or kept and zeroed
-        p.grad = None if set_to_none else torch.zeros_like(p)
-    counter = StorageCounter()
-    with counter:  # the usual loop: the output stays referenced until the step ends
-        out = net(x)
-        loss = torch.nn.functional.cross_entropy(out, torch.zeros(out.shape[0], dtype=torch.long))
-        loss.backward()
-        del out
-    return counter.peak_bytes
+    """One step's peak with a cross-entropy loss, in the loop's ``zero_grad()``."""
+    return step_peak(net, x, backward=cross_entropy, kept=not set_to_none)
 
 
 @pytest.mark.parametrize(("name", "make", "shape"), MODELS)
@@ -713,27 +713,26 @@ def _step_under_hooks(net, x, packed):
         ).backward()
 
 
-def test_released_stages_keep_the_callers_saved_tensor_hooks_for_what_they_do_not_release(
-    monkeypatch,
-):
+def test_released_stages_keep_the_callers_saved_tensor_hooks_for_what_they_do_not_release():
     """A caller's saved-tensor hooks (``save_on_cpu``, their own) see every tensor a stage saves
     but the inputs an ``Fr`` stage releases (those are not held at all); gradients stay plain
     autograd's. Stage by stage: run as one graph, the hooks hold the rebuilt stage's input too
     (see test_one_graph_plans_keep_the_callers_saved_tensor_hooks_and_refuse_disabled_ones)."""
-    monkeypatch.setattr(Checkpointed, "_merge_graph_runs", False)
     model = GeluResidualMLP()
     x = torch.randn(64, 16)
     reference = copy.deepcopy(model)
     plain: list = []
     torch.manual_seed(1)
     _step_under_hooks(reference, x, plain)
-    chain = Checkpointed(copy.deepcopy(model), x).chain
+    chain = Checkpointed(copy.deepcopy(model), x, merge_graph_runs=False).chain
     everything = simulate(chain, store_all(chain)).peak_bytes
     budget = minimum_memory(chain) + 0.6 * (everything - minimum_memory(chain))
     schedule = edgetrain.plan(chain, "optimal", memory=budget)
     released = [k for kind, k in schedule if kind is Op.FORWARD_RELEASE]
     assert released
-    net = Checkpointed(copy.deepcopy(model), x, chain=chain, schedule=schedule)
+    net = Checkpointed(
+        copy.deepcopy(model), x, chain=chain, schedule=schedule, merge_graph_runs=False
+    )
     seen: list = []
     torch.manual_seed(1)
     _step_under_hooks(net, x, seen)
@@ -1015,7 +1014,7 @@ def _train_like_plain(model, x, run, set_to_none):
 
 
 @BOTH_LOOPS
-def test_a_rebuilt_stage_that_saves_its_own_output_holds_it_no_longer_as_one_graph(set_to_none):
+def test_a_rebuilt_stage_that_saves_its_own_output_rebuilds_it_too_as_one_graph(set_to_none):
     """Tanh's backward reads its output: as one graph, what Tanh itself saves of its output is
     rebuilt too (not held from the forward on), so the plan that releases every Tanh's output
     runs as one graph within the plan's own peak, and trains as plain autograd does."""
@@ -1118,7 +1117,7 @@ def test_a_plan_one_graph_would_hold_a_little_over_budget_is_replanned_to_run_as
     _train_like_plain(model, x, run, set_to_none)
     # Without the tighter plan: the budget's own plan, merged only in parts; it costs more, its
     # time and the executor's cost per stage.
-    monkeypatch.setattr(edgetrain.runtime.checkpointed, "ONE_GRAPH_TRIES", 0)
+    monkeypatch.setattr(edgetrain.runtime.prepared, "ONE_GRAPH_TRIES", 0)
     first = Checkpointed(_keeping(model), x, chain=chain, memory_budget=budget)
     assert first.schedule.text() != run.schedule.text() and first._exec_length > 1
     assert runs_as == "one graph" and first.runs_as == f"{first._exec_length} stages"

@@ -15,7 +15,8 @@ import edgetrain
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.accounting import fixed_training_bytes, optimizer_state_bytes
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import Op, Schedule, simulate
+from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.simulator import simulate
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.models.tiny_lm import TinyLM

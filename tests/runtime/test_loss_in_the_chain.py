@@ -13,7 +13,8 @@ from torch import nn
 
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.loss import with_loss
-from edgetrain.core.schedule import made_for, simulate
+from edgetrain.core.schedule import made_for
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.cuts import as_stages
 from edgetrain.frontend.loss import profile_loss
@@ -45,9 +46,15 @@ class WithLoss:
             assert exc.smallest is not None
             return int(exc.smallest)
 
-    def net(self, budget: int) -> Checkpointed:
+    def net(self, budget: int, merge_graph_runs: bool = True) -> Checkpointed:
         schedule = made_for(plan(self.planning, "optimal", memory=budget), self.chain)
-        return Checkpointed(copy.deepcopy(self.model), self.x, chain=self.chain, schedule=schedule)
+        return Checkpointed(
+            copy.deepcopy(self.model),
+            self.x,
+            chain=self.chain,
+            schedule=schedule,
+            merge_graph_runs=merge_graph_runs,
+        )
 
     def predicted(self, schedule):
         return simulate(self.planning, schedule)
@@ -95,11 +102,10 @@ CASES = [
 
 
 @pytest.mark.parametrize(("name", "make", "make_input"), CASES, ids=[c[0] for c in CASES])
-def test_step_peak_with_the_loss_is_predicted_exactly(name, make, make_input, monkeypatch):
+def test_step_peak_with_the_loss_is_predicted_exactly(name, make, make_input):
     # Stage by stage, as planned: a plan run as one graph keeps a LayerNorm's statistics too (a
     # few KiB), which the planning chain does not count; the benchmark measures every row's
     # peak for that, and the executor sizes one graph as it runs (test_contract.py).
-    monkeypatch.setattr(Checkpointed, "_merge_graph_runs", False)
     torch.manual_seed(0)
     model, x = make(), make_input()
     planned = WithLoss(model, x)
@@ -108,7 +114,7 @@ def test_step_peak_with_the_loss_is_predicted_exactly(name, make, make_input, mo
     assert least < most
     out_grad = planned.chain.gradient_of_activation_bytes(planned.chain.length)
     for budget in (least, (least + most) // 2, most):
-        net = planned.net(budget)
+        net = planned.net(budget, merge_graph_runs=False)
         predicted = planned.predicted(net.schedule).peak_bytes
         assert predicted <= budget
         step = _training_step(net, list(net.module.parameters()), x)

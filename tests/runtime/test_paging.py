@@ -83,7 +83,8 @@ from torch import nn  # noqa: E402
 
 from edgetrain import plan  # noqa: E402
 from edgetrain.core.chain import Chain  # noqa: E402
-from edgetrain.core.schedule import Op, Schedule, simulate  # noqa: E402
+from edgetrain.core.schedule import Op, Schedule  # noqa: E402
+from edgetrain.core.simulator import simulate  # noqa: E402
 from edgetrain.frontend.profiling import analytic_chain  # noqa: E402
 from edgetrain.planners.optimal import minimum_memory, store_all  # noqa: E402
 from edgetrain.runtime.checkpointed import Checkpointed  # noqa: E402

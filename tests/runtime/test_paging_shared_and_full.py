@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.profiling import analytic_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
@@ -36,7 +36,7 @@ from edgetrain import plan
 from edgetrain.runtime.checkpointed import Checkpointed
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.frontend.profiling import analytic_chain
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from tests.runtime.test_paging import _paged, _user_model
 
 page_dir, go, steps = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])

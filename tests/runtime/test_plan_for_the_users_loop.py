@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.runtime.checkpointed import Checkpointed
+from tests.helpers import set_gradients, step_peak
 
 
 class Repeat(nn.Module):
@@ -29,16 +29,11 @@ def _model() -> nn.Sequential:
 
 def _step(net: nn.Module, model: nn.Module, x: torch.Tensor, set_to_none: bool) -> int:
     """One step in the loop; the whole step's peak of tensors (the fixed part included)."""
-    for p in model.parameters():
-        p.grad = None if set_to_none else torch.zeros_like(p)
+    set_gradients(model.parameters(), kept=not set_to_none)
     held = [*model.parameters(), x, *(p.grad for p in model.parameters() if p.grad is not None)]
     start = sum(t.untyped_storage().nbytes() for t in held)
-    counter = StorageCounter()
-    with counter:
-        out = net(x)
-        out.backward(torch.ones_like(out))  # an output-sized gradient, as the plans count
-        del out
-    return start + counter.peak_bytes
+    # An output-sized gradient, as the plans count.
+    return start + step_peak(net, x, backward=lambda out: out.backward(torch.ones_like(out)))
 
 
 def _plain_peaks(model: nn.Module, x: torch.Tensor) -> dict[bool, int]:

@@ -385,10 +385,10 @@ def from_chain(
     ``B(k)`` the gradient of ``a[k]``; ``loss`` is a marker of no size. ``held``: the output's
     gradient from the first backward on, the output (kept by the caller) once the last stage's
     forward node is freed, and each backward's parameter gradients after it, as
-    :func:`edgetrain.core.schedule.simulate` counts them. A stage's measured transient
+    :func:`edgetrain.core.simulator.simulate` counts them. A stage's measured transient
     peaks (forward with grad, backward) beyond the node's output become its ``workspace_bytes``,
     so the ``edgetrain`` accounting of the keep-everything plan is
-    :func:`edgetrain.core.schedule.simulate`'s peak.
+    :func:`edgetrain.core.simulator.simulate`'s peak.
 
     Paging a forward node costs the device's figures for the stage's output ``a[k+1]`` alone:
     that is what an executor pages (a checkpoint); the saved tensors of a graph are never paged.

@@ -9,7 +9,7 @@ counts what autograd retains as that executor does
   ``t`` is the one its backward will read (kept in RAM, not recomputed, up to the
   backward), and only then must the retained node be in RAM. A forward node recomputed
   without grad (a checkpoint, ``Fn``/``Fc``) retains nothing, as in
-  :func:`~edgetrain.core.schedule.simulate`. (Without ``runnable`` every held copy retains.)
+  :func:`~edgetrain.core.simulator.simulate`. (Without ``runnable`` every held copy retains.)
 * A forward node in RAM entering a stage is not computed or paged in again in it, nor both
   in one stage (one copy of a value).
 * The model's output (the forward node the loss reads) stays in RAM up to its backward, and

@@ -28,7 +28,7 @@ it), which may be the first operation of the next stage. :func:`check_against` (
 :func:`plan_poet`) checks the simulated peak against the budget whatever happens.
 
 Costs are the simulator's: the schedule's compute time is
-:func:`~edgetrain.core.schedule.simulate`'s,
+:func:`~edgetrain.core.simulator.simulate`'s,
 turned into device seconds and joules by :func:`device_cost` exactly as
 :func:`~edgetrain.planners.poet.graph.from_chain` turns stages into nodes; a ``Po k``/``Pi k``
 costs the device's
@@ -59,7 +59,8 @@ from typing import Any
 import numpy as np
 
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import Cost, Op, Schedule, made_for, simulate
+from edgetrain.core.schedule import Op, Schedule, made_for
+from edgetrain.core.simulator import Cost, simulate
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.planners.poet import milp
@@ -102,7 +103,7 @@ def device_cost(
     seconds and joules (as :func:`~edgetrain.planners.poet.graph.from_chain` does); ``Po k``/``Pi
     k`` cost the
     device's page-out/page-in of ``a[k]``'s bytes. Validates the schedule with
-    :func:`~edgetrain.core.schedule.simulate` first."""
+    :func:`~edgetrain.core.simulator.simulate` first."""
     simulate(chain, schedule)
     seconds = compute = page_in = page_out = 0.0
     for kind, k in schedule:
@@ -348,7 +349,7 @@ def plan_poet(
     runnable: bool = True,
 ) -> PoetPlan:
     """The least-energy plan of recomputation and paging for ``chain`` on ``device`` within
-    ``memory`` bytes (or a size such as "2MB"; counted as :func:`~edgetrain.core.schedule.simulate`
+    ``memory`` bytes (or a size such as "2MB"; counted as :func:`~edgetrain.core.simulator.simulate`
     counts them) and
     ``runtime`` times the every-node-once compute time, as a schedule that runs.
 

@@ -127,7 +127,7 @@ def test_chain_graph_keep_everything_peak_is_simulates_peak_or_one_activation_ab
     than the stage-by-stage replay (the chain's measured plain-autograd step left out: the graph
     counts stages, as the replay does).
     """
-    from edgetrain.core.schedule import simulate
+    from edgetrain.core.simulator import simulate
     from edgetrain.models import model_chain
     from edgetrain.planners.optimal import store_all
     from edgetrain.planners.poet import check as poet_check

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edgetrain.core.chain import Chain
-from edgetrain.core.schedule import simulate
+from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.planners import plan
 from edgetrain.planners.optimal import TableMaker, fastest

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from edgetrain.core.chain import Chain, Stage
-from edgetrain.core.schedule import Op, simulate
+from edgetrain.core.schedule import Op
+from edgetrain.core.simulator import simulate
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.frontend.profiling import analytic_chain
-from edgetrain.planners import plan
+from edgetrain.planners import FRONTIER_STRATEGIES, STRATEGIES, plan
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.poet import check, milp
 from edgetrain.planners.poet import graph as G
@@ -26,6 +27,7 @@ from edgetrain.planners.poet.to_schedule import (
     plan_poet,
     schedule_from_plan,
 )
+from edgetrain.planners.search import frontier
 from edgetrain.runtime.checkpointed import Checkpointed
 from tests.conftest import UNIT, loss_and_peak, output_saving_chain
 
@@ -205,6 +207,22 @@ def test_plan_with_strategy_poet_is_the_milps_schedule() -> None:
     assert simulate(chain, schedule).pages_out >= 1
     with pytest.raises(InvalidInput, match="needs a device"):
         plan(chain, "poet", memory=0.6 * everything)
+
+
+def test_poet_is_one_of_the_strategies_and_has_no_frontier() -> None:
+    """``plan`` takes every name in ``STRATEGIES``, POET's among them; the memory/time frontier
+    is the budget search's, which POET's MILP (one budget at a time) has not: refused in one
+    line naming the strategies that have one."""
+    assert "poet" in STRATEGIES and set(FRONTIER_STRATEGIES) == set(STRATEGIES) - {"poet"}
+    chain = _chain([1.0, 20.0] + [1.0] * 7)
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    for strategy in STRATEGIES:
+        device = CHEAP_PAGING if strategy == "poet" else None
+        schedule = plan(chain, strategy, memory=0.6 * everything, device=device)
+        assert schedule.strategy == strategy
+        assert simulate(chain, schedule).peak_bytes <= 0.6 * everything
+    with pytest.raises(InvalidInput, match="no frontier; choose one of optimal, blocks"):
+        frontier(chain, "poet")
 
 
 def test_stages_that_save_their_input_retain_it_only_in_the_graph_backward_reads(
