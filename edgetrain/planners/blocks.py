@@ -236,7 +236,8 @@ def _dp_plans(sub: Chain, rest: int, grads_exist: bool, slots: int) -> list[tupl
     peak = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
     slot_bytes, count = resolution(chain, max(2 * peak, 1), slots)
     plans: list[tuple[Ops, Ops]] = []
-    for nearest in (False, True):
+    rounding = TableMaker(chain, grads_exist).rounding_matters(slot_bytes)
+    for nearest in (False, True) if rounding else (False,):
         table = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist, nearest=nearest)
         times = table.times()
         previous = math.inf

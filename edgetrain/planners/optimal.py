@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -102,6 +102,20 @@ class TableMaker:
         if unit and budget_bytes / unit <= slots:
             return float(unit), int(budget_bytes // unit)
         return budget_bytes / slots, slots
+
+    def rounding_matters(self, slot_bytes: float) -> bool:
+        """Whether sizes rounded to the nearest slot of ``slot_bytes`` differ from sizes
+        rounded up (where they do not, a nearest table is the rounded-up one again)."""
+        up, near = self._costs(slot_bytes, False), self._costs(slot_bytes, True)
+        return any(
+            not np.array_equal(getattr(up, f.name), getattr(near, f.name))
+            for f in fields(StepCosts)
+        )
+
+    def _costs(self, slot_bytes: float, nearest: bool) -> StepCosts:
+        if self.costs is None:
+            return chain_costs(self.chain, slot_bytes, self.grads_exist, nearest)
+        return self.costs(slot_bytes, nearest)
 
     def everything(self) -> Schedule:
         """Storing every graph: plain autograd, the fastest plan."""

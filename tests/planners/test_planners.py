@@ -15,7 +15,13 @@ from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.models import model_chain
 from edgetrain.planners import plan
-from edgetrain.planners.optimal import OptimalTable, minimum_memory, optimal, store_all
+from edgetrain.planners.optimal import (
+    OptimalTable,
+    TableMaker,
+    minimum_memory,
+    optimal,
+    store_all,
+)
 from edgetrain.planners.revolve import (
     beta,
     optimal_forward_steps,
@@ -398,3 +404,17 @@ def test_skipping_the_slots_no_checkpoint_can_win_leaves_the_table_as_it_is(
         patch.setattr(module, "_least_times", lambda costs: None)  # every slot computed
         every = filled()
     assert np.array_equal(skipping, every)
+
+
+@given(every_kind_chains(max_length=6), st.integers(1, 12), st.booleans())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_where_rounding_does_not_matter_the_nearest_table_is_the_rounded_up_one(
+    chain, slot_bytes, grads_exist
+):
+    maker = TableMaker(chain, grads_exist)
+    up = maker.table(slot_bytes, 60)
+    near = maker.table(slot_bytes, 60, nearest=True)
+    if not maker.rounding_matters(slot_bytes):
+        assert np.array_equal(up.times(), near.times())
+    # A slot of one byte rounds nothing.
+    assert not maker.rounding_matters(1)
