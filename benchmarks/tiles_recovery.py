@@ -15,12 +15,14 @@ Usage: ``python benchmarks/tiles_recovery.py [--runs 10] [--steps 100] [--seed 0
 from __future__ import annotations
 
 import argparse
+import datetime
 import multiprocessing
 import os
 import platform
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -140,8 +142,15 @@ def main() -> None:
         "orphans": sum(r["orphans"] for r in rows),
         "uninterrupted_run_s": round(span, 1),
         "of_which_training_s": round(training, 1),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "torch": torch.__version__,
+        "measured_on": {
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+            "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(),
+            "commit": subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ).stdout.strip(),
+            "command": "benchmarks/tiles_recovery.py " + " ".join(sys.argv[1:]),
+        },
     }
     columns = (
         "run",
