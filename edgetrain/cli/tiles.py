@@ -13,8 +13,10 @@ from edgetrain.cli.options import (
     MODEL_FILE_HELP,
     POSITIVE,
     POSITIVE_FLOAT,
+    SIZE_HELP,
     THREADS,
     ModelFile,
+    Size,
 )
 from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices.catalog import CLUSTERS
@@ -59,6 +61,13 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
 )
 @click.option("--steps", type=POSITIVE, default=3, show_default=True, help="Training steps.")
 @click.option(
+    "--memory",
+    type=Size(),
+    default=None,
+    help="Memory of each board, e.g. 512MB: the grid of the same boards, the groups or the cut "
+    f"are chosen so every rank's predicted peak fits ({SIZE_HELP}).",
+)
+@click.option(
     "--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True
 )
 @click.option(
@@ -97,6 +106,7 @@ def tiles(
     groups: str,
     cut_text: str,
     steps: int,
+    memory: int | None,
     dtype: str,
     profile: str,
     address: str,
@@ -131,6 +141,11 @@ def tiles(
     cluster = load(profile)
     setup = _chain_setup if _is_chain(network_model, cut_text) else _graph_setup
     job, doc = setup(network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+    fitted = None
+    if memory is not None:
+        fitted = _fit(memory, network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+        job, doc = fitted.candidate.job, fitted.candidate.extra
+        grid = job.grid
     job = replace(job, steps=steps, seed=seed, collect=check)
     results = _run_job(job, address, threads, timeout, recover)
     predicted = doc.pop("predicted_halo_bytes")
@@ -157,25 +172,32 @@ def tiles(
         ],
         "recoveries": results[0].recoveries if results else [],
     }
-    failed = False
-    if check:
-        from edgetrain.tiles.check import max_relative_difference, reference
-
-        diff = max_relative_difference(job, results, reference(job))
-        doc["max_rel_diff"] = diff
-        doc["tolerance"] = TOLERANCE[dtype]
-        failed = not diff <= TOLERANCE[dtype]
-        if failed and dtype == "float32":
-            doc["hint"] = (
-                "float32 runs can split where an activation lies within rounding of a LeakyReLU "
-                "kink or a max-pool tie; rerun with --dtype float64 for an exact check"
-            )
+    failed = fitted is not None and _budget_report(doc, fitted, memory or 0, results, recoveries)
+    failed = _check(job, results, dtype, doc, check) or failed
     if as_json:
         emit_json(doc)
     else:
         _print(doc)
     if failed:
         raise click.exceptions.Exit(1)
+
+
+def _check(job: Any, results: Any, dtype: str, doc: dict[str, Any], check: bool) -> bool:
+    """With ``check``, compares with one process into ``doc``; True on a mismatch."""
+    if not check:
+        return False
+    from edgetrain.tiles.check import max_relative_difference, reference
+
+    diff = max_relative_difference(job, results, reference(job))
+    doc["max_rel_diff"] = diff
+    doc["tolerance"] = TOLERANCE[dtype]
+    failed = not diff <= TOLERANCE[dtype]
+    if failed and dtype == "float32":
+        doc["hint"] = (
+            "float32 runs can split where an activation lies within rounding of a LeakyReLU "
+            "kink or a max-pool tie; rerun with --dtype float64 for an exact check"
+        )
+    return failed
 
 
 def _load_model(model: str | None, model_file: str | None, seed: int) -> tuple[str, Any]:
@@ -267,6 +289,68 @@ def _graph_setup(
     }
 
 
+def _fit(
+    memory: int,
+    model: Any,
+    image: Any,
+    grid: Any,
+    batch: int,
+    groups: str,
+    cut: str,
+    cluster: Any,
+    dtype: str,
+) -> Any:
+    """The asked grid, groups or cut if every rank fits ``memory``, else the fastest of the
+    other grids of as many boards (and other groupings or cuts) that fits; one line, exit 2,
+    when none does."""
+    from edgetrain.tiles.budget import Candidate, fit_budget, grids_of
+
+    chain = _is_chain(model, cut)
+
+    def candidate(shape: Any, choice: str) -> Any:
+        setup = _chain_setup if chain else _graph_setup
+        job, doc = setup(model, image, shape, batch, choice, choice, cluster, dtype)
+        where = f"groups {doc['groups']}" if chain else f"cut {doc['cut']}"
+        return Candidate(
+            job, doc["predicted_seconds"]["step_seconds"], f"grid {shape}, {where}", doc
+        )
+
+    asked = groups if chain else cut
+    choices = dict.fromkeys([asked, "auto", "per-layer", "1"] if chain else [asked, "auto", "last"])
+
+    def others() -> Any:
+        for shape in grids_of(grid.size):
+            for choice in choices:
+                if (shape, choice) != (grid, asked):
+                    try:
+                        yield candidate(shape, choice)
+                    except InvalidInput:  # more tiles than a map has pixels
+                        continue
+
+    return fit_budget(candidate(grid, asked), others, memory, grid.size, format_bytes)
+
+
+def _budget_report(
+    doc: dict[str, Any], fitted: Any, memory: int, results: Any, recoveries: Any
+) -> bool:
+    """Adds each rank's predicted and measured peak (weights included) to ``doc``; True when
+    a board went over ``memory``."""
+    doc["memory"] = {
+        "budget_bytes": memory,
+        "chosen": fitted.candidate.label,
+        "predicted_peak_bytes": fitted.peak_bytes,
+    }
+    over = False
+    for row, result in zip(doc["ranks"], results, strict=True):
+        held = fitted.ranks[0].held_bytes
+        row["board_peak_bytes"] = held + result.peak_bytes
+        row["predicted_board_peak_bytes"] = (
+            None if recoveries else fitted.ranks[result.rank].peak_bytes
+        )
+        over = over or held + result.peak_bytes > memory
+    return over
+
+
 def _index(text: str, operations: int) -> int:
     if not text.isdigit() or not 1 <= int(text) <= operations:
         raise InvalidInput(
@@ -305,6 +389,8 @@ def _print(doc: dict[str, Any]) -> None:
         f"{doc['predicted_seconds']['profile']} would take "
         f"{doc['predicted_seconds']['step_seconds']:.2f} s/step"
     )
+    if "memory" in doc:
+        caption += _memory_line(doc)
     for line in doc["recoveries"]:
         caption += f"\nrecovered: {line}"
     if "max_rel_diff" in doc:
@@ -329,4 +415,15 @@ def _print(doc: dict[str, Any]) -> None:
             rows,
             caption=caption,
         )
+    )
+
+
+def _memory_line(doc: dict[str, Any]) -> str:
+    budget = doc["memory"]["budget_bytes"]
+    measured = max(r["board_peak_bytes"] for r in doc["ranks"])
+    verdict = "within" if measured <= budget else "OVER"
+    return (
+        f"\nmemory per board ({doc['memory']['chosen']}, weights included): predicted "
+        f"{format_bytes(doc['memory']['predicted_peak_bytes'])}, measured "
+        f"{format_bytes(measured)}, {verdict} {format_bytes(budget)}"
     )
