@@ -147,7 +147,7 @@ def main() -> None:
             "torch": torch.__version__,
             "date": datetime.date.today().isoformat(),
             "commit": subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
             ).stdout.strip(),
             "command": "benchmarks/tiles_recovery.py " + " ".join(sys.argv[1:]),
         },

@@ -172,7 +172,9 @@ def tiles(
         ],
         "recoveries": results[0].recoveries if results else [],
     }
-    failed = fitted is not None and _budget_report(doc, fitted, memory or 0, results, doc["recoveries"])
+    failed = fitted is not None and _budget_report(
+        doc, fitted, memory or 0, results, doc["recoveries"]
+    )
     failed = _check(job, results, dtype, doc, check) or failed
     if as_json:
         emit_json(doc)
