@@ -268,7 +268,12 @@ class ValueTracer(fx.Tracer):
                     n: self._meta(t)
                     for n, t in [*module.named_parameters(), *module.named_buffers()]
                 }
-                return torch.func.functional_call(module, state, tuple(margs), mkwargs)
+                kept = dict(vars(module))  # computing a value leaves the module as it was
+                try:  # (an RNN refreshes its _flat_weights when its parameters are swapped)
+                    return torch.func.functional_call(module, state, tuple(margs), mkwargs)
+                finally:
+                    vars(module).clear()
+                    vars(module).update(kept)
         except Exception:  # no meta kernel, or a value read: the node stays symbolic
             return UNKNOWN
 

@@ -43,14 +43,14 @@ def as_stages(
 def stage_input(stages: nn.Module, sample: Any) -> Any:
     """``sample`` as the first stage takes it: a mapping of keyword arguments (for stages
     :func:`as_stages` made from one) as the tensor, or the tuple of tensors, in the order of
-    the captured inputs; anything else as it is."""
-    if not isinstance(sample, Mapping):
-        return sample
+    the captured inputs; anything else (a dict an ``nn.Sequential`` takes as one input) as it
+    is."""
     names = getattr(stages, "input_names", None)
-    if names is None or set(names) != set(sample):
-        planned = "positional input" if names is None else ", ".join(names)
+    if not isinstance(sample, Mapping) or names is None:
+        return sample  # a dict an nn.Sequential takes as its one input stays one
+    if set(names) != set(sample):
         raise InvalidInput(
-            f"the model was captured for {planned}, called with keyword inputs "
+            f"the model was captured for {', '.join(names)}, called with keyword inputs "
             f"{', '.join(map(str, sample))}; call it with the inputs it was captured for"
         )
     values = tuple(sample[name] for name in names)

@@ -424,6 +424,11 @@ class Checkpointed(Replanning, Preparing, nn.Module):
         """One step's forward: ``net(x)``, or ``net(**inputs)`` for a model planned for a
         mapping of keyword inputs (a Hugging Face model's ``input_ids``, ``labels``, ...)."""
         if kwargs and not args:
+            if getattr(self.model, "input_names", None) is None:
+                raise InvalidInput(
+                    f"the model was captured for positional input, called with keyword inputs "
+                    f"{', '.join(kwargs)}; call it as net(x), as it was planned"
+                )
             return self._forward(stage_input(self.model, kwargs), kwargs)
         if len(args) != 1 or kwargs:
             raise InvalidInput(
