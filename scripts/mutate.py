@@ -192,7 +192,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "profile-slowest-run",
-        "edgetrain/frontend/profiling.py",
+        "edgetrain/frontend/stage_measure.py",
         "        return min(samples)\n",
         "        return max(samples)\n",
         ("tests/test_independent_references.py", "tests/frontend/test_profiling.py"),
@@ -307,7 +307,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "profile-saved-counts-output-twice",
-        "edgetrain/frontend/profiling.py",
+        "edgetrain/frontend/stage_measure.py",
         "saved_bytes=kept - new_saved_bytes,",
         "saved_bytes=kept,",
         ("tests/test_independent_references.py", "tests/frontend/test_profiling.py",

@@ -23,7 +23,7 @@ import edgetrain
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.simulator import simulate
 from edgetrain.errors import InvalidInput
-from edgetrain.frontend.profiling import _autograd_peaks, analytic_chain
+from edgetrain.frontend.profiling import analytic_chain, plain_step_peaks
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.runtime.checkpointed import Checkpointed
 
@@ -118,8 +118,8 @@ def test_a_plain_step_sized_on_meta_is_the_cpus_or_is_not_given(name):
     torch.manual_seed(0)
     model = nn.Sequential(make())
     x = sample()
-    on_cpu = _autograd_peaks(model, x, meta=False)
-    on_meta = _autograd_peaks(copy.deepcopy(model), x)
+    on_cpu = plain_step_peaks(model, x, meta=False)
+    on_meta = plain_step_peaks(copy.deepcopy(model), x)
     if name in NOT_SIZED_ON_META:
         assert on_cpu is not None and on_meta is None
     else:

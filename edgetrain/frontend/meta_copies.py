@@ -1,0 +1,66 @@
+"""Copies of a model and its sample on ``meta`` tensors (shapes, no data), for sizing a chain
+without running a kernel: :func:`meta_copy` shares nothing with the model it copies (a storage
+counter's own tensors excepted), :func:`to_meta` turns every tensor of a sample into its meta twin.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from edgetrain.autograd.stages import leaves
+
+
+def to_meta(sample_input: Any) -> Any:
+    flat, spec = tree_flatten(sample_input)
+    return tree_unflatten([_meta_like(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
+
+
+def any_meta(sample_input: Any) -> bool:
+    return any(t.device.type == "meta" for t in leaves(sample_input))
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """The model with every parameter and buffer on the meta device, without copying data; a
+    tensor shared by several modules (a tied weight) stays one tensor. An integer scalar buffer
+    (a counter such as ``num_batches_tracked``) is copied as it is: a forward may read its value
+    (``1 / float(self.num_batches_tracked)``), which a meta tensor has not."""
+
+    def meta_unless_counter(t: torch.Tensor) -> torch.Tensor:
+        counter = t.dim() == 0 and not t.is_floating_point() and not t.is_complex()
+        return t.detach().clone() if counter else _meta_like(t)
+
+    return copy_on(model, meta_unless_counter)
+
+
+def copy_on(model: nn.Module, tensor: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A deep copy of the model whose parameters are new ``nn.Parameter`` s over
+    ``tensor(p.detach())`` (none of the originals' hooks) and whose buffers are ``tensor(b)``;
+    a tensor shared by several modules (a tied weight) stays one tensor."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(tensor(p.detach()), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = tensor(b)
+    # A tensor a module keeps as a plain attribute: the older weight_norm and spectral_norm
+    # hooks set the weight they compute, which (not a leaf) deepcopy refuses.
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = tensor(value.detach())
+    return copy.deepcopy(model, memo)
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return out.requires_grad_(t.requires_grad)
+
+
+def on_meta(model: nn.Module) -> bool:
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
