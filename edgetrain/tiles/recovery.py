@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import pickle
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,9 +35,8 @@ import torch
 
 from edgetrain.errors import InvalidInput
 from edgetrain.tiles.comm import Comm, is_peer_loss, listening_addresses
-from edgetrain.tiles.lifeline import die_with_parent
 from edgetrain.tiles.tiling import Grid, plan
-from edgetrain.tiles.worker import DTYPES, TileJob, pin_cores, run_job
+from edgetrain.tiles.worker import DTYPES, TileJob, run_job, run_worker
 
 DECISION_WAIT_FACTOR = 3.0
 """A worker waits this many operation timeouts (plus a minute) for the launcher's decision."""
@@ -153,24 +151,14 @@ def serve_recovering(
     peer_loss))`` when a step fails; the launcher decides whether a peer was lost (one died or
     hangs) or the step failed on its own (then the run stops).
     """
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
-    try:
-        torch.set_num_threads(threads)
-        pin_cores(rank, world, threads)
-        (job,) = pickle.loads(Path(jobs_path).read_bytes())
+
+    def work(jobs: list[TileJob]) -> None:
+        (job,) = jobs
         queue.put(("ready", rank, None, listening_addresses()))
         result = _train_recovering(rank, world, directory, address, timeout_seconds, job, queue)
         queue.put(("result", rank, 0, result))
-        queue.put(("done", rank, None, None))
-        queue.close()
-        queue.join_thread()
-    except BaseException as exc:  # report, then leave: the launcher stops the others
-        lines = str(exc).strip().splitlines() or [""]
-        queue.put(("error", rank, None, f"{type(exc).__name__}: {lines[0][:300]}"))
-        queue.close()
-        queue.join_thread()
-        os._exit(1)
+
+    run_worker(rank, world, threads, jobs_path, queue, parent_pid, work)
 
 
 def _train_recovering(

@@ -399,6 +399,32 @@ def serve(
     process) into its private temporary directory. With ``parent_pid`` (the launcher's pid) the
     worker dies with the launcher (:func:`~edgetrain.tiles.lifeline.die_with_parent`).
     """
+
+    def work(jobs: list[TileJob]) -> None:
+        if world > 1:
+            comm = Comm.from_file(store_path, rank, world, address, timeout_seconds)
+        else:
+            comm = Comm.solo()
+        queue.put(("ready", rank, None, listening_addresses()))
+        for index, job in enumerate(jobs):
+            result = run_job(job, comm, lambda step, i=index: queue.put(("step", rank, i, step)))
+            queue.put(("result", rank, index, result))
+
+    run_worker(rank, world, threads, jobs_path, queue, parent_pid, work)
+
+
+def run_worker(
+    rank: int,
+    world: int,
+    threads: int,
+    jobs_path: str,
+    queue: Any,
+    parent_pid: int | None,
+    work: Any,
+) -> None:
+    """A local worker process's life around ``work(jobs)``: die with the launcher, its threads
+    and cores, the pickled jobs loaded, then ``done`` on ``queue``, or the error's first line
+    and exit status 1 (the launcher stops the others)."""
     if parent_pid is not None:
         die_with_parent(parent_pid)
     try:
@@ -409,15 +435,7 @@ def serve(
             from edgetrain.models import thirdparty
 
             thirdparty.torchvision()
-        jobs: list[TileJob] = pickle.loads(payload)
-        if world > 1:
-            comm = Comm.from_file(store_path, rank, world, address, timeout_seconds)
-        else:
-            comm = Comm.solo()
-        queue.put(("ready", rank, None, listening_addresses()))
-        for index, job in enumerate(jobs):
-            result = run_job(job, comm, lambda step, i=index: queue.put(("step", rank, i, step)))
-            queue.put(("result", rank, index, result))
+        work(pickle.loads(payload))
         queue.put(("done", rank, None, None))
         queue.close()
         queue.join_thread()
