@@ -26,6 +26,7 @@ from edgetrain.tiles.batchnorm import global_batch_norm
 from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.graph import NONE, SUMMED, TILED, NodeInfo, Placement
 from edgetrain.tiles.halo import HaloSpec, exchange_halo
+from edgetrain.tiles.tiled import unpadded_window
 from edgetrain.tiles.tiling import Grid, Region, Span, split
 
 
@@ -232,7 +233,7 @@ class TiledGraph:
                 x = functional.pad(x, pads, value=spec.fill)
         if isinstance(module, nn.ConvTranspose2d):
             return self._transposed(node, module, x)
-        return _window(module, x)
+        return unpadded_window(module, x)
 
     def _transposed(
         self, node: fx.Node, module: nn.ConvTranspose2d, x: torch.Tensor
@@ -297,15 +298,3 @@ class TiledGraph:
         return self._run(
             node, (fx.node.map_arg(node.args, meta), fx.node.map_arg(node.kwargs, meta))
         )
-
-
-def _window(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if isinstance(module, nn.Conv2d):
-        return functional.conv2d(
-            x, module.weight, module.bias, module.stride, 0, module.dilation, module.groups
-        )
-    if isinstance(module, nn.MaxPool2d):
-        return functional.max_pool2d(x, module.kernel_size, module.stride, 0, module.dilation)
-    if isinstance(module, nn.AvgPool2d):
-        return functional.avg_pool2d(x, module.kernel_size, module.stride, 0)
-    raise AssertionError(f"not a window: {module}")

@@ -32,7 +32,9 @@ def region_slices(region: Region) -> tuple[slice, slice, slice, slice]:
     return (slice(None), slice(None), rows, cols)
 
 
-def _window(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def unpadded_window(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module`` (a convolution or pooling window) on ``x`` without its padding: a tile's
+    halo (or the border's fill) is already around ``x``."""
     if isinstance(module, nn.Conv2d):
         return functional.conv2d(
             x, module.weight, module.bias, module.stride, 0, module.dilation, module.groups
@@ -95,7 +97,7 @@ class TiledNetwork:
             pads = group.pads(step, self.rank)
             if any(pads) and not padded:  # a halo exchange pads while it assembles
                 x = functional.pad(x, pads, value=self._fill(layer))
-            x = _window(ops.window, x)
+            x = unpadded_window(ops.window, x)
         owned = group.owned(step + 1, self.rank).relative_to(group.computed(step + 1, self.rank))
         owned_slices = region_slices(owned)[2:]
         for op in ops.after:
