@@ -105,7 +105,7 @@ def plan(
     else:
         point = frontier.points[-1]  # the fastest
         params = {}
-    schedule = _as_strategy(point.schedule, strategy, params)
+    schedule = as_strategy(point.schedule, strategy, params)
     return made_for(schedule, chain)
 
 
@@ -154,7 +154,7 @@ def _revolve_family(chain: Chain) -> list[Schedule]:
     return [revolve(chain, s) for s in range(1, chain.length + 1)]
 
 
-def _as_strategy(schedule: Schedule, strategy: str, params: dict[str, object]) -> Schedule:
+def as_strategy(schedule: Schedule, strategy: str, params: dict[str, object]) -> Schedule:
     """``schedule`` labelled as ``strategy``'s, with ``params`` (and, for the DP, whether its
     table was over the chain's stages or its blocks)."""
     info = {**schedule.params, **params}
