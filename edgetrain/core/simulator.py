@@ -31,6 +31,9 @@ from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import Op, Schedule, stores_everything
 from edgetrain.errors import InvalidSchedule
 
+_OPS = {op.value: op for op in Op}  # by code: the replay looks kinds up
+_FORWARD_CODES = frozenset(op.value for op in Op if op.is_forward)
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -184,7 +187,7 @@ def _replay(
     last_run: dict[int, int] = {}
     runs = [0] * n
     for i, (code, k) in enumerate(zip(kinds, indices, strict=True)):
-        if Op(code).is_forward and 0 <= k < n:
+        if code in _FORWARD_CODES and 0 <= k < n:
             last_run[k] = i
             runs[k] += 1
     snapshot = [
@@ -235,7 +238,10 @@ def _replay(
         return drop(pieces[k])
 
     for i, (code, k) in enumerate(zip(kinds, indices, strict=True)):
-        kind = Op(code)
+        kind = _OPS.get(code)
+        if kind is None:
+            kind = Op(code)  # not a kind: Op says so
+        forward = code in _FORWARD_CODES
         if probe is not None and probe[0] == i:
             probe[1].append(
                 ReplayState(
@@ -338,7 +344,7 @@ def _replay(
             kept = 0 if ran[k] else stage.retained_bytes
             held += 0 if ran[k] else snapshot[k]  # taken before the first run
             ran[k] = True
-            if kind.builds_graph:
+            if kind is Op.FORWARD_ALL or kind is Op.FORWARD_RELEASE:
                 during = held + again + stage.forward_grad_peak_bytes
                 graph[k] = True
                 copies[k] = again
@@ -358,10 +364,10 @@ def _replay(
                 if kind is Op.FORWARD_NOSAVE:
                     held -= release(k)
                 forward_steps += 1
-        if kind.is_forward:
+        if forward:
             held += kept
         during = max(during, held)
-        if kind.is_forward and last_run[k] == i:
+        if forward and last_run[k] == i:
             held -= snapshot[k]  # the last run has made its copies of it
         max_checkpoints = max(max_checkpoints, checkpoints)
         if during > peak:
