@@ -237,6 +237,10 @@ def _replay(
         checkpoints -= 1
         return drop(pieces[k])
 
+    # The kinds as locals (an enum member's lookup costs more than the comparison).
+    page_out, page_in, discard, backward = Op.PAGE_OUT, Op.PAGE_IN, Op.DISCARD, Op.BACKWARD
+    forward_all_op, forward_release = Op.FORWARD_ALL, Op.FORWARD_RELEASE
+    forward_nosave = Op.FORWARD_NOSAVE
     for i, (code, k) in enumerate(zip(kinds, indices, strict=True)):
         kind = _OPS.get(code)
         if kind is None:
@@ -269,7 +273,7 @@ def _replay(
             )
         before = held
         written, writing = writing, 0
-        if kind is Op.PAGE_OUT:
+        if kind is page_out:
             if not 0 < k < n or not plain[k]:
                 raise fail(i, kind, k, "pages out an activation that is not held")
             if any(refs[piece] != 1 for piece in pieces[k]):
@@ -279,7 +283,7 @@ def _replay(
             pages_out += 1
             paged_bytes += sum(sizes[piece] for piece in pieces[k])
             during = before
-        elif kind is Op.PAGE_IN:
+        elif kind is page_in:
             if not paged[k] or plain[k] or any(refs[piece] for piece in pieces[k]):
                 raise fail(i, kind, k, f"pages in a[{k}], which is not (only) in a page file")
             paged[k] = False
@@ -288,12 +292,12 @@ def _replay(
             held += take(pieces[k])
             pages_in += 1
             during = held
-        elif kind is Op.DISCARD:
+        elif kind is discard:
             if not 0 < k < n or not plain[k]:
                 raise fail(i, kind, k, "discards an activation that is not held")
             held -= release(k)
             during = before
-        elif kind is Op.BACKWARD:
+        elif kind is backward:
             if k != next_backward:
                 raise fail(
                     i, kind, k, f"is out of order: the next backward must be B{next_backward}"
@@ -344,12 +348,12 @@ def _replay(
             kept = 0 if ran[k] else stage.retained_bytes
             held += 0 if ran[k] else snapshot[k]  # taken before the first run
             ran[k] = True
-            if kind is Op.FORWARD_ALL or kind is Op.FORWARD_RELEASE:
+            if kind is forward_all_op or kind is forward_release:
                 during = held + again + stage.forward_grad_peak_bytes
                 graph[k] = True
                 copies[k] = again
                 held += take(pieces[k + 1]) + stage.saved_bytes + again
-                if kind is Op.FORWARD_RELEASE:
+                if kind is forward_release:
                     # Whatever the graph saved of a[k] is not held (its outputs passed through
                     # from the input are a[k]'s storages too).
                     released[k] = True
@@ -361,7 +365,7 @@ def _replay(
             else:
                 during = held + again + stage.forward_peak_bytes
                 held += take(pieces[k + 1])
-                if kind is Op.FORWARD_NOSAVE:
+                if kind is forward_nosave:
                     held -= release(k)
                 forward_steps += 1
         if forward:
