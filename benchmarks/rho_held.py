@@ -1,16 +1,16 @@
 """``max_recompute`` held in time: a Checkpointed step under ``max_recompute=rho`` over plain
-autograd's step, measured, with and without the executor's cost per stage in the plan.
+autograd's step, measured, with and without the executor's costs in the plan.
 
-For each model and rho, two plans on one profile: ``stage cost in`` (what ``Checkpointed`` does:
-the executor's cost per stage operation, :func:`edgetrain.runtime.checkpointed.stage_seconds`,
-measured on
-this machine, is in the planned time) and ``stage cost 0`` (the stages' compute only, as the
-planners count it). Columns: the stages the step runs, the plan's compute recompute factor
-(``rho_compute``), the predicted factor with the executor's cost (``rho_pred``), and the
-measured ``cpu/plain``: the median over interleaved rounds of the step's process CPU time over
-plain autograd's in the same round (one torch thread; the loss a mean square; gradients set to
-None). A row keeps to rho when ``cpu/plain <= rho`` within the machine's resolution (paired
-ratios of two copies of the same step: about +-5 % here).
+For each model and rho, two plans on one profile: ``executor in`` (what ``Checkpointed`` does:
+the executor's costs, :func:`edgetrain.runtime.checkpointed.executor_seconds`, measured on this
+machine: per stage operation, per unit rebuilt inside a graph run and per stage computed again,
+are in the planned time) and ``executor 0`` (the stages' compute only, as the planners count
+it). Columns: how the step runs, the plan's compute recompute factor (``rho_compute``), the
+predicted factor with the executor's costs (``rho_pred``), and the measured ``cpu/plain``: the
+median over interleaved rounds of the step's process CPU time over plain autograd's in the same
+round (one torch thread; the loss a mean square; gradients set to None). A row keeps to rho when
+``cpu/plain <= rho`` within the machine's resolution (paired ratios of two copies of the same
+step, the last row).
 
     python benchmarks/rho_held.py [--models mobilenetv2:8:96,tv/mobilenet_v3_small:8:96]
                                   [--rhos 1.25,1.5]
@@ -24,6 +24,7 @@ import copy
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, interleaved_samples, paired_ratio
 
 from edgetrain.models import build, sample_input, thirdparty
-from edgetrain.runtime.checkpointed import Checkpointed, stage_seconds
+from edgetrain.runtime.checkpointed import Checkpointed, executor_seconds
+from edgetrain.runtime.stage_cost import ExecutorSeconds
 
 DEFAULT_MODELS = "mobilenetv2:8:96,vit-tiny:8:64"
 
@@ -56,19 +58,26 @@ def _model(name: str, batch: int, size: int) -> tuple[torch.nn.Module, torch.Ten
     return build(name, image=size), sample_input(name, batch, size)
 
 
+def _set_costs(cost: ExecutorSeconds, factor: float) -> None:
+    """Plan with the executor's costs (``factor`` 1) or without them (0)."""
+    os.environ["EDGETRAIN_STAGE_SECONDS"] = repr(cost.operation * factor)
+    os.environ["EDGETRAIN_REBUILD_SECONDS"] = repr(cost.rebuild * factor)
+    os.environ["EDGETRAIN_REBUILT_STAGE_SECONDS"] = repr(cost.rebuilt_stage * factor)
+
+
 def bench(name: str, batch: int, size: int, rhos: list[float], rounds: int) -> list[dict]:
     torch.manual_seed(0)
     base, x = _model(name, batch, size)
     chain = Checkpointed(copy.deepcopy(base), x).chain
-    cost = stage_seconds()
+    cost = executor_seconds()
     nets: dict[str, Checkpointed] = {}
     for rho in rhos:
-        for label, seconds in (("in", cost), ("0", 0.0)):
-            os.environ["EDGETRAIN_STAGE_SECONDS"] = repr(seconds)
+        for label, factor in (("in", 1.0), ("0", 0.0)):
+            _set_costs(cost, factor)
             nets[f"{rho}|{label}"] = Checkpointed(
                 copy.deepcopy(base), x, max_recompute=rho, chain=chain
             )
-    os.environ["EDGETRAIN_STAGE_SECONDS"] = repr(cost)
+    _set_costs(cost, 1.0)
     plain, twin = copy.deepcopy(base), copy.deepcopy(base)
     steps = {"plain": _step(plain, list(plain.parameters()), x)}
     steps["plain again"] = _step(twin, list(twin.parameters()), x)  # the resolution
@@ -83,7 +92,7 @@ def bench(name: str, batch: int, size: int, rhos: list[float], rounds: int) -> l
             {
                 "model": f"{name} b{batch} {size}",
                 "rho": float(rho),
-                "stage cost": label,
+                "executor": label,
                 "runs as": net.runs_as,
                 "rho_compute": net.cost.recompute_factor,
                 "rho_pred": net.predicted_recompute_factor,
@@ -111,12 +120,15 @@ def main() -> None:
     for spec in args.models.split(","):
         name, batch, size = spec.split(":")
         rows += bench(name, int(batch), int(size), rhos, args.rounds)
+    cost = executor_seconds()
     emit(
-        f"max_recompute held in time (stage cost {stage_seconds() * 1e6:.0f} us per operation)",
+        f"max_recompute held in time (executor: {cost.operation * 1e6:.0f} us per stage "
+        f"operation, {cost.rebuild * 1e6:.0f} us per unit rebuilt, "
+        f"{cost.rebuilt_stage * 1e6:.0f} us per stage computed again)",
         list(rows[0]),
         rows,
         args.json,
-        {"stage_seconds": stage_seconds()},
+        {"executor_seconds": asdict(cost)},
     )
 
 

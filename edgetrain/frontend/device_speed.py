@@ -9,7 +9,8 @@ a fixed cost per operator call (dispatch and autograd's bookkeeping). The rate g
 size of the work (a 3×3 convolution of 0.3 MFLOP ran at 7 GFLOP/s here, one of 1.2 GFLOP at 107:
 a call's fixed cost, then threads and vector units filling up), so each kind is timed at four or
 five sizes, from calls of a few microseconds, and an operator's seconds are interpolated between
-them on log scales (beyond them, at the nearest size's rate).
+them on log scales (beyond them, at the nearest size's rate). Convolutions are timed dense and
+depthwise, forward and backward apart, against their work as the FLOP counter counts it.
 :func:`device_speed` times them once per machine, torch version and thread count (a second or
 two) and keeps them in the cache directory (:func:`edgetrain.cache.cache_dir`; a file for each,
 :func:`cache_path`), written atomically with a checksum that is verified when read: a damaged or
@@ -37,7 +38,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from edgetrain import progress
 from edgetrain.autograd.storage_counter import tensors_in
@@ -62,8 +63,9 @@ SIDES = (32, 128, 256, 512, 1024)
 """The matrix products timed: ``n × n`` by ``n × n``, from a few microseconds (where a call's
 fixed cost is most of it) to where the vector units are full."""
 CONVOLUTIONS = ((8, 8), (16, 16), (32, 16), (64, 32), (128, 32))
-"""The convolutions timed (3×3, batch 4): ``(channels in = out, side)``. A small one runs at a
-tenth of a large one's rate per FLOP (a 4 × 8 × 8² input: 44 µs for 0.3 MFLOP here)."""
+"""The convolutions timed (3×3, batch 4), dense and depthwise: ``(channels in = out, side)``. A
+small one runs at a tenth of a large one's rate per FLOP (a 4 × 8 × 8² input: 44 µs for
+0.3 MFLOP here), and a depthwise one far below a dense one's."""
 NUMELS = (1 << 10, 1 << 14, 1 << 18, 1 << 22)
 """The elementwise additions timed: elements of each float32 operand."""
 
@@ -94,6 +96,8 @@ class DeviceSpeed:
     elementwise_bytes: Points  # an addition: bytes read plus written, seconds
     seconds_per_op: float  # an operator call's own cost, with autograd recording it
     conv_backward_flops: Points | None = None  # their backward (both gradients); None: as forward
+    depthwise_flops: Points | None = None  # grouped convolutions' forward; None: as dense
+    depthwise_backward_flops: Points | None = None  # their backward; None: as dense
 
     def op_seconds(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
         """Predicted seconds of one call of ``func`` that returned ``out``."""
@@ -102,14 +106,25 @@ class DeviceSpeed:
         if count is not None:
             flops = float(count(*args, **kwargs, out_val=out))
             if packet is _aten.convolution_backward:
-                points = self.conv_backward_flops or self.conv_flops
+                points = self._convolution(args[9] if len(args) > 9 else 1, backward=True)
+            elif packet in _CONVOLUTIONS:
+                points = self._convolution(args[8] if len(args) > 8 else 1, backward=False)
             else:
-                points = self.conv_flops if packet in _CONVOLUTIONS else self.matmul_flops
+                points = self.matmul_flops
             return self.seconds_per_op + _interpolated(points, flops)
         if func.is_view:
             return self.seconds_per_op
         moved = sum(t.numel() * t.element_size() for t in tensors_in((args, kwargs, out)))
         return self.seconds_per_op + _interpolated(self.elementwise_bytes, moved)
+
+    def _convolution(self, groups: Any, *, backward: bool) -> Points:
+        """The timings for a convolution of ``groups`` groups (grouped and depthwise ones run
+        far below a dense one's rate per FLOP), forward or ``backward``."""
+        dense = (self.conv_backward_flops if backward else None) or self.conv_flops
+        if not isinstance(groups, int) or groups <= 1:
+            return dense
+        grouped = self.depthwise_backward_flops if backward else self.depthwise_flops
+        return grouped or dense
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DeviceSpeed:
@@ -129,13 +144,16 @@ class DeviceSpeed:
         per_op = float(data["seconds_per_op"])
         if not math.isfinite(per_op) or per_op <= 0:
             raise ValueError(f"seconds_per_op must be a positive number, got {per_op!r}")
-        backward = data.get("conv_backward_flops")
+        optional = {
+            key: None if data.get(key) is None else points(data[key])
+            for key in ("conv_backward_flops", "depthwise_flops", "depthwise_backward_flops")
+        }
         return cls(
             points(data["matmul_flops"]),
             points(data["conv_flops"]),
             points(data["elementwise_bytes"]),
             per_op,
-            None if backward is None else points(backward),
+            **optional,
         )
 
 
@@ -185,29 +203,51 @@ def _monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
+def _counted_flops(run: Callable[[], object]) -> float:
+    """The FLOPs ``torch.utils.flop_counter`` counts for ``run()``: the work
+    :meth:`DeviceSpeed.op_seconds` reads for the same operators (its count of a grouped
+    convolution's backward is not twice the forward's)."""
+    with FlopCounterMode(display=False) as counter:
+        run()
+    return float(counter.get_total_flops())
+
+
+def _convolutions(groups: bool) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(forward, backward) timings of 3×3 convolutions of :data:`CONVOLUTIONS`' sizes, batch 4:
+    dense, or depthwise (``groups``: one group per channel); the backward computes both
+    gradients (input and weight). Each is timed against its work as
+    ``torch.utils.flop_counter`` counts it."""
+    gen = torch.Generator().manual_seed(0)
+    forward, backward = [], []
+    for channels, side in CONVOLUTIONS:
+        group = channels if groups else 1
+        x = torch.randn(4, channels, side, side, generator=gen, requires_grad=True)
+        w = torch.randn(channels, channels // group, 3, 3, generator=gen, requires_grad=True)
+        out = torch.conv2d(x, w, padding=1, groups=group)
+        grad = torch.ones_like(out)
+
+        def back(out=out, x=x, w=w, grad=grad) -> object:  # type: ignore[no-untyped-def]
+            return torch.autograd.grad(out, (x, w), grad, retain_graph=True)
+
+        def ahead(x=x, w=w, group=group) -> object:  # type: ignore[no-untyped-def]
+            with torch.no_grad():
+                return torch.conv2d(x, w, padding=1, groups=group)
+
+        backward.append((_counted_flops(back), _least_seconds(back)))
+        forward.append((_counted_flops(ahead), _least_seconds(ahead)))
+    return _monotone(forward), _monotone(backward)
+
+
 def measure_speed() -> DeviceSpeed:
     """Time a few operators of several sizes each on the CPU (see the module)."""
     gen = torch.Generator().manual_seed(0)
-    matmul, conv, conv_backward, elementwise = [], [], [], []
-    for channels, side in CONVOLUTIONS:
-        x = torch.randn(4, channels, side, side, generator=gen, requires_grad=True)
-        w = torch.randn(channels, channels, 3, 3, generator=gen, requires_grad=True)
-        out = torch.conv2d(x, w, padding=1)
-        grad = torch.ones_like(out)
-        flops = 2 * 4 * channels * side * side * channels * 9
-        conv_backward.append(
-            _timed(2 * flops, lambda out=out, x=x, w=w, grad=grad: torch.autograd.grad(
-                out, (x, w), grad, retain_graph=True))
-        )  # fmt: skip
+    matmul, elementwise = [], []
+    conv, conv_backward = _convolutions(groups=False)
+    depthwise, depthwise_backward = _convolutions(groups=True)
     with torch.no_grad():
         for n in SIDES:
             a = torch.randn(n, n, generator=gen)
             matmul.append(_timed(2 * n**3, lambda a=a: a @ a))
-        for channels, side in CONVOLUTIONS:
-            x = torch.randn(4, channels, side, side, generator=gen)
-            w = torch.randn(channels, channels, 3, 3, generator=gen)
-            flops = 2 * 4 * channels * side * side * channels * 9
-            conv.append(_timed(flops, lambda x=x, w=w: torch.conv2d(x, w, padding=1)))
         for numel in NUMELS:
             big = torch.randn(numel, generator=gen)
             elementwise.append(_timed(3 * numel * 4, lambda big=big: big + big))
@@ -221,10 +261,12 @@ def measure_speed() -> DeviceSpeed:
     return DeviceSpeed.from_dict(
         {
             "matmul_flops": _monotone(matmul),
-            "conv_flops": _monotone(conv),
+            "conv_flops": conv,
             "elementwise_bytes": _monotone(elementwise),
             "seconds_per_op": per_op,
-            "conv_backward_flops": _monotone(conv_backward),
+            "conv_backward_flops": conv_backward,
+            "depthwise_flops": depthwise,
+            "depthwise_backward_flops": depthwise_backward,
         }
     )
 
@@ -233,7 +275,7 @@ def _machine() -> str:
     return (
         f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|torch {torch.__version__}"
         f"|threads {torch.get_num_threads()}"
-        f"|sizes {len(SIDES)}.{len(CONVOLUTIONS)}.{len(NUMELS)}|conv backward"
+        f"|sizes {len(SIDES)}.{len(CONVOLUTIONS)}.{len(NUMELS)}|convolutions 3"
     )
 
 

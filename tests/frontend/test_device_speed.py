@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.frontend import device_speed as ds
 from edgetrain.frontend.profiling import profile_chain
@@ -73,3 +74,44 @@ def test_a_modelled_profile_holds_the_measured_bytes(monkeypatch: pytest.MonkeyP
     assert modelled.fingerprint() == measured.fingerprint()
     assert modelled.autograd_peak_bytes == measured.autograd_peak_bytes
     assert all(s.forward_seconds > 0 and s.backward_seconds >= 0 for s in modelled.stages)
+
+
+def test_grouped_convolutions_and_backwards_are_timed_on_their_own_points() -> None:
+    slow = [[1e3, 1e-2], [1e12, 1e7]]  # far slower per FLOP than SPEED's dense convolutions
+    speed = ds.DeviceSpeed.from_dict(
+        {**SPEED, "depthwise_flops": slow, "depthwise_backward_flops": [[1e3, 1.0], [1e12, 1e9]]}
+    )
+
+    def seconds(groups: int, backward: bool) -> float:
+        x = torch.empty(2, 8, 16, 16, device="meta", requires_grad=backward)
+        w = torch.empty(8, 8 // groups, 3, 3, device="meta", requires_grad=backward)
+        mode = ds.OpSeconds(speed)
+        out = torch.conv2d(x, w, padding=1, groups=groups)
+        with mode:
+            if backward:
+                torch.autograd.grad(out, (x, w), torch.ones_like(out))
+            else:
+                torch.conv2d(x, w, padding=1, groups=groups)
+        return mode.seconds
+
+    dense, depthwise = seconds(1, False), seconds(8, False)
+    assert depthwise > dense  # 8 times fewer FLOPs, on points far slower per FLOP
+    assert seconds(8, True) > 50 * seconds(8, False)  # its backward on its own points
+    without = ds.DeviceSpeed.from_dict(SPEED)  # none measured: a grouped one as a dense one
+    mode = ds.OpSeconds(without)
+    x, w = torch.empty(2, 8, 16, 16, device="meta"), torch.empty(8, 1, 3, 3, device="meta")
+    with mode:
+        torch.conv2d(x, w, padding=1, groups=8)
+    assert mode.seconds < depthwise
+
+
+def test_the_measured_points_count_work_as_the_flop_counter_does() -> None:
+    forward, backward = ds._convolutions(groups=True)
+    channels, side = ds.CONVOLUTIONS[0]
+    x = torch.randn(4, channels, side, side, requires_grad=True)
+    w = torch.randn(channels, 1, 3, 3, requires_grad=True)
+    out = torch.conv2d(x, w, padding=1, groups=channels)
+    with FlopCounterMode(display=False) as counter:
+        torch.autograd.grad(out, (x, w), torch.ones_like(out))
+    assert backward[0][0] == counter.get_total_flops()
+    assert forward[0][0] == 2 * 4 * channels * side * side * 9
