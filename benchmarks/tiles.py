@@ -259,7 +259,9 @@ def main() -> None:
 
         result["models"] = graph_models()
     if args.json:
-        emit_json(result)
+        from _common import measured_on
+
+        emit_json({**result, "measured_on": measured_on()})
     else:
         _print(result)
 
