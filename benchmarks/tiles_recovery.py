@@ -29,8 +29,8 @@ import torch
 from _common import emit, measured_on
 from torch import nn
 
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.launch import WorkerFailed, run_local
-from edgetrain.tiles.tiling import Grid
 from edgetrain.tiles.worker import RankResult, TileJob
 
 TOLERANCE = 1e-10
