@@ -180,6 +180,7 @@ def stage_records(measured: list[tuple[str, nn.Module, int, Measured]]) -> list[
             gradient_from=r.gradient_from,
             reads_updated_buffers=r.reads_updated_buffers,
             retained_bytes=r.retained_bytes,
+            caller_gradients=r.caller_gradients,
         )
         for k, (name, module, span, r) in enumerate(measured)
     ]
