@@ -1,12 +1,20 @@
-"""Helpers shared by the benchmarks: interleaved timing with medians, and table/JSON output."""
+"""Helpers shared by the benchmarks: interleaved timing with medians, table/JSON output, and the
+record of where a result was measured."""
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
 import json
+import os
+import platform
 import random
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -84,6 +92,40 @@ def interleaved_cpu_wall(
     return {name: sample_medians(runs) for name, runs in samples.items()}
 
 
+def _commit() -> str | None:
+    """The checked-out commit (short), with ``-dirty`` when tracked files differ from it."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args], capture_output=True, text=True, check=True, cwd=here
+            )
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        return done.stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    return commit
+
+
+def measured_on(**more: Any) -> dict[str, Any]:
+    """Where and when a result is measured: machine, torch version, torch threads (when torch
+    is imported), date, commit and the command line; ``more`` adds to it."""
+    torch = sys.modules.get("torch")
+    record: dict[str, Any] = {
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
+        "torch": importlib.metadata.version("torch"),
+        "threads": torch.get_num_threads() if torch is not None else None,
+        "date": datetime.date.today().isoformat(),
+        "commit": _commit(),
+        "command": " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]]),
+    }
+    return {**record, **more}
+
+
 def emit(
     title: str,
     columns: Sequence[str],
@@ -91,9 +133,12 @@ def emit(
     as_json: bool,
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """Print rows as a rich table (or JSON with ``extra`` fields)."""
+    """Print rows as a rich table (or JSON with ``extra`` fields and, unless ``extra`` has
+    one, a ``measured_on`` record: :func:`measured_on`)."""
     if as_json:
-        print(json.dumps({"title": title, "rows": list(rows), **(extra or {})}, indent=2))
+        result = {"title": title, "rows": list(rows), **(extra or {})}
+        result.setdefault("measured_on", measured_on())
+        print(json.dumps(result, indent=2))
         return
     table = Table(title=title)
     for i, column in enumerate(columns):

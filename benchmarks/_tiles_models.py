@@ -17,8 +17,8 @@ from edgetrain.models import build
 from edgetrain.tiles.check import max_relative_difference, reference
 from edgetrain.tiles.front import halo_bytes_sent
 from edgetrain.tiles.graph import analyse, choose_cut, front_ops, place
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.launch import run_local
-from edgetrain.tiles.tiling import Grid
 from edgetrain.tiles.worker import TileJob
 from edgetrain.units import format_bytes
 

@@ -107,7 +107,11 @@ def _trained_as(model: nn.Module, way: str, spec: dict[str, Any]) -> nn.Module:
     return model
 
 
-def _bert(batch: int, tokens: int, small: bool) -> tuple[nn.Module, Any, dict[str, Any]]:
+def _bert(
+    batch: int, tokens: int, small: bool, captured: bool | None = None
+) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """BERT-base (or its small twin): transformers' model when ``captured`` (None: when the
+    capture takes it), else this repository's encoder at the same sizes."""
     sizes = dict(dim=64, depth=2, heads=2, vocab=1000) if small else {}
     transformers = thirdparty.transformers()
     x = torch.zeros(batch, tokens, dtype=torch.long)
@@ -119,10 +123,15 @@ def _bert(batch: int, tokens: int, small: bool) -> tuple[nn.Module, Any, dict[st
         )
     )
     hf = transformers.BertForSequenceClassification(config)
+    why = "not captured for the full-size model"
     try:
-        edgetrain.analytic_chain(hf, x, timing=False)
-        spec = {"model": "transformers BertForSequenceClassification(BertConfig())"}
-        spec |= {"head": ("bert.pooler", "classifier"), "last": ("bert.encoder.layer.11",)}
+        if captured is False:
+            raise InvalidInput(why)
+        if captured is None:
+            edgetrain.analytic_chain(hf, x, timing=False)
+        spec = {"model": "transformers BertForSequenceClassification(BertConfig())", "hf": True}
+        last = f"bert.encoder.layer.{config.num_hidden_layers - 1}"
+        spec |= {"head": ("bert.pooler", "classifier"), "last": (last,)}
         spec["lora"] = ("attention.self.query", "attention.self.key", "attention.self.value")
         spec["lora"] += ("attention.output.dense",)
         return hf, x, spec
@@ -134,11 +143,14 @@ def _bert(batch: int, tokens: int, small: bool) -> tuple[nn.Module, Any, dict[st
         "head": ("pooler", "classifier"),
         "last": (f"blocks.{len(encoder.blocks) - 1}",),
         "lora": ("attn.qkv", "attn.proj"),
+        "hf": False,
     }
     return encoder, x, spec
 
 
-def _resnet50(batch: int, image: int, small: bool) -> tuple[nn.Module, Any, dict[str, Any]]:
+def _resnet50(
+    batch: int, image: int, small: bool, captured: bool | None = None
+) -> tuple[nn.Module, Any, dict[str, Any]]:
     model = thirdparty.torchvision().models.resnet50()
     spec = {"model": "torchvision resnet50()", "head": ("fc",), "last": ("layer4",), "lora": ()}
     return model, torch.randn(batch, 3, image, image), spec
@@ -199,10 +211,13 @@ def _device_check(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return result
 
 
-def _measured(name: str, make: Callable[..., tuple[nn.Module, Any, dict[str, Any]]]) -> list:
-    """Small twins run with Checkpointed at their smallest budget: measured peak vs predicted."""
+def _measured(
+    name: str, make: Callable[..., tuple[nn.Module, Any, dict[str, Any]]], full: dict[str, Any]
+) -> list:
+    """Small twins run with Checkpointed at their smallest budget: measured peak vs predicted.
+    A twin is the same kind of model as the full-size one (``full``: its spec)."""
     small = (2, 64) if name == "ResNet-50" else (2, 32)
-    base, x, spec = make(*small, small=True)
+    base, x, spec = make(*small, small=True, captured=full.get("hf"))
     rows = []
     for way in WAYS[name]:
         model = _trained_as(base, way, spec)
@@ -213,7 +228,9 @@ def _measured(name: str, make: Callable[..., tuple[nn.Module, Any, dict[str, Any
             optimizer.zero_grad()
             counter = edgetrain.StorageCounter()
             with counter:
-                net(x).float().square().mean().backward()
+                out = net(x)
+                out = getattr(out, "logits", out)  # a Hugging Face model's output holds them
+                out.float().square().mean().backward()
             optimizer.step()
         measured = counter.peak_bytes
         rows.append({
@@ -248,7 +265,7 @@ def main() -> None:
         devices += _device_check(mine)
         rows += mine
         if args.measure:
-            measured += _measured(name, makers[name])
+            measured += _measured(name, makers[name], spec)
     models = {r["model"]: r["_spec"] for r in rows}
     shown = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     title = (

@@ -20,7 +20,7 @@ For each model (torchvision's, built from code, no weights), captured and cut on
 
 The machine is shared: wall seconds stretch with other jobs (the load average is in the JSON).
 
-    python benchmarks/ready.py --json > benchmarks/data/ready_resnet50_vit_b16.json
+    python benchmarks/ready.py --json > benchmarks/data/ready_resnet50_vit_b16_4x128.json
     python benchmarks/ready.py --models resnet50 --measured-rounds 0
 """
 

@@ -33,6 +33,14 @@ from edgetrain.cli.output import console, emit_json, table
 from edgetrain.devices import CLUSTERS
 from edgetrain.models import build
 from edgetrain.tiles.check import max_relative_difference, reference
+from edgetrain.tiles.grid import (
+    Grid,
+    Grouping,
+    format_grouping,
+    parse_grid,
+    parse_groups,
+    parse_image,
+)
 from edgetrain.tiles.grouping import (
     grid_for,
     optimise,
@@ -41,15 +49,7 @@ from edgetrain.tiles.grouping import (
 )
 from edgetrain.tiles.launch import run_local
 from edgetrain.tiles.layers import describe
-from edgetrain.tiles.tiling import (
-    Grid,
-    Grouping,
-    format_grouping,
-    parse_grid,
-    parse_groups,
-    parse_image,
-    plan,
-)
+from edgetrain.tiles.tiling import plan
 from edgetrain.tiles.worker import RankResult, TileJob
 from edgetrain.units import format_bytes
 
@@ -259,7 +259,9 @@ def main() -> None:
 
         result["models"] = graph_models()
     if args.json:
-        emit_json(result)
+        from _common import measured_on
+
+        emit_json({**result, "measured_on": measured_on()})
     else:
         _print(result)
 

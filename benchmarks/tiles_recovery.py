@@ -15,25 +15,22 @@ Usage: ``python benchmarks/tiles_recovery.py [--runs 10] [--steps 100] [--seed 0
 from __future__ import annotations
 
 import argparse
-import datetime
 import multiprocessing
 import os
-import platform
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import numpy as np
 import torch
-from _common import emit
+from _common import emit, measured_on
 from torch import nn
 
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.launch import WorkerFailed, run_local
-from edgetrain.tiles.tiling import Grid
 from edgetrain.tiles.worker import RankResult, TileJob
 
 TOLERANCE = 1e-10
@@ -142,15 +139,7 @@ def main() -> None:
         "orphans": sum(r["orphans"] for r in rows),
         "uninterrupted_run_s": round(span, 1),
         "of_which_training_s": round(training, 1),
-        "measured_on": {
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(),
-            "commit": subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-            ).stdout.strip(),
-            "command": "benchmarks/tiles_recovery.py " + " ".join(sys.argv[1:]),
-        },
+        "measured_on": measured_on(),
     }
     columns = (
         "run",

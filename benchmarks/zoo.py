@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -55,7 +53,7 @@ from torch.utils.checkpoint import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_samples, paired_ratio, sample_medians
+from _common import emit, interleaved_samples, measured_on, paired_ratio, sample_medians
 
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.errors import EdgetrainError
@@ -251,20 +249,6 @@ TORCH_COLUMNS = [
 ]  # fmt: skip
 
 
-def _commit() -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return done.stdout.strip()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated, of: {', '.join(ZOO)} (default: all)")
@@ -286,15 +270,7 @@ def main() -> None:
         "memory": "StorageCounter: activation peak of a step, gradients kept between steps",
         "time": "paired: median over rounds of a step's process CPU time over plain's step of "
         "the same round (rounds shuffled)",
-        "measured_on": {
-            "machine": "2-core Linux VM, shared with other jobs; CPU build of torch",
-            "torch": torch.__version__,
-            "threads": args.threads,
-            "rounds": rounds,
-            "date": datetime.date.today().isoformat(),
-            "commit": _commit(),
-            "command": "benchmarks/zoo.py " + " ".join(sys.argv[1:]),
-        },
+        "measured_on": measured_on(rounds=rounds),
     }
     title = "Model zoo: activation peak and step time, edgetrain against plain autograd"
     for name in names:

@@ -64,7 +64,7 @@ class Mutation:
         replacement: the buggy text.
         tests: the test files that should catch it.
         bug: what the mutant gets wrong, in words.
-        survived_in_issue: one of the kinds that only the independent references of
+        strength_test: one of the kinds that only the independent references of
             ``tests/test_independent_references.py`` catch.
     """
 
@@ -74,7 +74,7 @@ class Mutation:
     replacement: str
     tests: tuple[str, ...]
     bug: str
-    survived_in_issue: bool = False
+    strength_test: bool = False
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -291,19 +291,19 @@ MUTATIONS: tuple[Mutation, ...] = (
     # -- further kinds: the DP on its own, and profiling's byte counts ---------------------------
     Mutation(
         "dp-checkpoint-costs-nothing",
-        "edgetrain/planners/optimal.py",
-        "cand = reach[j, t[:, None], back(own)[:, None]]",
-        "cand = reach[j, t[:, None], back(0 * own)[:, None]]",
+        "edgetrain/planners/dp_table.py",
+        "own = np.zeros_like(s) if pin else z.act[s]",
+        "own = np.zeros_like(s)",
         PLANNER_TESTS,
         "the dynamic program forgets the memory of the checkpoint it keeps",
     ),
     Mutation(
         "dp-never-checkpoints",
-        "edgetrain/planners/optimal.py",
-        "np.copyto(cand, np.inf, where=m[None, None, :] < reached[:, :, None])",
-        "cand.fill(np.inf)",
+        "edgetrain/planners/dp_table.py",
+        "better = value < best * (1 - 1e-12)",
+        "better = value < -np.inf",
         PLANNER_TESTS,
-        "the dynamic program never considers a checkpoint (only graph-first plans)",
+        "the dynamic program never considers a checkpoint (only graph-first and release plans)",
     ),
     Mutation(
         "profile-saved-counts-output-twice",
@@ -339,7 +339,7 @@ class Result:
     seconds: float
     tests: tuple[str, ...]
     bug: str
-    survived_in_issue: bool
+    strength_test: bool
     detail: str = ""
 
 
@@ -435,7 +435,7 @@ def run_mutation(root: Path, mutation: Mutation, full: bool, timeout: float) -> 
         time.perf_counter() - start,
         tests,
         mutation.bug,
-        mutation.survived_in_issue,
+        mutation.strength_test,
         detail,
     )
 
@@ -466,7 +466,7 @@ def show(results: list[Result]) -> None:
             r.file.removeprefix("edgetrain/"),
             f"[{style}]{r.status}[/]",
             f"{r.seconds:.0f}",
-            "yes" if r.survived_in_issue else "",
+            "yes" if r.strength_test else "",
             r.bug,
         )
     counts = {s: sum(r.status == s for r in results) for s in sorted({r.status for r in results})}

@@ -79,7 +79,7 @@ def test_profile_chain_works_twice_in_a_row_after_checkpointed_ran():
 @pytest.mark.parametrize(
     "old", ["profile", "model_chain", "build_model", "capture", "uniform_chain"]
 )
-def test_the_previous_names_still_work_and_say_what_replaces_them(old):
+def test_the_deprecated_names_still_work_and_say_what_replaces_them(old):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert callable(getattr(edgetrain, old))

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from edgetrain.autograd.stages import stage_buffers
+from edgetrain.autograd.stage_state import stage_buffers
 from edgetrain.autograd.storage_counter import storage_key
 
 

@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from edgetrain.autograd.stages import leaves, stage_buffers
+from edgetrain.autograd.stage_state import stage_buffers
+from edgetrain.autograd.stages import leaves
 from edgetrain.autograd.storage_counter import storage_key
 from edgetrain.errors import InvalidInput
 
@@ -85,7 +86,7 @@ def buffer_snapshot(modules: list[nn.Module]) -> BufferSnapshot:
     """Copies of the buffers of ``modules`` as they are now, for a stage whose result depends
     on buffers its forward changes (:attr:`~edgetrain.core.chain.Stage.reads_updated_buffers`):
     taken before its first run, so that a run again starts where the first one did. Holds
-    what a recomputation copies (:func:`~edgetrain.autograd.stages.buffer_copy_bytes`)."""
+    what a recomputation copies (:func:`~edgetrain.autograd.stage_state.buffer_copy_bytes`)."""
     copies: dict[int, torch.Tensor] = {}
     snapshot: BufferSnapshot = {}
     for buffers, name, buffer in stage_buffers(modules):

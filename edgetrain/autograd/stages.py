@@ -4,31 +4,28 @@ Profiling and execution must run a stage the same way, or the measured costs wou
 the run: both go through :func:`run_forward`, :func:`run_forward_with_grad` and
 :func:`run_backward`.
 
-A stage run with grad keeps exactly what autograd saves and nothing else. Its input enters through
-a *tap*: a view of the input made by an autograd function that saves nothing, so the input's
-storage stays alive only if the stage's own operations save it. Its trainable parameters enter as
-leaves of their own that share the parameters' storage (swapped into the modules' parameter
-dicts for the call, as :func:`torch.func.functional_call` does, at places found once per plan:
-:func:`stage_params`); a post-accumulate hook hands each one's gradient to the executor's sink
-the moment autograd has it, and clears it there, so nothing is written to the parameter's
-``.grad`` and no hook of the user's runs here: the executor hands the gradients to autograd once
-per step, as plain autograd would. Of the stage's output the graph keeps only an empty tensor
-hung on each output tensor (:class:`_Hand`), not the tensors: the output's storage too stays
-alive only if autograd saved it.
+A stage run with grad keeps exactly what autograd saves and nothing else. Its input enters through a
+*tap*: a view of the input made by an autograd function that saves nothing, so the input's storage
+stays alive only if the stage's own operations save it. Its trainable parameters enter as leaves of
+their own that share the parameters' storage (swapped into the modules' parameter dicts for the
+call, as :func:`torch.func.functional_call` does, at places found once per plan:
+:func:`~edgetrain.autograd.stage_state.stage_params`); a post-accumulate hook hands each one's
+gradient to the executor's sink the moment autograd has it, and clears it there, so nothing is
+written to the parameter's ``.grad`` and no hook of the user's runs here: the executor hands the
+gradients to autograd once per step, as plain autograd would. Of the stage's output the graph keeps
+only an empty tensor hung on each output tensor (:class:`_Hand`), not the tensors: the output's
+storage too stays alive only if autograd saved it.
 
 Activations are tensors, or tuples, lists and dicts of tensors (any pytree); only floating-point
 tensors carry gradients.
 
-:func:`group_children` decides what a stage is: normally one child of the ``nn.Sequential``; a
-child that returns a view of its input (``Flatten``) or overwrites it in place
-(``ReLU(inplace=True)``) is merged into the stage before it, because a stage's input must stay
-intact for recomputation and its output must be a tensor of its own.
+What a stage is (:mod:`~edgetrain.autograd.stage_grouping`) and what its modules hold
+(:mod:`~edgetrain.autograd.stage_state`) are modules of their own.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +36,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch.autograd.graph import _engine_run_backward
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from edgetrain.autograd.stage_state import StageParams
 from edgetrain.autograd.storage_counter import storage_key
 from edgetrain.errors import InvalidInput
 
@@ -194,7 +192,7 @@ class Release:
     it from the input computed again (:attr:`rebuilt`, set just before it runs: the same kernels
     on the same values give the same tensor). A saved tensor of the input's storage that an
     in-place operation of the stage changed is kept as it is (never so for a stage of a chain:
-    a stage's input stays intact, see :func:`group_children`).
+    a stage's input stays intact, see :func:`~edgetrain.autograd.stage_grouping.group_children`).
 
     Saved-tensor hooks the caller has set around the step (``save_on_cpu``, their own) still get
     every tensor the stage saves but a released one, which is not held at all (:attr:`outer`,
@@ -245,8 +243,9 @@ def run_forward_with_grad(
     """Run one stage building its graph; returns ``(output, graph)`` for :func:`run_backward`.
 
     ``needs_input_grad``: whether (each of) the input's tensors needs a gradient. ``params``: the
-    stage's trainable parameters (:func:`stage_params`); :func:`run_backward` hands each one's
-    gradient to ``sink(index, grad)`` as autograd computes it. ``release``: the graph holds
+    stage's trainable parameters (:func:`~edgetrain.autograd.stage_state.stage_params`);
+    :func:`run_backward` hands each one's gradient to ``sink(index, grad)`` as autograd computes
+    it. ``release``: the graph holds
     nothing of the input (:class:`Release`); :func:`run_backward` then needs it again.
     """
     with torch.enable_grad():  # one switch for the whole stage: taps, call and hands
@@ -525,63 +524,6 @@ def _stealable(t: torch.Tensor, other: torch.Tensor) -> bool:
     )
 
 
-@dataclass(frozen=True)
-class StageParams:
-    """A stage's trainable parameters, resolved once per plan.
-
-    Attributes:
-        params: each distinct parameter once, with its index among the model's parameters.
-        slots: every place the stage's modules hold one of them (tied ones included): the
-            owning module's parameter dict, the name in it, and the position in ``params``.
-    """
-
-    params: tuple[tuple[int, nn.Parameter], ...]
-    slots: tuple[tuple[dict[str, Any], str, int], ...]
-
-
-def stage_params(module: nn.Module, index_of: dict[int, int]) -> StageParams:
-    """The trainable parameters of a stage and every place its modules hold them (tied ones
-    included), each with its index among the model's parameters (``index_of``: ``id(p)`` ->
-    index)."""
-    position: dict[int, int] = {}
-    params: list[tuple[int, nn.Parameter]] = []
-    slots: list[tuple[dict[str, Any], str, int]] = []
-    for sub in module.modules():  # a module listed twice holds its parameters in one place
-        for pname, p in sub._parameters.items():
-            if p is None or not p.requires_grad or id(p) not in index_of:
-                continue
-            if id(p) not in position:
-                position[id(p)] = len(params)
-                params.append((index_of[id(p)], p))
-            slots.append((sub._parameters, pname, position[id(p)]))
-    return StageParams(tuple(params), tuple(slots))
-
-
-BufferPlace = tuple[dict[str, torch.Tensor | None], str, torch.Tensor]
-"""Where a module holds a buffer: its buffer dict, the name in it, and the tensor."""
-
-
-def stage_buffers(modules: Iterable[nn.Module]) -> list[BufferPlace]:
-    """Every buffer the ``modules`` (a stage's ``modules()``) hold, with where: what a
-    recomputation of the stage runs on copies of (:mod:`edgetrain.runtime.checkpointed`), a module
-    another
-    stage runs too (one BatchNorm applied twice) included. A tensor held in two places appears
-    twice (it is copied once)."""
-    return [
-        (sub._buffers, name, buffer)
-        for sub in modules
-        for name, buffer in sub._buffers.items()
-        if buffer is not None
-    ]
-
-
-def buffer_copy_bytes(module: nn.Module) -> int:
-    """Bytes of the copies of :func:`stage_buffers` a recomputation of the stage ``module``
-    makes: each distinct buffer once, its elements times their size (what ``clone`` holds)."""
-    distinct = {id(t): t for _, _, t in stage_buffers(module.modules())}
-    return sum(t.numel() * t.element_size() for t in distinct.values())
-
-
 def _check_output(out: object, stage: int, name: str) -> None:
     if not leaves(out):
         raise InvalidInput(
@@ -590,89 +532,10 @@ def _check_output(out: object, stage: int, name: str) -> None:
         )
 
 
-def group_children(model: nn.Sequential, sample: Any) -> list[tuple[str, nn.Module, int]]:
-    """Split ``model`` into stages: ``(name, module, number of children)`` in order.
-
-    Every entry of the ``nn.Sequential`` counts, a module listed twice included. Runs the children
-    once without grad on ``sample`` to find those that return a view of their input or modify it
-    in place; each is merged into the stage before it. The caller restores any state (BatchNorm
-    statistics) this forward changes.
-    """
-    children = list(model._modules.items())
-    groups: list[list[tuple[str, nn.Module]]] = []
-    group_input: set[int] = set()
-    open_group = False  # the current stage so far returns a view of its own input
-    x = _detached(sample)
-    seen: dict[tuple[str, str], tuple[bool, bool, Any]] = {}
-    for index, (name, child) in enumerate(children):
-        assert child is not None
-        key = (module_key(child), signature(x))
-        on_meta = all(t.device.type == "meta" for t in leaves(x))
-        if on_meta and key in seen:
-            # Shapes alone decide the outcome on meta tensors: reuse an identical child's
-            # (only when it made a new tensor: a view must be made from this input).
-            in_place, aliased, like = seen[key]
-            out = empty_like(like)
-        else:
-            versions = [t._version for t in leaves(x)]
-            try:
-                out = run_forward(child, x, stage=index, name=name)
-            except (RuntimeError, ValueError, TypeError) as exc:
-                # The first run of the user's model on the user's sample: a failure here is a
-                # mismatch between them (sizes that do not chain, dtypes, devices).
-                first = str(exc).strip().splitlines()[0]
-                raise InvalidInput(
-                    f"layer {index} ({name}) fails on an input of {signature(x)}: {first}; "
-                    "check that the layers' sizes and dtypes chain"
-                ) from exc
-            in_place = [t._version for t in leaves(x)] != versions
-            # A view of the input (not a tensor passed through whole, as a skip is).
-            passed = {id(t) for t in leaves(x)}
-            aliased = bool(
-                {storage_key(t) for t in leaves(out) if id(t) not in passed} & _storages(x)
-            )
-            if not (in_place or aliased):
-                seen[key] = (in_place, aliased, out)
-        if groups and (in_place or aliased or open_group):
-            groups[-1].append((name, child))
-        elif in_place:
-            raise InvalidInput(
-                f"the first layer ({name}) overwrites the model's input in place; "
-                "construct it with inplace=False"
-            )
-        else:
-            groups.append([(name, child)])
-            group_input = _storages(x)
-        passed = {id(t) for t in leaves(x)}
-        open_group = bool(
-            {storage_key(t) for t in leaves(out) if id(t) not in passed} & group_input
-        )
-        x = out
-    if open_group and len(groups) > 1:
-        groups[-2].extend(groups.pop())
-    result: list[tuple[str, nn.Module, int]] = []
-    for group in groups:
-        if len(group) == 1:
-            result.append((group[0][0], group[0][1], 1))
-        else:
-            names = "+".join(n for n, _ in group)
-            result.append((names, nn.Sequential(*(m for _, m in group)), len(group)))
-    return result
-
-
 def module_key(module: nn.Module) -> str:
     """What a module computes, for memo keys: its repr, and for a captured segment (whose repr
     names only its submodules) its code."""
     return repr(module) + str(getattr(module, "code", ""))
-
-
-def _storages(value: Any) -> set[int]:
-    return {storage_key(t) for t in leaves(value)}
-
-
-def _detached(value: Any) -> Any:
-    flat, spec = tree_flatten(value)
-    return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in flat], spec)
 
 
 def empty_like(value: Any) -> Any:

@@ -126,8 +126,8 @@ def tiles(
     Across boards use torchrun (docs/tiles.md).
     """
     from edgetrain.devices import load
+    from edgetrain.tiles.grid import parse_grid, parse_image
     from edgetrain.tiles.launch import check_local_workers
-    from edgetrain.tiles.tiling import parse_grid, parse_image
 
     image = parse_image(image_text)
     if max(image) > MAX_IMAGE:
@@ -238,9 +238,10 @@ def _is_chain(model: Any, cut_text: str) -> bool:
 def _chain_setup(
     model: Any, image: Any, grid: Any, batch: int, groups: str, cut: str, cluster: Any, dtype: str
 ) -> tuple[Any, dict[str, Any]]:
+    from edgetrain.tiles.grid import format_grouping
     from edgetrain.tiles.grouping import choose_grouping, plan_cost
     from edgetrain.tiles.layers import describe
-    from edgetrain.tiles.tiling import format_grouping, plan
+    from edgetrain.tiles.tiling import plan
     from edgetrain.tiles.worker import TileJob
 
     element = 8 if dtype == "float64" else 4

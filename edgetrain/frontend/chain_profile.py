@@ -13,15 +13,9 @@ import torch
 from torch import nn
 
 from edgetrain import progress
-from edgetrain.autograd.stages import (
-    buffer_copy_bytes,
-    empty_like,
-    group_children,
-    leaves,
-    module_key,
-    signature,
-    stage_params,
-)
+from edgetrain.autograd.stage_grouping import group_children
+from edgetrain.autograd.stage_state import buffer_copy_bytes, stage_params
+from edgetrain.autograd.stages import empty_like, leaves, module_key, signature
 from edgetrain.autograd.storage_counter import storage_bytes
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.frontend.cuts import check_sequential

@@ -8,7 +8,8 @@ query (``x.shape``, ``x.size(1)``, ``x.dim()``, ``len(x)``, ``x.numel()``, ``x.d
 ``token_type_ids[:, :seq_length]`` slices with an int, and ``if H % 2:`` takes its branch once.
 Shapes are constants baked into the graph; they never live across a cut. What depends on a
 tensor's *value* stays symbolic: ``bool(t)``, ``if (mask == 0).any():``, ``t.item()`` are
-refused as before (:func:`edgetrain.frontend.fx_capture.capture` names the line and the fix).
+refused, as plain fx refuses them (:func:`edgetrain.frontend.fx_capture.capture` names the line
+and the fix).
 
 Why meta values inside fx rather than ``torch.export`` or ``make_fx``: the graph stays at the
 level of the model's modules (a ``BatchNorm2d`` call updates its own statistics, a dropout call

@@ -1,14 +1,13 @@
 """torch.nn containers with layers inside, traced into so that a model is cut between layers.
 
 torch.fx keeps every ``torch.nn`` module as one call (a leaf), so a model built around
-``nn.TransformerEncoder`` was one stage for the whole encoder: no plan could recompute less than
-all of it. The capture's tracer (:mod:`edgetrain.frontend.fx_capture`) traces into the containers
-below
-instead, through :func:`traced_forward`: each is the container's own training-mode computation,
-written without the checks torch's ``forward()`` makes on the input's shape and on nested
-tensors (fx cannot branch on a traced shape). The same modules run the same operations in the
-same order, so gradients, dropout's random numbers and the results are those of the module
-itself.
+``nn.TransformerEncoder`` would be one stage for the whole encoder: no plan could recompute less
+than all of it. The capture's tracer (:mod:`edgetrain.frontend.fx_capture`) traces into the
+containers below instead, through :func:`traced_forward`: each is the container's own
+training-mode computation, written without the checks torch's ``forward()`` makes on the input's
+shape and on nested tensors (fx cannot branch on a traced shape). The same modules run the same
+operations in the same order, so gradients, dropout's random numbers and the results are those of
+the module itself.
 
 A container is kept whole (one stage) when its forward could take another path than the one
 written here, and :func:`kept_whole_reason` says why: in eval mode (torch's fused fast path),

@@ -65,9 +65,8 @@ def profile_chain(
     """Measure ``model`` (an ``nn.Sequential``) on ``sample_input`` on this device.
 
     Each child is one stage (children that return a view of their input or change it in place are
-    merged with a neighbour, see :func:`edgetrain.autograd.stages.group_children`). Time is the
-    least
-    process CPU time (seconds) of ``repeats`` runs of each stage's forward (with grad) and
+    merged with a neighbour, see :func:`edgetrain.autograd.stage_grouping.group_children`). Time is
+    the least process CPU time (seconds) of ``repeats`` runs of each stage's forward (with grad) and
     backward (see :class:`Timer`). ``autocast``: the ``torch.autocast`` state the steps run
     under (:func:`~edgetrain.autograd.replay.autocast_state`); each stage is measured under it, as
     the

@@ -18,14 +18,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.autograd.buffer_state import BufferFlow
-from edgetrain.autograd.stages import (
-    StageParams,
-    leaves,
-    run_backward,
-    run_forward,
-    run_forward_with_grad,
-    stage_params,
-)
+from edgetrain.autograd.stage_state import StageParams, stage_params
+from edgetrain.autograd.stages import leaves, run_backward, run_forward, run_forward_with_grad
 from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes, storage_key
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.caller_gradient import caller_gradients, wanted_by_caller

@@ -17,10 +17,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from edgetrain.autograd.meta_kernels import cpu_kernels
 from edgetrain.autograd.meta_memo import MetaMemo
-from edgetrain.autograd.stages import (
-    leaves,
-    stage_buffers,
-)
+from edgetrain.autograd.stage_state import stage_buffers
+from edgetrain.autograd.stages import leaves
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.chain import Chain
 from edgetrain.frontend.caller_gradient import wanted_by_caller

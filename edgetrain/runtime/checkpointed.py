@@ -99,9 +99,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from edgetrain import progress
 from edgetrain.autograd.heap import HeapPeak
-from edgetrain.autograd.stages import (
-    leaves,
-)
+from edgetrain.autograd.stages import leaves
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain

@@ -8,9 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from edgetrain.autograd.stages import (
-    leaves,
-)
+from edgetrain.autograd.stages import leaves
 from edgetrain.autograd.storage_counter import storage_bytes
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain

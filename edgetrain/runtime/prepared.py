@@ -14,7 +14,8 @@ from torch import nn
 
 from edgetrain import progress
 from edgetrain.autograd.replay import autocast_label, autocast_state, autocasting
-from edgetrain.autograd.stages import signature, stage_params
+from edgetrain.autograd.stage_state import stage_params
+from edgetrain.autograd.stages import signature
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.core.graph_merge import GraphRun, graph_runs, merged_schedule
@@ -71,7 +72,7 @@ class PreparedPlan:
     exec_first: list[int]  # the chain's stage each executed stage begins with
     exec_length: int
     as_run: AsRun  # what the plan costs the executor as it runs (stage_cost.as_run)
-    stage_params: list[Any]  # per executed stage, its parameters (autograd.stages.stage_params)
+    stage_params: list[Any]  # per executed stage, its parameters (stage_state.stage_params)
     shared_params: set[int]  # parameters more than one executed stage uses
     forward_ops: list[tuple[Op, int]]
     backward_ops: list[tuple[Op, int]]

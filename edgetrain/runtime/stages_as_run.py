@@ -8,9 +8,7 @@ from torch import nn
 from edgetrain.autograd.replay import (
     GraphRunModule,
 )
-from edgetrain.autograd.stages import (
-    StageParams,
-)
+from edgetrain.autograd.stage_state import StageParams
 from edgetrain.core.chain import Chain
 from edgetrain.core.graph_merge import GraphRun
 from edgetrain.errors import InvalidInput

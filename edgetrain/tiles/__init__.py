@@ -10,19 +10,9 @@ weight-gradient all-reduce) and :mod:`~edgetrain.tiles.launch` (local processes,
 
 from __future__ import annotations
 
+from edgetrain.tiles.grid import Grid, Grouping, parse_grid, parse_groups
 from edgetrain.tiles.grouping import StepCost, optimise, step_cost
-from edgetrain.tiles.tiling import (
-    Grid,
-    Grouping,
-    Layer,
-    Network,
-    Region,
-    TilePlan,
-    Window,
-    parse_grid,
-    parse_groups,
-    plan,
-)
+from edgetrain.tiles.tiling import Layer, Network, Region, TilePlan, Window, plan
 
 __all__ = [
     "Grid",

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from edgetrain.tiles.comm import Comm
-from edgetrain.tiles.tiling import Grid
+from edgetrain.tiles.grid import Grid
 
 
 class _Done:

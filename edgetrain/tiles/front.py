@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgetrain.devices.cluster import Cluster
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.grouping import allreduce_seconds, exchange_seconds, small_collective_seconds
-from edgetrain.tiles.tiling import Grid, Region, Span, Transfer, Window, split
+from edgetrain.tiles.tiling import Region, Span, Transfer, Window, split
 
 
 def transposed_needed(out: Span, window: Window, size: int) -> Span:

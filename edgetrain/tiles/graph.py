@@ -39,8 +39,9 @@ from edgetrain.tiles.front import (
     transposed_needed,
     window_transfers,
 )
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.layers import ELEMENTWISE
-from edgetrain.tiles.tiling import Grid, Span, Window, split
+from edgetrain.tiles.tiling import Span, Window, split
 
 TILED, REPLICATED, SUMMED, NONE = "tiled", "replicated", "summed", "none"
 

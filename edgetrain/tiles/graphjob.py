@@ -19,7 +19,8 @@ from edgetrain.errors import InvalidInput
 from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.graph import TILED, analyse, place
 from edgetrain.tiles.graphrun import TiledGraph, tile_region
-from edgetrain.tiles.tiling import Grid, Region
+from edgetrain.tiles.grid import Grid
+from edgetrain.tiles.tiling import Region
 
 
 class GraphStep:

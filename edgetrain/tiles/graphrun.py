@@ -25,9 +25,10 @@ from torch.nn import functional
 from edgetrain.tiles.batchnorm import global_batch_norm
 from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.graph import NONE, SUMMED, TILED, NodeInfo, Placement
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.halo import HaloSpec, exchange_halo
 from edgetrain.tiles.tiled import unpadded_window
-from edgetrain.tiles.tiling import Grid, Region, Span, split
+from edgetrain.tiles.tiling import Region, Span, split
 
 
 def tile_region(grid: Grid, rank: int, size: tuple[int, int]) -> Region:

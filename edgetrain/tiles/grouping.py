@@ -26,17 +26,8 @@ from dataclasses import dataclass
 from math import ceil, log2
 
 from edgetrain.devices.cluster import Cluster, Link
-from edgetrain.tiles.tiling import (
-    Grid,
-    Grouping,
-    GroupPlan,
-    Network,
-    TilePlan,
-    Transfer,
-    check_grouping,
-    parse_groups,
-    plan_group,
-)
+from edgetrain.tiles.grid import Grid, Grouping, check_grouping, parse_groups
+from edgetrain.tiles.tiling import GroupPlan, Network, TilePlan, Transfer, plan_group
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ import torch
 
 from edgetrain.errors import InvalidInput
 from edgetrain.tiles.comm import Comm, is_peer_loss, listening_addresses
-from edgetrain.tiles.tiling import Grid, plan
+from edgetrain.tiles.grid import Grid
+from edgetrain.tiles.tiling import plan
 from edgetrain.tiles.worker import DTYPES, TileJob, run_job, run_worker
 
 DECISION_WAIT_FACTOR = 3.0

@@ -40,10 +40,11 @@ from torch import nn
 
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.tiles.comm import Comm, listening_addresses
+from edgetrain.tiles.grid import Grid, Grouping
 from edgetrain.tiles.layers import describe
 from edgetrain.tiles.lifeline import die_with_parent
 from edgetrain.tiles.tiled import TiledNetwork, region_slices
-from edgetrain.tiles.tiling import Grid, Grouping, Network, Region, TilePlan, plan
+from edgetrain.tiles.tiling import Network, Region, TilePlan, plan
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -484,8 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     from edgetrain.errors import EdgetrainError
     from edgetrain.models import build
+    from edgetrain.tiles.grid import format_grouping, parse_grid, parse_image
     from edgetrain.tiles.supported import TILE_MODELS, tile_model
-    from edgetrain.tiles.tiling import format_grouping, parse_grid, parse_image
 
     parser = argparse.ArgumentParser(prog="python -m edgetrain.tiles.worker")
     parser.add_argument("--model", default="yolov2-16", help=f"one of {', '.join(TILE_MODELS)}")

@@ -2,8 +2,8 @@
 
 * A tensor a stage returns unchanged (a residual skip carried across a cut): its gradient is
   added to the gradient of the stage's own use of it after the engine, in place, as autograd
-  adds gradients inside one graph; the result equals plain autograd's bit for bit. Before, the
-  engine was handed it as a root gradient that the executor also held and added out of place:
+  adds gradients inside one graph; the result equals plain autograd's bit for bit. Handed to
+  the engine as a root gradient that the executor also held and added out of place, it would be
   one more skip-sized tensor at the peak of every stage that opens a residual block.
 * An output's gradient is freed as soon as the stage's last operation has read it, not at the
   end of the stage's backward.

@@ -20,7 +20,7 @@ def test_the_base_install_pulls_no_in_situ_dependency():
 
 def _cli_without_opencv(*args: str) -> subprocess.CompletedProcess:
     code = (
-        "import sys; sys.modules['cv2'] = None\n"  # `import cv2` now fails as if not installed
+        "import sys; sys.modules['cv2'] = None\n"  # `import cv2` fails as if not installed
         "from edgetrain.cli.main import main\n"
         f"sys.argv = ['edgetrain', *{list(args)!r}]\n"
         "main()\n"

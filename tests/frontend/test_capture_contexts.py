@@ -188,8 +188,8 @@ class RoutedNet(nn.Module):
 
 
 def test_a_value_forward_stores_on_a_module_is_refused_and_the_module_is_left_as_it_was():
-    """Captured, the attribute became an fx Proxy: the loop's ``loss + moe.aux_loss`` was no
-    tensor, and its backward left every gradient None without a word."""
+    """Captured as it is, the attribute would be an fx Proxy: the loop's ``loss + moe.aux_loss``
+    would be no tensor, and its backward would leave every gradient None without a word."""
     model = RoutedNet()
     aux = model.moe.aux_loss
     with pytest.raises(InvalidInput, match=r"assigns to moe\.aux_loss") as error:

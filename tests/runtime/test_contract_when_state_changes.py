@@ -122,7 +122,7 @@ def test_a_layer_frozen_after_planning_trains_like_plain_autograd_in_a_checkpoin
 def test_a_given_plan_runs_again_when_the_planned_batch_size_comes_back():
     """A given plan (``schedule=``), one smaller batch (planned for the memory the given plan
     was made for, not for storing everything), then the planned batch size again: the given
-    plan runs again (it was silently replaced by plain autograd before)."""
+    plan runs again (not plain autograd in its place)."""
     model, x = user_mlp(), torch.randn(256, 8, dtype=F64)
     chain = Checkpointed(copy.deepcopy(model), x).chain
     schedule = edgetrain.plan(chain, "optimal", memory=minimum_memory(chain))

@@ -14,8 +14,8 @@ from edgetrain.errors import InvalidInput
 from edgetrain.models import build
 from edgetrain.tiles.budget import Candidate, fit_budget, grids_of, held_bytes, predict_ranks
 from edgetrain.tiles.graph import analyse
+from edgetrain.tiles.grid import Grid, parse_groups
 from edgetrain.tiles.launch import run_local
-from edgetrain.tiles.tiling import Grid, parse_groups
 from edgetrain.tiles.worker import DTYPES, TileJob
 from edgetrain.units import format_bytes
 

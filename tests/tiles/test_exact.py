@@ -29,8 +29,8 @@ from torch import nn
 from edgetrain.models import build
 from edgetrain.models.yolov2 import YOLOV2_16, conv_bn_leaky
 from edgetrain.tiles.check import differences, reference
+from edgetrain.tiles.grid import Grid, parse_groups
 from edgetrain.tiles.launch import run_local
-from edgetrain.tiles.tiling import Grid, parse_groups
 from edgetrain.tiles.worker import TileJob
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4}

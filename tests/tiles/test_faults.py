@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from edgetrain.errors import EdgetrainError
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.launch import WorkerFailed, run_local
-from edgetrain.tiles.tiling import Grid
 from edgetrain.tiles.worker import TileJob
 
 

@@ -24,8 +24,8 @@ from edgetrain.models.resnet_module import resnet_module
 from edgetrain.models.unet import UNet
 from edgetrain.tiles.check import differences, reference
 from edgetrain.tiles.graph import analyse, choose_cut
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.launch import run_local
-from edgetrain.tiles.tiling import Grid
 from edgetrain.tiles.worker import TileJob
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from edgetrain.devices import CLUSTERS, Cluster, Link, load
 from edgetrain.errors import InvalidInput
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.grouping import (
     allreduce_seconds,
     exchange_seconds,
@@ -17,7 +18,7 @@ from edgetrain.tiles.grouping import (
     single_core_seconds,
     step_cost,
 )
-from edgetrain.tiles.tiling import Grid, Layer, Network, Region, Transfer, Window
+from edgetrain.tiles.tiling import Layer, Network, Region, Transfer, Window
 
 
 def _net(size: int = 32) -> Network:

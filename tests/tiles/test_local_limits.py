@@ -10,8 +10,8 @@ from torch import nn
 from edgetrain.cli.main import cli
 from edgetrain.cli.options import usable_cores
 from edgetrain.errors import InvalidInput
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.launch import MAX_LOCAL_WORKERS, run_local
-from edgetrain.tiles.tiling import Grid
 from edgetrain.tiles.worker import TileJob
 
 

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from edgetrain.errors import InvalidInput
+from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.launch import WorkerFailed, run_local
 from edgetrain.tiles.recovery import survivor_grid
-from edgetrain.tiles.tiling import Grid
 from edgetrain.tiles.worker import TileJob
 
 pytestmark = pytest.mark.xdist_group("tiles")

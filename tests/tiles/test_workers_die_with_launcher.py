@@ -18,7 +18,7 @@ _LAUNCHER = textwrap.dedent(
     import torch
     from torch import nn
     from edgetrain.tiles.launch import run_local
-    from edgetrain.tiles.tiling import Grid
+    from edgetrain.tiles.grid import Grid
     from edgetrain.tiles.worker import TileJob
 
     torch.manual_seed(0)
