@@ -27,6 +27,7 @@ from edgetrain.core.chain import Chain, Stage
 from edgetrain.frontend.cuts import check_sequential
 from edgetrain.frontend.device_speed import DeviceSpeed
 from edgetrain.frontend.meta_copies import on_meta
+from edgetrain.frontend.scratch import scratch_bytes
 from edgetrain.frontend.stage_measure import Measured, Timer, measure_held, profile_stage
 from edgetrain.frontend.step_peaks import plain_step_peaks, preserved
 
@@ -86,6 +87,9 @@ def profile_stages(
                     last,
                     speed,
                 )
+                result = _with_scratch(
+                    result, module, stage_input, stage_needs, index, last, index_of
+                )
                 if timer is None:
                     memo[key] = (result, x)
             measured.append((name, module, span, result))
@@ -106,6 +110,29 @@ def profile_stages(
         name=type(model).__name__,
         autograd_peak_bytes=autograd_peaks,
     )
+
+
+def _with_scratch(
+    result: Measured,
+    module: nn.Module,
+    x: Any,
+    needs_grad: bool,
+    index: int,
+    last: bool,
+    index_of: dict[int, int],
+) -> Measured:
+    """``result`` with the stage's kernel scratch (:func:`~edgetrain.frontend.scratch.scratch_bytes`;
+    none on meta tensors)."""
+    forward, backward = scratch_bytes(
+        module,
+        x,
+        needs_grad=needs_grad,
+        params=stage_params(module, index_of),
+        index=index,
+        tensor_peaks=(result.forward_grad_peak_bytes, result.backward_peak_bytes),
+        held_output_gradients=last,
+    )
+    return replace(result, forward_scratch_bytes=forward, backward_scratch_bytes=backward)
 
 
 def _shares_parameters(module: nn.Module, measured: list[tuple[str, nn.Module, int, Any]]) -> bool:
@@ -186,6 +213,8 @@ def stage_records(measured: list[tuple[str, nn.Module, int, Measured]]) -> list[
             gradient_from=r.gradient_from,
             reads_updated_buffers=r.reads_updated_buffers,
             retained_bytes=r.retained_bytes,
+            forward_scratch_bytes=r.forward_scratch_bytes,
+            backward_scratch_bytes=r.backward_scratch_bytes,
         )
         for k, (name, module, span, r) in enumerate(measured)
     ]

@@ -12,8 +12,9 @@ Both measure memory with :class:`~edgetrain.autograd.storage_counter.StorageCoun
 exactly as the
 executor does (:mod:`edgetrain.autograd.stages`), so a measured chain and its analytic twin agree
 on every
-byte count, and both agree with what :class:`~edgetrain.runtime.checkpointed.Checkpointed` then
-holds.
+tensor byte count, and both agree with what :class:`~edgetrain.runtime.checkpointed.Checkpointed`
+then holds. A measured chain also carries each stage's kernel scratch, from the allocator's
+record (:mod:`edgetrain.frontend.scratch`); a chain from shapes has none.
 Profiling leaves the model as it found it: BatchNorm statistics, gradients and the RNG state are
 restored afterwards.
 """
@@ -40,8 +41,14 @@ from edgetrain.frontend.chain_profile import NOMINAL_FLOPS, profile_stages
 from edgetrain.frontend.cuts import as_stages, on_stage_input, stage_input
 from edgetrain.frontend.device_speed import device_speed
 from edgetrain.frontend.meta_copies import any_meta, meta_copy, on_meta, to_meta
+from edgetrain.frontend.scratch import with_device_scratch
 from edgetrain.frontend.stage_measure import Timer
-from edgetrain.frontend.step_peaks import graph_step_peaks, plain_step_peaks, with_module_step
+from edgetrain.frontend.step_peaks import (
+    graph_step_peaks,
+    plain_step_peaks,
+    preserved,
+    with_module_step,
+)
 
 __all__ = [
     "NOMINAL_FLOPS",
@@ -136,6 +143,8 @@ def _modelled(model: nn.Module, sample_input: Any) -> Chain | str:
         return f"not sized on meta tensors ({str(exc).splitlines()[0][:80]})"
     if unlike_cpu:
         return f"its {', '.join(sorted(unlike_cpu))} holds other sizes on meta tensors"
+    with preserved(model), progress.task(f"measuring the kernel scratch of {type(model).__name__}"):
+        chain = with_device_scratch(model, sample_input, chain)  # meta tensors take none
     return replace(chain, name=type(model).__name__)
 
 
@@ -224,6 +233,9 @@ def merged_chain(
     bounds = [*first, chain.length]
     # Its own stages only: the chain's plain step does not apply to it (set to None below).
     sized = _sized_on_meta(nn.Sequential(*modules), sample_input)
+    if sized is not None and sized.length == len(modules):
+        with preserved(nn.Sequential(*modules)):  # meta tensors take no scratch
+            sized = with_device_scratch(nn.Sequential(*modules), sample_input, sized)
     if sized is None:
         sized = profile_stages(
             nn.Sequential(*modules), sample_input, timer=None, flops=False, plain_step=False

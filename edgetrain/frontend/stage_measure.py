@@ -121,6 +121,8 @@ class Measured:
     backward_peaks_held: tuple[int, int] | None = None
     reads_updated_buffers: bool = False
     retained_bytes: int = 0
+    forward_scratch_bytes: int = 0
+    backward_scratch_bytes: int = 0
 
 
 def measure_held(
