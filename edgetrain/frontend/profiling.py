@@ -41,14 +41,8 @@ from edgetrain.frontend.chain_profile import NOMINAL_FLOPS, profile_stages
 from edgetrain.frontend.cuts import as_stages, on_stage_input, stage_input
 from edgetrain.frontend.device_speed import device_speed
 from edgetrain.frontend.meta_copies import any_meta, meta_copy, on_meta, to_meta
-from edgetrain.frontend.scratch import with_device_scratch
 from edgetrain.frontend.stage_measure import Timer
-from edgetrain.frontend.step_peaks import (
-    graph_step_peaks,
-    plain_step_peaks,
-    preserved,
-    with_module_step,
-)
+from edgetrain.frontend.step_peaks import graph_step_peaks, plain_step_peaks, with_module_step
 
 __all__ = [
     "NOMINAL_FLOPS",
@@ -97,10 +91,12 @@ def profile_chain(
             return modelled
         progress.note(f"measuring the stages of {type(model).__name__}: {modelled}")
     if not autocast:
-        chain = profile_stages(model, sample_input, timer=Timer(repeats))
+        chain = profile_stages(model, sample_input, timer=Timer(repeats), scratch=True)
         return chain if _sized_alike_on_meta(chain, model, sample_input) else _unsized(chain)
     with autocasting(autocast):
-        chain = profile_stages(model, sample_input, timer=Timer(repeats), plain_step=False)
+        chain = profile_stages(
+            model, sample_input, timer=Timer(repeats), plain_step=False, scratch=True
+        )
     return replace(chain, autocast=autocast_label(autocast))
 
 
@@ -138,13 +134,13 @@ def _modelled(model: nn.Module, sample_input: Any) -> Chain | str:
     try:
         twin = meta_copy(model)
         with cpu_kernels() as unlike_cpu, MetaMemo():
-            chain = profile_stages(twin, to_meta(sample_input), timer=None, speed=speed)
+            chain = profile_stages(
+                twin, to_meta(sample_input), timer=None, speed=speed, scratch=True
+            )
     except (TypeError, NotImplementedError, RuntimeError, InvalidInput, copy.Error) as exc:
         return f"not sized on meta tensors ({str(exc).splitlines()[0][:80]})"
     if unlike_cpu:
         return f"its {', '.join(sorted(unlike_cpu))} holds other sizes on meta tensors"
-    with preserved(model), progress.task(f"measuring the kernel scratch of {type(model).__name__}"):
-        chain = with_device_scratch(model, sample_input, chain)  # meta tensors take none
     return replace(chain, name=type(model).__name__)
 
 
@@ -232,13 +228,17 @@ def merged_chain(
     sized unlike the CPU) on the sample's own device, as the executor will run them."""
     bounds = [*first, chain.length]
     # Its own stages only: the chain's plain step does not apply to it (set to None below).
-    sized = _sized_on_meta(nn.Sequential(*modules), sample_input)
-    if sized is not None and sized.length == len(modules):
-        with preserved(nn.Sequential(*modules)):  # meta tensors take no scratch
-            sized = with_device_scratch(nn.Sequential(*modules), sample_input, sized)
+    # Its kernels' scratch as the chain has it: measured, or none (a chain from shapes).
+    scratch = any(s.forward_scratch_bytes or s.backward_scratch_bytes for s in chain.stages)
+    sized = _sized_on_meta(nn.Sequential(*modules), sample_input, scratch=scratch)
     if sized is None:
         sized = profile_stages(
-            nn.Sequential(*modules), sample_input, timer=None, flops=False, plain_step=False
+            nn.Sequential(*modules),
+            sample_input,
+            timer=None,
+            flops=False,
+            plain_step=False,
+            scratch=scratch,
         )
     if sized.length != len(modules):
         return None
@@ -260,7 +260,7 @@ def merged_chain(
     return replace(chain, stages=tuple(stages), autograd_peak_bytes=None)
 
 
-def _sized_on_meta(model: nn.Module, sample_input: Any) -> Chain | None:
+def _sized_on_meta(model: nn.Module, sample_input: Any, *, scratch: bool) -> Chain | None:
     """``model``'s stages sized (not timed) on meta tensors; None where meta tensors would not
     size them as the sample's device runs them (see :func:`merged_chain`)."""
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
@@ -269,7 +269,12 @@ def _sized_on_meta(model: nn.Module, sample_input: Any) -> Chain | None:
         twin = meta_copy(model)
         with cpu_kernels() as unlike_cpu, MetaMemo():
             sized = profile_stages(
-                twin, to_meta(sample_input), timer=None, flops=False, plain_step=False
+                twin,
+                to_meta(sample_input),
+                timer=None,
+                flops=False,
+                plain_step=False,
+                scratch=scratch,
             )
     except (TypeError, NotImplementedError, RuntimeError, InvalidInput, copy.Error):
         return None

@@ -1,180 +1,229 @@
-"""The scratch a stage's kernels take beyond its tensors, from the allocator's own record.
+"""The scratch a stage's kernels take beyond its tensors, measured once per kind of operator call.
 
-A convolution's workspace (``im2col`` columns, a depthwise kernel's buffers), an attention
-kernel's blocks: memory a kernel allocates for itself and frees before it returns, which no
-tensor holds and :class:`~edgetrain.autograd.storage_counter.StorageCounter` therefore does not
-see. :func:`scratch_bytes` runs the stage's forward with grad and its backward again under the
-torch profiler with ``profile_memory=True``, whose allocator events record every allocation and
-free of torch's CPU allocator in order (the kernels' own buffers and oneDNN's scratchpads
-included), and takes the running total's peak above the exact tensor peak measured before
-(``Stage.forward_grad_peak_bytes``, ``Stage.backward_peak_bytes``): what the heap needs beyond
-the tensors while the stage runs. Unlike sampling the heap
-(:class:`~edgetrain.autograd.heap.HeapPeak`, which misses a forward kernel that holds the GIL),
-the record misses nothing. Each pass runs :data:`REPEATS` times and the most it took counts: the
-first run of a kernel may set up buffers a later one reuses, and a kernel may pick another
-algorithm on a later call. 0 on meta tensors (no memory) and while another profiler runs (the
-profiler does not nest).
+A convolution's workspace (``im2col`` columns, a depthwise kernel's buffers), a BatchNorm
+backward's temporary of the input's size, an attention kernel's blocks: memory a kernel
+allocates for itself and frees before it returns, which no tensor holds and
+:class:`~edgetrain.autograd.storage_counter.StorageCounter` therefore does not see, yet the
+device holds while the kernel runs.
 
-A chain sized on meta tensors (``profile_chain(timing="modelled")``) has no scratch: meta tensors
-take no memory. :func:`with_device_scratch` adds it, from one real forward with grad and one
-backward per stage on the sample's device (identical stages, the repeated blocks of a ResNet,
-once), the tensor peaks taken from the chain.
+While a stage is sized (on meta tensors or on the device), :class:`OpScratch` notes each call of
+an operator that may take scratch (not an elementwise operator, whose kernel writes its output
+in place, nor a view or an in-place one), keyed as :class:`~edgetrain.autograd.meta_memo.MetaMemo`
+keys its calls: the operator, its arguments' shapes, strides and dtypes, its other arguments,
+and torch's thread count (a kernel may take a buffer per thread). :func:`measure_scratch` then
+runs each call not measured before on the CPU, on tensors of those shapes (zeros),
+:data:`REPEATS` times in one session of the torch profiler with
+``profile_memory=True``, whose allocator events record every allocation and free of torch's CPU
+allocator in order (oneDNN's scratchpads included): the most the running total rose above what
+the call left allocated (its outputs) is the call's scratch. The process remembers it: a kind of
+call is measured once (the repeated blocks of a network, a second plan of the same model).
+
+A stage's forward scratch is the most any of its forward calls takes, its backward scratch the
+most any call of its backward takes (a call runs in the backward when autograd's engine runs it).
+It counts on top of the stage's tensor peak: the tensors live while a call runs, with its
+outputs, are at most that peak, so the heap the stage needs is at most the two together.
+Measured on the CPU (meta tensors size the CPU's step); a call on another device takes none, and
+none is measured while another profiler runs (the profiler does not nest).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import replace
-from functools import partial
+from functools import cache
 from typing import Any
 
 import torch
-from torch import nn
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from edgetrain.autograd.stages import (
-    StageParams,
-    group_children,
-    leaves,
-    module_key,
-    run_backward,
-    run_forward,
-    run_forward_with_grad,
-    signature,
-    stage_params,
-)
-from edgetrain.core.chain import Chain
+from edgetrain.autograd.meta_memo import call_key
+from edgetrain.autograd.storage_counter import tensors_in
 
-REPEATS = 2
-"""Runs of each stage's forward and backward under the profiler; the largest peak counts."""
+__all__ = ["REPEATS", "OpScratch", "allocator_peak", "measure_scratch", "scratch_of"]
+
+REPEATS = 1
+"""Runs of each call measured; the most it takes counts. A kernel's first call could set up
+what later ones reuse, or a later one pick another algorithm; on the CPU three runs of every
+call of a depthwise, a 7x7 and an inverted-residual chain, attention and ResNet-18 took the
+same to the byte, so one run is measured."""
+
+_MARK = "edgetrain.scratch."
+_known: dict[tuple[Any, ...], int] = {}  # a kind of call -> its scratch in bytes
 
 
-def scratch_bytes(
-    module: nn.Module,
-    x: Any,
-    *,
-    needs_grad: bool,
-    params: StageParams,
-    index: int,
-    tensor_peaks: tuple[int, int],
-    held_output_gradients: bool,
-    repeats: int = REPEATS,
-) -> tuple[int, int]:
-    """``(forward, backward)`` scratch of one stage: the allocator's peak during its forward
-    with grad and during its backward, above ``tensor_peaks`` (the exact tensor peaks of those
-    calls, measured in the same conditions: parameter gradients created, the output gradients
-    handed to autograd to free, or held by the caller when ``held_output_gradients``)."""
-    if any(t.device.type == "meta" for t in leaves(x)):
-        return 0, 0
-    forward = backward = 0
-    for _ in range(repeats):
-        peaks = _allocator_peaks(module, x, needs_grad, params, index, held_output_gradients)
-        if peaks is None:
-            return 0, 0
-        forward, backward = max(forward, peaks[0]), max(backward, peaks[1])
-    return max(0, forward - tensor_peaks[0]), max(0, backward - tensor_peaks[1])
+class _Spec:
+    """A tensor argument as :func:`_make` makes it again: shape, strides, dtype."""
+
+    __slots__ = ("dtype", "shape", "stride")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.stride, self.dtype = tuple(t.shape), t.stride(), t.dtype
 
 
-def with_device_scratch(model: nn.Module, sample_input: Any, chain: Chain) -> Chain:
-    """``chain`` (``model``'s, sized on meta tensors: the same stages, no scratch) with each
-    stage's scratch measured on the sample's device by one forward with grad and its backward
-    (:func:`scratch_bytes` with one repeat). ``chain`` as it is when the sample is on meta
-    tensors or the stages do not match. The caller restores what the runs change (buffers,
-    gradients, the RNG state)."""
-    if any(t.device.type == "meta" for t in leaves(sample_input)):
-        return chain
-    groups = group_children(model, sample_input)
-    if len(groups) != chain.length:
-        return chain
-    index_of = {id(p): i for i, p in enumerate(model.parameters())}
-    needs_grad = any(t.requires_grad for t in leaves(sample_input))
-    known: dict[tuple[Any, ...], tuple[int, int]] = {}
-    stages = []
-    x = sample_input
-    for index, ((_, module, _), stage) in enumerate(zip(groups, chain.stages, strict=True)):
-        last = index == chain.length - 1
-        key = (module_key(module), signature(x), needs_grad, last)
-        if key not in known:
-            known[key] = scratch_bytes(
-                module,
-                x,
-                needs_grad=needs_grad,
-                params=stage_params(module, index_of),
-                index=index,
-                tensor_peaks=(stage.forward_grad_peak_bytes, stage.backward_peak_bytes),
-                held_output_gradients=last,
-                repeats=1,
-            )
-        forward, backward = known[key]
-        stages.append(
-            replace(stage, forward_scratch_bytes=forward, backward_scratch_bytes=backward)
-        )
-        needs_grad = stage.output_requires_grad
-        if not last:
-            x = run_forward(module, x, stage=index)
-    return replace(chain, stages=tuple(stages))
+class OpScratch(TorchDispatchMode):
+    """Notes the kinds of operator call a stage's passes run that may take scratch: ``forward``
+    and ``backward`` (run by autograd's engine) hold their keys; ``pending`` what
+    :func:`measure_scratch` has still to measure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward: set[tuple[Any, ...]] = set()
+        self.backward: set[tuple[Any, ...]] = set()
+        self.pending: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _may_take_scratch(func):
+            tensors = tensors_in((args, kwargs))
+            if tensors and all(t.device.type in ("cpu", "meta") for t in tensors):
+                key = (*call_key(func, args, kwargs), torch.get_num_threads())
+                in_backward = torch._C._current_graph_task_id() >= 0
+                (self.backward if in_backward else self.forward).add(key)
+                if key not in _known and key not in self.pending:
+                    self.pending[key] = (func, _specs(args), _specs(kwargs))
+        return func(*args, **kwargs)
 
 
-def _allocator_peaks(
-    module: nn.Module,
-    x: Any,
-    needs_grad: bool,
-    params: StageParams,
-    index: int,
-    held: bool,
-) -> tuple[int, int] | None:
-    """The allocator's peaks (bytes above its start) of one forward with grad and of its
-    backward; None while another profiler runs."""
-    made: dict[int, torch.Tensor] = {}
-
-    def sink(i: int, grad: torch.Tensor) -> None:
-        made[i] = grad if i not in made else made[i] + grad
-
-    def forward() -> tuple[Any, Any]:
-        return run_forward_with_grad(
-            module, x, needs_input_grad=needs_grad, params=params, sink=sink, stage=index
-        )
-
-    forward_peak, (y, graph) = allocator_peak(forward)
-    if forward_peak is None:
-        return None
-    grads = [
-        torch.randn_like(t) if want else None
-        for want, t in zip(graph.outputs, leaves(y), strict=True)
-    ]
-    del y
-    kept = list(grads) if held else []
-    backward_peak, _ = allocator_peak(partial(run_backward, graph, grads))
-    del graph, grads, kept
-    made.clear()
-    if backward_peak is None:
-        return None
-    return forward_peak, backward_peak
+def scratch_of(keys: set[tuple[Any, ...]]) -> int:
+    """The most scratch any of these kinds of call takes (bytes; 0 for one not measured)."""
+    return max((_known.get(key, 0) for key in keys), default=0)
 
 
-def allocator_peak(call: Callable[[], Any]) -> tuple[int | None, Any]:
-    """The peak of torch's CPU allocator's running total during ``call()`` (bytes above its
-    start, every allocation and free in order from the profiler's record) and ``call()``'s
-    result; None for the peak, ``call()`` run all the same, while another profiler runs."""
+def measure_scratch(pending: dict[tuple[Any, ...], tuple[Any, Any, Any]]) -> None:
+    """Measure the calls ``pending`` (see the module) in one profiler session, and remember
+    each one's scratch; none while another profiler runs (they stay unmeasured)."""
+    todo = [(key, call) for key, call in pending.items() if key not in _known]
+    if not todo:
+        return
+    with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+        peaks, failed = _run_marked(todo)
+    if peaks is None:
+        return
+    for i, (key, _) in enumerate(todo):
+        _known[key] = 0 if i in failed else max(peaks.get((i, r), 0) for r in range(REPEATS))
+
+
+def _run_marked(
+    todo: list[tuple[tuple[Any, ...], tuple[Any, Any, Any]]],
+) -> tuple[dict[tuple[int, int], int] | None, set[int]]:
+    """Each call of ``todo`` run :data:`REPEATS` times on new tensors, each run inside a marker
+    of the profiler; per ``(call, run)`` the allocator's peak above what the run left held."""
+    failed: set[int] = set()
+
+    def run_all() -> None:
+        for i, (_, (func, args, kwargs)) in enumerate(todo):
+            for r in range(REPEATS):
+                made_args, made_kwargs = _make(args), _make(kwargs)
+                try:
+                    with record_function(f"{_MARK}{i}.{r}"):
+                        out = func(*made_args, **made_kwargs)
+                # A call its zeros do not suit: counted as none.
+                except (RuntimeError, ValueError, TypeError, IndexError):
+                    failed.add(i)
+                    break
+                del out, made_args, made_kwargs
+
+    events = _allocator_events(run_all)
+    if events is None:
+        return None, failed
+    marks, memory = events
+    peaks: dict[tuple[int, int], int] = {}
+    total, j = 0, 0
+    for name, start, end in sorted(marks, key=lambda m: m[1]):
+        while j < len(memory) and memory[j][0] < start:
+            total += memory[j][1]
+            j += 1
+        peak = total
+        while j < len(memory) and memory[j][0] <= end:
+            total += memory[j][1]
+            peak = max(peak, total)
+            j += 1
+        call, run = name[len(_MARK) :].split(".")
+        peaks[int(call), int(run)] = peak - total
+    return peaks, failed
+
+
+def _allocator_events(
+    call: Callable[[], Any],
+) -> tuple[list[tuple[str, int, int]], list[tuple[int, int]]] | None:
+    """``call()`` under the profiler: its markers ``(name, start, end)`` and the allocator's
+    events ``(time, bytes)`` (negative: freed), in nanoseconds; None while another profiler
+    runs (``call()`` then runs all the same)."""
     # Kineto logs each start and stop of a profiler on stderr at its default level.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         recorder = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         recorder.__enter__()
     except RuntimeError:
-        return None, call()
+        call()
+        return None
     try:
-        result = call()
+        call()
     finally:
         recorder.__exit__(None, None, None)
     try:
         events = recorder.profiler.kineto_results.events()  # type: ignore[union-attr]
     except AttributeError:
-        return None, result
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+        return None
+    marks = [(e.name(), e.start_ns(), e.end_ns()) for e in events if e.name().startswith(_MARK)]
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    return marks, memory
+
+
+def allocator_peak(call: Callable[[], Any]) -> tuple[int | None, Any]:
+    """The peak of torch's CPU allocator's running total during ``call()`` (bytes above its
+    start, every allocation and free in order from the profiler's record) and ``call()``'s
+    result; None for the peak, ``call()`` run all the same, while another profiler runs."""
+    result: list[Any] = []
+    events = _allocator_events(lambda: result.append(call()))
+    if events is None:
+        return None, result[0] if result else None
     total = peak = 0
-    for event in memory:
-        total += event.nbytes()
+    for _, nbytes in events[1]:
+        total += nbytes
         peak = max(peak, total)
-    return peak, result
+    return peak, result[0]
+
+
+@cache
+def _may_take_scratch(func: Any) -> bool:
+    """Whether an operator may allocate beyond its outputs: not an elementwise one (its kernel
+    writes the output it allocates), a view, or one that returns an input (in place, ``out=``)."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    if torch.Tag.pointwise in func.tags or func.is_view:
+        return False
+    return all(r.alias_info is None for r in func._schema.returns)
+
+
+def _specs(value: Any) -> Any:
+    """``value`` with each tensor replaced by its :class:`_Spec` (no tensor kept alive)."""
+    if isinstance(value, torch.Tensor):
+        return _Spec(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_specs(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _specs(v) for k, v in value.items()}
+    return value
+
+
+def _make(value: Any) -> Any:
+    """``value`` with each :class:`_Spec` made a new CPU tensor of its shape, strides and dtype,
+    of zeros: what a dense kernel allocates does not depend on the values (and an index of 0 is
+    always in range)."""
+    if isinstance(value, _Spec):
+        extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride, strict=True))
+        base = torch.zeros(extent if all(value.shape) else 0, dtype=value.dtype)
+        return base.as_strided(value.shape, value.stride)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_make(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _make(v) for k, v in value.items()}
+    return value
