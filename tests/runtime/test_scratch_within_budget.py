@@ -1,7 +1,7 @@
 """At the smallest budget, the whole step's process heap (glibc ``mallinfo2``) stays within the
 budget: the scratch kernels allocate beyond their tensors (a depthwise or 7x7 convolution's
-workspace, BatchNorm's backward temporary, attention's buffers) is measured when the stages are profiled and counted by the
-simulator, so the plan leaves room for it."""
+workspace, BatchNorm's backward temporary, attention's buffers) is measured when the stages
+are profiled and counted by the simulator, so the plan leaves room for it."""
 
 from __future__ import annotations
 
