@@ -11,8 +11,8 @@ an operator that may take scratch (not an elementwise operator, whose kernel wri
 in place, nor a view or an in-place one), keyed as :class:`~edgetrain.autograd.meta_memo.MetaMemo`
 keys its calls: the operator, its arguments' shapes, strides and dtypes, its other arguments,
 and torch's thread count (a kernel may take a buffer per thread). :func:`measure_scratch` then
-runs each call not measured before on the CPU, on tensors of those shapes (zeros),
-:data:`REPEATS` times in one session of the torch profiler with
+runs each call not measured before on the CPU, on tensors of those shapes (zeros), in each
+of :data:`LAYOUTS` (as noted, contiguous, channels-last), in one session of the torch profiler with
 ``profile_memory=True``, whose allocator events record every allocation and free of torch's CPU
 allocator in order (oneDNN's scratchpads included): the most the running total rose above what
 the call left allocated (its outputs) is the call's scratch. The process remembers it: a kind of
@@ -40,7 +40,13 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from edgetrain.autograd.meta_memo import call_key
 from edgetrain.autograd.storage_counter import tensors_in
 
-__all__ = ["REPEATS", "OpScratch", "allocator_peak", "measure_scratch", "scratch_of"]
+__all__ = ["LAYOUTS", "REPEATS", "OpScratch", "allocator_peak", "measure_scratch", "scratch_of"]
+
+LAYOUTS = ("as noted", "contiguous", "channels last")
+"""The layouts each call is measured in (the most counts): a kernel's scratch depends on its
+tensors' layout (a 7x7 depthwise convolution's backward on a channels-last gradient took 15 MiB
+where a contiguous one took 1 MiB), and a step may hand a stage a gradient laid out otherwise
+than its sizing did (the next stage's permute)."""
 
 REPEATS = 1
 """Runs of each call measured; the most it takes counts. A kernel's first call could set up
@@ -59,6 +65,17 @@ class _Spec:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.shape, self.stride, self.dtype = tuple(t.shape), t.stride(), t.dtype
+
+    def laid_out(self, layout: str) -> tuple[int, ...]:
+        """Its strides as noted (``"as noted"``), contiguous, or channels-last (a 4-D or 5-D
+        tensor; others as noted)."""
+        if layout == "as noted":
+            return self.stride
+        probe = torch.empty(self.shape, device="meta")
+        if layout == "channels last" and probe.dim() in (4, 5):
+            last = torch.channels_last if probe.dim() == 4 else torch.channels_last_3d
+            return probe.contiguous(memory_format=last).stride()
+        return probe.stride()
 
 
 class OpScratch(TorchDispatchMode):
@@ -103,36 +120,41 @@ def measure_scratch(pending: dict[tuple[Any, ...], tuple[Any, Any, Any]]) -> Non
     if not todo:
         return
     with _disable_current_modes(), torch.random.fork_rng(devices=[]):
-        peaks, failed = _run_marked(todo)
+        peaks = _run_marked(todo)
     if peaks is None:
         return
     for i, (key, _) in enumerate(todo):
-        _known[key] = 0 if i in failed else max(peaks.get((i, r), 0) for r in range(REPEATS))
+        runs = range(REPEATS * len(LAYOUTS))
+        _known[key] = max((peaks.get((i, r), 0) for r in runs), default=0)
 
 
 def _run_marked(
     todo: list[tuple[tuple[Any, ...], tuple[Any, Any, Any]]],
-) -> tuple[dict[tuple[int, int], int] | None, set[int]]:
+) -> dict[tuple[int, int], int] | None:
     """Each call of ``todo`` run :data:`REPEATS` times on new tensors, each run inside a marker
     of the profiler; per ``(call, run)`` the allocator's peak above what the run left held."""
-    failed: set[int] = set()
 
     def run_all() -> None:
         for i, (_, (func, args, kwargs)) in enumerate(todo):
-            for r in range(REPEATS):
-                made_args, made_kwargs = _make(args), _make(kwargs)
+            seen: set[tuple[Any, ...]] = set()
+            for r in range(REPEATS * len(LAYOUTS)):
+                layout = LAYOUTS[r % len(LAYOUTS)]
+                strides = _strides((args, kwargs), layout)
+                if r < len(LAYOUTS) and strides in seen:
+                    continue  # laid out as a layout measured already
+                seen.add(strides)
+                made_args, made_kwargs = _make(args, layout), _make(kwargs, layout)
                 try:
                     with record_function(f"{_MARK}{i}.{r}"):
                         out = func(*made_args, **made_kwargs)
-                # A call its zeros do not suit: counted as none.
+                # A layout or zeros the call does not take: that run counts none.
                 except (RuntimeError, ValueError, TypeError, IndexError):
-                    failed.add(i)
-                    break
+                    continue
                 del out, made_args, made_kwargs
 
     events = _allocator_events(run_all)
     if events is None:
-        return None, failed
+        return None
     marks, memory = events
     peaks: dict[tuple[int, int], int] = {}
     total, j = 0, 0
@@ -147,7 +169,7 @@ def _run_marked(
             j += 1
         call, run = name[len(_MARK) :].split(".")
         peaks[int(call), int(run)] = peak - total
-    return peaks, failed
+    return peaks
 
 
 def _allocator_events(
@@ -214,16 +236,28 @@ def _specs(value: Any) -> Any:
     return value
 
 
-def _make(value: Any) -> Any:
-    """``value`` with each :class:`_Spec` made a new CPU tensor of its shape, strides and dtype,
-    of zeros: what a dense kernel allocates does not depend on the values (and an index of 0 is
-    always in range)."""
+def _strides(value: Any, layout: str) -> tuple[Any, ...]:
+    """The strides of the tensors :func:`_make` makes of ``value`` in ``layout``."""
     if isinstance(value, _Spec):
-        extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride, strict=True))
-        base = torch.zeros(extent if all(value.shape) else 0, dtype=value.dtype)
-        return base.as_strided(value.shape, value.stride)
+        return (value.laid_out(layout),)
     if isinstance(value, (list, tuple)):
-        return type(value)(_make(v) for v in value)
+        return tuple(s for v in value for s in _strides(v, layout))
     if isinstance(value, dict):
-        return {k: _make(v) for k, v in value.items()}
+        return tuple(s for v in value.values() for s in _strides(v, layout))
+    return ()
+
+
+def _make(value: Any, layout: str) -> Any:
+    """``value`` with each :class:`_Spec` made a new CPU tensor of its shape and dtype, in
+    ``layout`` (see :data:`LAYOUTS`), of zeros: what a dense kernel allocates does not depend
+    on the values (and an index of 0 is always in range)."""
+    if isinstance(value, _Spec):
+        stride = value.laid_out(layout)
+        extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, stride, strict=True))
+        base = torch.zeros(extent if all(value.shape) else 0, dtype=value.dtype)
+        return base.as_strided(value.shape, stride)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_make(v, layout) for v in value)
+    if isinstance(value, dict):
+        return {k: _make(v, layout) for k, v in value.items()}
     return value
