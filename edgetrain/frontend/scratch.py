@@ -43,10 +43,12 @@ from edgetrain.autograd.storage_counter import tensors_in
 __all__ = ["LAYOUTS", "REPEATS", "OpScratch", "allocator_peak", "measure_scratch", "scratch_of"]
 
 LAYOUTS = ("as noted", "contiguous", "channels last")
-"""The layouts each call is measured in (the most counts): a kernel's scratch depends on its
-tensors' layout (a 7x7 depthwise convolution's backward on a channels-last gradient took 15 MiB
-where a contiguous one took 1 MiB), and a step may hand a stage a gradient laid out otherwise
-than its sizing did (the next stage's permute)."""
+"""The layouts a call with a tensor laid out otherwise than contiguously is measured in (the most
+counts; a call whose tensors are all contiguous is measured as noted): a kernel's scratch depends
+on its tensors' layout (a 7x7 depthwise convolution's backward on a channels-last gradient took
+15 MiB where a contiguous one took 1 MiB), and meta tensors may lay out what a stage hands the
+next otherwise than the CPU does (a convolution's output after a permute: contiguous on meta,
+channels-last on the CPU), so a model that mixes layouts may run a call in the other one."""
 
 REPEATS = 1
 """Runs of each call measured; the most it takes counts. A kernel's first call could set up
@@ -137,10 +139,12 @@ def _run_marked(
     def run_all() -> None:
         for i, (_, (func, args, kwargs)) in enumerate(todo):
             seen: set[tuple[Any, ...]] = set()
+            # Only a call that already mixes layouts is measured in the others.
+            mixed = _strides((args, kwargs), "as noted") != _strides((args, kwargs), "contiguous")
             for r in range(REPEATS * len(LAYOUTS)):
                 layout = LAYOUTS[r % len(LAYOUTS)]
                 strides = _strides((args, kwargs), layout)
-                if r < len(LAYOUTS) and strides in seen:
+                if (r < len(LAYOUTS) and strides in seen) or (layout != "as noted" and not mixed):
                     continue  # laid out as a layout measured already
                 seen.add(strides)
                 made_args, made_kwargs = _make(args, layout), _make(kwargs, layout)
