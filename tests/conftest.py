@@ -15,11 +15,14 @@ from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.devices.energy import EnergyProfile
 
-# The executor's cost per stage operation (measured once per machine, about 60 us here) makes the
-# suite's small models store everything under max_recompute: they exist to exercise plans that
-# recompute, so the suite plans with that cost at 0 unless a test sets it
+# The executor's costs per stage operation and per unit and stage rebuilt inside a graph run
+# (measured once per machine: about 60 us and a few hundred us here) make the suite's small models
+# store everything under max_recompute: they exist to exercise plans that recompute, so the suite
+# plans with those costs at 0 unless a test sets them
 # (tests/runtime/test_time_includes_stage_cost.py does).
 os.environ.setdefault("EDGETRAIN_STAGE_SECONDS", "0")
+os.environ.setdefault("EDGETRAIN_REBUILD_SECONDS", "0")
+os.environ.setdefault("EDGETRAIN_REBUILT_STAGE_SECONDS", "0")
 
 # Modelled stage times come from this machine's speed, timed once and cached; the suite uses one
 # fixed speed instead (10 GFLOP/s, 5 GB/s, 5 us a call), so its plans are the same on every

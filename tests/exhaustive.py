@@ -27,18 +27,28 @@ def fastest_schedule(
     nested: bool = True,
     release: bool = False,
     grads_exist: bool = False,
+    persistent: bool = True,
 ) -> tuple[float, Schedule | None]:
     """The least time of any valid schedule whose peak stays within ``budget`` bytes.
 
-    ``nested``: only schedules of the dynamic program's form, in which no stage runs forward while
-    the graph of a later stage is held (rotor's class). Without it, every schedule; that can be
-    faster in rare cases (recomputing an earlier stage with grad before a later backward, about
-    4 in 10 000 random chain/budget pairs). ``grads_exist``: the loop that keeps parameter
-    gradients (a backward holds only those it must sum with an earlier stage's, and peaks as
-    its stage says for that loop). ``release``: ``Fr`` too (a graph that holds nothing
-    of its input, which must be held again for its backward, which drops it); nested then also
-    lets a stage run forward while the released graph of the next stage is held (rebuilding its
-    input).
+    By default the class of rotor's recursion (``OptimalTable(..., release=False)``), which is
+    ``nested`` and ``persistent``:
+
+    ``nested``: no stage runs forward while the graph of a later stage is held. Without it,
+    every schedule; that can be faster in rare cases (recomputing an earlier stage with grad
+    before a later backward, about 4 in 10 000 random chain/budget pairs).
+    ``persistent``: an activation held across a backward (a checkpoint) stays held until its own
+    stage's ``Fa`` takes it: no ``Fn``, ``Fr`` or ``D`` frees it first. Without it, a
+    checkpoint may serve to rebuild later activations and be dropped before its own stage's
+    backward, to be made again by the ``Fa`` of the stage before it, which runs anyway (on
+    4-stage chains, e.g. ``Fc0 Fc1 Fn2 Fa3 B3 Fn1 Fa2 B2 Fa0 Fa1 B1 B0``): faster at a few
+    budgets near the least (about 1 in 125 random pairs of a 1-5-stage chain and a budget, most
+    of them drawn among the three least).
+    ``grads_exist``: the loop that keeps parameter gradients (a backward holds only those it
+    must sum with an earlier stage's, and peaks as its stage says for that loop). ``release``:
+    ``Fr`` too (a graph that holds nothing of its input, which must be held again for its
+    backward, which drops it); nested then also lets a stage run forward while the released
+    graph of the next stage is held (rebuilding its input).
     """
     n = chain.length
     st = chain.stages
@@ -59,8 +69,9 @@ def fastest_schedule(
             total += sum(st[k].made_gradient_bytes(grads_exist) for k in range(nb + 1, n))
         return total
 
-    State = tuple[int, int, int, int, bool]
-    start: State = (1, 0, 0, n - 1, False)  # plain bit 0: the input
+    State = tuple[int, int, int, int, bool, int]
+    # (plain, graph, released, next backward, loss taken, kept: plain held across a backward)
+    start: State = (1, 0, 0, n - 1, False, 0)  # plain bit 0: the input
     counter = itertools.count()
     queue: list[tuple[float, int, State, tuple[tuple[Op, int], ...]]] = [
         (0.0, next(counter), start, ())
@@ -70,11 +81,12 @@ def fastest_schedule(
         time, _, state, ops = heapq.heappop(queue)
         if best.get(state, float("inf")) < time:
             continue
-        plain, graph, rel, nb, loss = state
+        plain, graph, rel, nb, loss, kept = state
         if nb == -1:
             return time, Schedule.from_ops(n, list(ops), "exhaustive")
         held = memory(plain, graph, rel, nb, loss)
         moves: list[tuple[float, int, State, tuple[Op, int]]] = []
+        fixed = kept if persistent else 0  # only their own Fa takes them
         for k in range(n):
             if not (plain >> k) & 1 or (loss and k > nb):
                 continue
@@ -92,20 +104,21 @@ def fastest_schedule(
                 continue  # a second copy of a[k+1]
             with_out = plain | (1 << (k + 1))
             consumed = with_out & ~(1 << k) if k > 0 else with_out
+            taken = kept & ~(1 << k)
             moves.append(
                 (
                     st[k].forward_seconds,
                     held + st[k].forward_grad_peak_bytes,
-                    (consumed, graph | (1 << k), rel, nb, loss),
+                    (consumed, graph | (1 << k), rel, nb, loss, taken),
                     (Op.FORWARD_ALL, k),
                 )
             )
-            if release:
+            if release and not (fixed >> k) & 1:
                 moves.append(
                     (
                         st[k].forward_seconds,
                         held + st[k].forward_grad_peak_bytes,
-                        (consumed, graph | (1 << k), rel | (1 << k), nb, loss),
+                        (consumed, graph | (1 << k), rel | (1 << k), nb, loss, taken),
                         (Op.FORWARD_RELEASE, k),
                     )
                 )
@@ -113,29 +126,36 @@ def fastest_schedule(
                 (
                     st[k].forward_seconds,
                     held + st[k].forward_peak_bytes,
-                    (with_out, graph, rel, nb, loss),
+                    (with_out, graph, rel, nb, loss, kept),
                     (Op.FORWARD_CHECKPOINT, k),
                 )
             )
-            if k > 0:
+            if k > 0 and not (fixed >> k) & 1:
                 moves.append(
                     (
                         st[k].forward_seconds,
                         held + st[k].forward_peak_bytes,
-                        (consumed, graph, rel, nb, loss),
+                        (consumed, graph, rel, nb, loss, taken),
                         (Op.FORWARD_NOSAVE, k),
                     )
                 )
         for k in range(1, n):
-            if (plain >> k) & 1:
+            if (plain >> k) & 1 and not (fixed >> k) & 1:
                 moves.append(
-                    (0.0, held, (plain & ~(1 << k), graph, rel, nb, loss), (Op.DISCARD, k))
+                    (0.0, held, (plain & ~(1 << k), graph, rel, nb, loss, kept), (Op.DISCARD, k))
                 )
         released = (rel >> nb) & 1
         if (graph >> nb) & 1 and (not released or (plain >> nb) & 1):
             before = memory(plain, graph, rel, nb, True)
             left = plain & ~(1 << nb) if released and nb > 0 else plain
-            new = (left, graph & ~(1 << nb), rel & ~(1 << nb), nb - 1, True)
+            new = (
+                left,
+                graph & ~(1 << nb),
+                rel & ~(1 << nb),
+                nb - 1,
+                True,
+                left if persistent else 0,
+            )
             moves.append(
                 (
                     st[nb].backward_seconds,
@@ -145,7 +165,7 @@ def fastest_schedule(
                 )
             )
         for cost, peak, new, op in moves:
-            after = memory(*new)
+            after = memory(*new[:5])
             if max(peak, after) > budget:
                 continue
             if time + cost < best.get(new, float("inf")) - 1e-12:

@@ -106,6 +106,10 @@ class Stage:
             allocates for itself and frees before it returns, which no tensor holds); measured
             on the device (0 from shapes alone, and in chains written without it).
         backward_scratch_bytes: likewise for the backward.
+        caller_gradients: the model's last stage only: which of its output tensors (indexed as
+            ``leaf_bytes``) the caller's backward starts from, the output's own loss (a Hugging
+            Face output given ``labels``: ``out.loss.backward()``); its other tensors get their
+            gradients inside the backward. None: every output tensor gets one from the caller.
     """
 
     name: str
@@ -138,6 +142,7 @@ class Stage:
     retained_bytes: int = 0
     forward_scratch_bytes: int = 0
     backward_scratch_bytes: int = 0
+    caller_gradients: tuple[int, ...] | None = None
 
     def made_gradient_bytes(self, grads_exist: bool) -> int:
         """The gradient bytes the stage's backward leaves held until the step ends: those it
@@ -296,6 +301,8 @@ class Chain:
         n = self.length
         last = self.stages[-1]
         sizes = list(last.leaf_bytes) or [last.output_bytes]  # pieces: one size each
+        if last.caller_gradients is not None:  # only the loss's from the caller
+            sizes = [b if i in last.caller_gradients else 0 for i, b in enumerate(sizes)]
         leaves = list(range(len(sizes)))  # a[n]'s tensors -> their gradient's piece
         result = [0] * (n + 1)
         result[n] = sum(sizes)
@@ -392,6 +399,7 @@ class Chain:
                 *([s.shared_gradient_bytes] if s.shared_gradient_bytes else []),
                 *(["reads updated buffers"] if s.reads_updated_buffers else []),
                 *([["retained", s.retained_bytes]] if s.retained_bytes else []),
+                *([["caller", list(s.caller_gradients)]] if s.caller_gradients is not None else []),
             ]
             for s in self.stages
         ]
@@ -462,7 +470,7 @@ def _saved_bytes(which: tuple[int, ...] | None, whole: bool, sizes: list[int]) -
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
     """JSON lists back to the tuples a Stage holds."""
     out = dict(fields)
-    for key in ("leaf_bytes", "saved_inputs", "saved_outputs", "gradient_from"):
+    for key in ("leaf_bytes", "saved_inputs", "saved_outputs", "gradient_from", "caller_gradients"):
         if isinstance(out.get(key), list):
             out[key] = tuple(int(v) for v in out[key])
     for key in ("carried", "shared_leaves"):

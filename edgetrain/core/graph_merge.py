@@ -38,6 +38,12 @@ class GraphRun:
         ``k``, a checkpointed segment's ``k``)."""
         return self.recomputed | {k for k, _ in self.checkpointed}
 
+    @property
+    def rebuilt_stages(self) -> int:
+        """How many stages the run computes again: each recomputed pair's first, each
+        checkpointed segment's every stage."""
+        return len(self.recomputed) + sum(j - k + 1 for k, j in self.checkpointed)
+
     def pairs(self) -> tuple[GraphRun, ...]:
         """Each recomputed pair ``(k, k+1)``, and each checkpointed segment of two or more
         stages, as a run of its own."""

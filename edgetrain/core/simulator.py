@@ -34,6 +34,9 @@ from edgetrain.core.chain import Chain, Stage
 from edgetrain.core.schedule import Op, Schedule, stores_everything
 from edgetrain.errors import InvalidSchedule
 
+_OPS = {op.value: op for op in Op}  # by code: the replay looks kinds up
+_FORWARD_CODES = frozenset(op.value for op in Op if op.is_forward)
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -199,7 +202,7 @@ def _replay(
     last_run: dict[int, int] = {}
     runs = [0] * n
     for i, (code, k) in enumerate(zip(kinds, indices, strict=True)):
-        if Op(code).is_forward and 0 <= k < n:
+        if code in _FORWARD_CODES and 0 <= k < n:
             last_run[k] = i
             runs[k] += 1
     snapshot = [
@@ -250,8 +253,15 @@ def _replay(
         checkpoints -= 1
         return drop(pieces[k])
 
+    # The kinds as locals (an enum member's lookup costs more than the comparison).
+    page_out, page_in, discard, backward = Op.PAGE_OUT, Op.PAGE_IN, Op.DISCARD, Op.BACKWARD
+    forward_all_op, forward_release = Op.FORWARD_ALL, Op.FORWARD_RELEASE
+    forward_nosave = Op.FORWARD_NOSAVE
     for i, (code, k) in enumerate(zip(kinds, indices, strict=True)):
-        kind = Op(code)
+        kind = _OPS.get(code)
+        if kind is None:
+            kind = Op(code)  # not a kind: Op says so
+        forward = code in _FORWARD_CODES
         if probe is not None and probe[0] == i:
             probe[1].append(
                 ReplayState(
@@ -279,7 +289,7 @@ def _replay(
             )
         before = held
         written, writing = writing, 0
-        if kind is Op.PAGE_OUT:
+        if kind is page_out:
             if not 0 < k < n or not plain[k]:
                 raise fail(i, kind, k, "pages out an activation that is not held")
             if any(refs[piece] != 1 for piece in pieces[k]):
@@ -289,7 +299,7 @@ def _replay(
             pages_out += 1
             paged_bytes += sum(sizes[piece] for piece in pieces[k])
             during = before
-        elif kind is Op.PAGE_IN:
+        elif kind is page_in:
             if not paged[k] or plain[k] or any(refs[piece] for piece in pieces[k]):
                 raise fail(i, kind, k, f"pages in a[{k}], which is not (only) in a page file")
             paged[k] = False
@@ -298,12 +308,12 @@ def _replay(
             held += take(pieces[k])
             pages_in += 1
             during = held
-        elif kind is Op.DISCARD:
+        elif kind is discard:
             if not 0 < k < n or not plain[k]:
                 raise fail(i, kind, k, "discards an activation that is not held")
             held -= release(k)
             during = before
-        elif kind is Op.BACKWARD:
+        elif kind is backward:
             if k != next_backward:
                 raise fail(
                     i, kind, k, f"is out of order: the next backward must be B{next_backward}"
@@ -354,12 +364,12 @@ def _replay(
             kept = 0 if ran[k] else stage.retained_bytes
             held += 0 if ran[k] else snapshot[k]  # taken before the first run
             ran[k] = True
-            if kind.builds_graph:
+            if kind is forward_all_op or kind is forward_release:
                 during = held + again + stage.forward_grad_peak_bytes
                 graph[k] = True
                 copies[k] = again
                 held += take(pieces[k + 1]) + stage.saved_bytes + again
-                if kind is Op.FORWARD_RELEASE:
+                if kind is forward_release:
                     # Whatever the graph saved of a[k] is not held (its outputs passed through
                     # from the input are a[k]'s storages too).
                     released[k] = True
@@ -371,15 +381,15 @@ def _replay(
             else:
                 during = held + again + stage.forward_peak_bytes
                 held += take(pieces[k + 1])
-                if kind is Op.FORWARD_NOSAVE:
+                if kind is forward_nosave:
                     held -= release(k)
                 forward_steps += 1
-        if kind.is_forward:
+        if forward:
             held += kept
         # The kernels' scratch sits on the transient peak and is freed before the op returns.
         heap_peak = max(heap_peak, during + _scratch(stages, kind, k), held)
         during = max(during, held)
-        if kind.is_forward and last_run[k] == i:
+        if forward and last_run[k] == i:
             held -= snapshot[k]  # the last run has made its copies of it
         max_checkpoints = max(max_checkpoints, checkpoints)
         if during > peak:

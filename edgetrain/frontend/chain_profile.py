@@ -226,6 +226,7 @@ def stage_records(measured: list[tuple[str, nn.Module, int, Measured]]) -> list[
             retained_bytes=r.retained_bytes,
             forward_scratch_bytes=r.forward_scratch_bytes,
             backward_scratch_bytes=r.backward_scratch_bytes,
+            caller_gradients=r.caller_gradients,
         )
         for k, (name, module, span, r) in enumerate(measured)
     ]

@@ -6,14 +6,15 @@ its floating-point operations (``torch.utils.flop_counter``'s formulas: matrix p
 convolutions, attention) for a matrix product or a convolution of as many operations timed on
 this machine, else the bytes it reads and writes for an elementwise operator moving as many, and
 a fixed cost per operator call (dispatch and autograd's bookkeeping). The rate grows with the
-size of the work (a 256³ matrix product ran at 2.4 GFLOP/s here, a 1024³ one at 55: threads and
-vector units fill up), so each kind is timed at three sizes and an operator's seconds are
-interpolated between them on log scales (beyond them, at the nearest size's rate).
-:func:`device_speed` times them once per machine, torch version and thread count (about a
-second) and keeps them in the cache directory (:func:`edgetrain.cache.cache_dir`), written
-atomically with a checksum that is verified when read: a damaged or foreign file is measured
-again. ``$EDGETRAIN_DEVICE_SPEED`` (a JSON object of :class:`DeviceSpeed`'s fields) sets them
-instead.
+size of the work (a 3×3 convolution of 0.3 MFLOP ran at 7 GFLOP/s here, one of 1.2 GFLOP at 107:
+a call's fixed cost, then threads and vector units filling up), so each kind is timed at four or
+five sizes, from calls of a few microseconds, and an operator's seconds are interpolated between
+them on log scales (beyond them, at the nearest size's rate).
+:func:`device_speed` times them once per machine, torch version and thread count (a second or
+two) and keeps them in the cache directory (:func:`edgetrain.cache.cache_dir`; a file for each,
+:func:`cache_path`), written atomically with a checksum that is verified when read: a damaged or
+foreign file is measured again. ``$EDGETRAIN_DEVICE_SPEED`` (a JSON object of
+:class:`DeviceSpeed`'s fields) sets them instead.
 
 :class:`OpSeconds` (a ``TorchDispatchMode``) adds up the predicted seconds of the operators run
 inside it; it works on meta tensors, so a stage is timed from shapes alone.
@@ -31,6 +32,7 @@ import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,16 +45,27 @@ from edgetrain.cache import cache_dir
 from edgetrain.core.schedule import atomic_write_text
 
 CACHE_FILE = "device_speed.json"
+"""The cache file's name pattern: ``device_speed-<machine hash>.json``, one per machine, torch
+version and thread count (see :func:`cache_path`), so processes run with other thread counts
+keep their own."""
 ENV = "EDGETRAIN_DEVICE_SPEED"
 
 _aten = torch.ops.aten
 _CONVOLUTIONS = {
     _aten.convolution,
     _aten._convolution,
-    _aten.convolution_backward,
     _aten.cudnn_convolution,
 }
 
+
+SIDES = (32, 128, 256, 512, 1024)
+"""The matrix products timed: ``n × n`` by ``n × n``, from a few microseconds (where a call's
+fixed cost is most of it) to where the vector units are full."""
+CONVOLUTIONS = ((8, 8), (16, 16), (32, 16), (64, 32), (128, 32))
+"""The convolutions timed (3×3, batch 4): ``(channels in = out, side)``. A small one runs at a
+tenth of a large one's rate per FLOP (a 4 × 8 × 8² input: 44 µs for 0.3 MFLOP here)."""
+NUMELS = (1 << 10, 1 << 14, 1 << 18, 1 << 22)
+"""The elementwise additions timed: elements of each float32 operand."""
 
 Points = tuple[tuple[float, float], ...]
 """(work, process CPU seconds) at increasing work: what :func:`measure_speed` timed."""
@@ -77,9 +90,10 @@ class DeviceSpeed:
     """This machine's timed operators (process CPU seconds, at its torch thread count)."""
 
     matmul_flops: Points  # matrix products (and attention): FLOPs, seconds
-    conv_flops: Points  # convolutions, forward and backward: FLOPs, seconds
+    conv_flops: Points  # convolutions' forward: FLOPs, seconds
     elementwise_bytes: Points  # an addition: bytes read plus written, seconds
     seconds_per_op: float  # an operator call's own cost, with autograd recording it
+    conv_backward_flops: Points | None = None  # their backward (both gradients); None: as forward
 
     def op_seconds(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
         """Predicted seconds of one call of ``func`` that returned ``out``."""
@@ -87,7 +101,10 @@ class DeviceSpeed:
         count = flop_registry.get(packet)
         if count is not None:
             flops = float(count(*args, **kwargs, out_val=out))
-            points = self.conv_flops if packet in _CONVOLUTIONS else self.matmul_flops
+            if packet is _aten.convolution_backward:
+                points = self.conv_backward_flops or self.conv_flops
+            else:
+                points = self.conv_flops if packet in _CONVOLUTIONS else self.matmul_flops
             return self.seconds_per_op + _interpolated(points, flops)
         if func.is_view:
             return self.seconds_per_op
@@ -112,11 +129,13 @@ class DeviceSpeed:
         per_op = float(data["seconds_per_op"])
         if not math.isfinite(per_op) or per_op <= 0:
             raise ValueError(f"seconds_per_op must be a positive number, got {per_op!r}")
+        backward = data.get("conv_backward_flops")
         return cls(
             points(data["matmul_flops"]),
             points(data["conv_flops"]),
             points(data["elementwise_bytes"]),
             per_op,
+            None if backward is None else points(backward),
         )
 
 
@@ -167,19 +186,29 @@ def _monotone(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def measure_speed() -> DeviceSpeed:
-    """Time a few operators of three sizes each on the CPU (see the module)."""
+    """Time a few operators of several sizes each on the CPU (see the module)."""
     gen = torch.Generator().manual_seed(0)
-    matmul, conv, elementwise = [], [], []
+    matmul, conv, conv_backward, elementwise = [], [], [], []
+    for channels, side in CONVOLUTIONS:
+        x = torch.randn(4, channels, side, side, generator=gen, requires_grad=True)
+        w = torch.randn(channels, channels, 3, 3, generator=gen, requires_grad=True)
+        out = torch.conv2d(x, w, padding=1)
+        grad = torch.ones_like(out)
+        flops = 2 * 4 * channels * side * side * channels * 9
+        conv_backward.append(
+            _timed(2 * flops, lambda out=out, x=x, w=w, grad=grad: torch.autograd.grad(
+                out, (x, w), grad, retain_graph=True))
+        )  # fmt: skip
     with torch.no_grad():
-        for n in (256, 512, 1024):
+        for n in SIDES:
             a = torch.randn(n, n, generator=gen)
             matmul.append(_timed(2 * n**3, lambda a=a: a @ a))
-        for channels, side in ((32, 16), (64, 32), (128, 32)):
+        for channels, side in CONVOLUTIONS:
             x = torch.randn(4, channels, side, side, generator=gen)
             w = torch.randn(channels, channels, 3, 3, generator=gen)
             flops = 2 * 4 * channels * side * side * channels * 9
             conv.append(_timed(flops, lambda x=x, w=w: torch.conv2d(x, w, padding=1)))
-        for numel in (1 << 14, 1 << 18, 1 << 22):
+        for numel in NUMELS:
             big = torch.randn(numel, generator=gen)
             elementwise.append(_timed(3 * numel * 4, lambda big=big: big + big))
     tiny = torch.ones(1, requires_grad=True)
@@ -195,6 +224,7 @@ def measure_speed() -> DeviceSpeed:
             "conv_flops": _monotone(conv),
             "elementwise_bytes": _monotone(elementwise),
             "seconds_per_op": per_op,
+            "conv_backward_flops": _monotone(conv_backward),
         }
     )
 
@@ -203,6 +233,7 @@ def _machine() -> str:
     return (
         f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|torch {torch.__version__}"
         f"|threads {torch.get_num_threads()}"
+        f"|sizes {len(SIDES)}.{len(CONVOLUTIONS)}.{len(NUMELS)}|conv backward"
     )
 
 
@@ -226,6 +257,13 @@ def _read(path: os.PathLike[str] | str) -> DeviceSpeed | None:
 _memo: dict[str, DeviceSpeed] = {}
 
 
+def cache_path(machine: str | None = None) -> Path:
+    """Where the rates of ``machine`` (default: this one, :func:`_machine`) are kept."""
+    key = hashlib.sha256((machine or _machine()).encode()).hexdigest()[:12]
+    stem, suffix = os.path.splitext(CACHE_FILE)
+    return cache_dir() / f"{stem}-{key}{suffix}"
+
+
 def device_speed() -> DeviceSpeed:
     """This machine's rates: ``$EDGETRAIN_DEVICE_SPEED``, else the cached measurement, else
     measured now (once per machine, torch version and thread count) and cached."""
@@ -235,7 +273,7 @@ def device_speed() -> DeviceSpeed:
     machine = _machine()
     if machine in _memo:
         return _memo[machine]
-    path = cache_dir() / CACHE_FILE
+    path = cache_path(machine)
     speed = _read(path)
     if speed is None:
         with progress.task("measuring this machine's speed (matrix products, convolutions)"):

@@ -29,6 +29,7 @@ from edgetrain.autograd.stages import (
 )
 from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes, storage_key
 from edgetrain.errors import InvalidInput
+from edgetrain.frontend.caller_gradient import caller_gradients, wanted_by_caller
 from edgetrain.frontend.device_speed import DeviceSpeed, OpSeconds
 
 LAYER_TYPES: tuple[type[nn.Module], ...] = (
@@ -124,6 +125,7 @@ class Measured:
     retained_bytes: int = 0
     forward_scratch_bytes: int = 0
     backward_scratch_bytes: int = 0
+    caller_gradients: tuple[int, ...] | None = None  # the last stage's: see Stage
 
 
 def measure_held(
@@ -267,7 +269,9 @@ def profile_stage(
         saves_output = bool(saved_out_leaves)
 
         out_leaves = leaves(out)
-        wanted = list(graph.outputs)
+        # The model's last stage gets a gradient only where the caller's backward starts.
+        wanted = wanted_by_caller(graph.outputs, out) if last else list(graph.outputs)
+        loss_leaves = caller_gradients(out) if last else None
         grad_out = _output_gradients(wanted, out_leaves, random=True)
         # The model's last stage gets the caller's gradient, which the caller holds to the end.
         held = list(grad_out) if last else []
@@ -351,6 +355,7 @@ def profile_stage(
         backward_seconds=backward_seconds,
         reads_updated_buffers=reads_updated,
         retained_bytes=retained_bytes,
+        caller_gradients=loss_leaves,
         layer_output_bytes=layer_outputs.bytes,
         output_requires_grad=output_requires_grad,
         param_grad_ids=grad_ids,
@@ -397,7 +402,8 @@ def _backward_peak(
         y, graph = run_forward_with_grad(
             module, x, needs_input_grad=needs_grad, params=params, sink=sink, stage=index
         )
-        grad_out = _output_gradients(graph.outputs, leaves(y), random=True, contiguous=contiguous)
+        wanted = wanted_by_caller(graph.outputs, y) if last else list(graph.outputs)
+        grad_out = _output_gradients(wanted, leaves(y), random=True, contiguous=contiguous)
         del y
         held = list(grad_out) if hold or last else []
         base = counter.reset_peak()

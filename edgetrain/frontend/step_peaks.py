@@ -23,6 +23,7 @@ from edgetrain.autograd.stages import (
 )
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.chain import Chain
+from edgetrain.frontend.caller_gradient import wanted_by_caller
 from edgetrain.frontend.meta_copies import copy_on, meta_copy, on_meta, to_meta
 
 
@@ -117,7 +118,8 @@ def plain_step_peaks(
             # The memo below the counter: the counter sees every storage the memo makes.
             with torch.enable_grad(), sizing as unlike_cpu, memo, counter:
                 out = meta_model(x)
-                outs = [t for t in leaves(out) if t.requires_grad]
+                wanted = wanted_by_caller([t.requires_grad for t in leaves(out)], out)
+                outs = [t for t, w in zip(leaves(out), wanted, strict=True) if w]
                 grads = [torch.ones_like(t) for t in outs]
                 if outs:
                     torch.autograd.backward(outs, grads)

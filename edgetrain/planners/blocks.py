@@ -37,9 +37,9 @@ from edgetrain.core.simulator import memory_trace, simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.planners.optimal import (
     DEFAULT_SLOTS,
-    OptimalTable,
     StepCosts,
     TableMaker,
+    chain_costs,
     fastest,
     least_memory,
     resolution,
@@ -236,9 +236,11 @@ def _dp_plans(sub: Chain, rest: int, grads_exist: bool, slots: int) -> list[tupl
     peak = simulate(chain, store_all(chain), grads_exist=grads_exist).heap_peak_bytes
     slot_bytes, count = resolution(chain, max(2 * peak, 1), slots)
     plans: list[tuple[Ops, Ops]] = []
-    rounding = TableMaker(chain, grads_exist).rounding_matters(slot_bytes)
-    for nearest in (False, True) if rounding else (False,):
-        table = OptimalTable(chain, slot_bytes, count, grads_exist=grads_exist, nearest=nearest)
+    # Each rounding's costs once, for the comparison and the table.
+    rounded = {near: chain_costs(chain, slot_bytes, grads_exist, near) for near in (False, True)}
+    rounding = TableMaker(chain, grads_exist, costs=lambda _, near: rounded[near])
+    for nearest in (False, True) if rounding.rounding_matters(slot_bytes) else (False,):
+        table = rounding.table(slot_bytes, count, nearest=nearest)
         times = table.times()
         previous = math.inf
         for m in np.flatnonzero(np.isfinite(times)):

@@ -147,7 +147,14 @@ class OptimalTable:
         self._first = np.full((2, n, n), size, dtype=np.int64)
         self._prefix = np.concatenate([[0.0], np.cumsum(z.fwd_time)])
         self._least = _least_times(z)
+        # The options that exist, stage by stage (option 0 always, so no stage has none): the
+        # fill reads a span's graph-first starts off a prefix of these pairs.
+        exists = np.isfinite(z.opt_time)
+        exists[0] = True
+        self._opt_s, self._opt_o = np.nonzero(exists.T)
+        self._opt_count = np.concatenate([[0], np.cumsum(exists.sum(axis=0))])
         self._choices: dict[tuple[int, int, int], np.ndarray] = {}
+        self._solved: dict[tuple[int, int, int, int], list[tuple[Op, int, int]]] = {}
         self._fill()
 
     # -- the recursion -----------------------------------------------------------------------------
@@ -183,8 +190,6 @@ class OptimalTable:
         ``choose``, ``s`` is every start of the span (the fill)."""
         z = self._z
         n = self.length
-        size = self.slots + 1
-        m = np.arange(size)
         options = z.opt_time.shape[0]
         t = s + span
         top = t == n - 1
@@ -194,25 +199,27 @@ class OptimalTable:
         entry_rest = grad_in + z.held_grads[t + 1]
         left_b = z.grad[s] + z.held_grads[s] + after
         own = np.zeros_like(s) if pin else z.act[s]
-        # Graph first with option o (every o at once): its forward phase, the sub-chain
-        # s+1..t, its backward phase; each phase's peak, and what it leaves (the larger counts).
-        peak_f = entry_rest[None, :] + z.opt_fwd_peak[:, pin, s]
-        peak_b = z.held_grads[s + 1][None, :] + z.opt_bwd_peak[:, pin, s]
-        if span > 0:
-            peak_b = peak_b + after[None, :]  # the caller's output and its gradient, if top
-        peak_b = np.maximum(peak_b, left_b[None, :])
-        ok = m[None, None, :] >= np.maximum(peak_f, peak_b)[:, :, None]
-        base = z.opt_time[:, s][:, :, None]
-        if span == 0:
-            values = np.where(ok, base, np.inf)
+        if choose:
+            # Every option of each row: the first of equal options (all inf: option 0).
+            o_all = np.arange(options)[:, None]
+            values = self._graph_first(span, pin, o_all, s[None, :], entry_rest, after, left_b)
+            best = values.min(axis=0)
+            choice: np.ndarray | None = (-1 - values.argmin(axis=0)).astype(np.int32)
         else:
-            pinned = z.opt_pins[:, s].astype(np.int64)
-            shift = z.opt_graph[:, pin, s] + pinned * z.act[s + 1][None, :]
-            inner = self._windows[pinned, span - 1, (s + 1)[None, :], self._back(shift)]
-            values = np.where(ok, base + inner, np.inf)
-        # The first of equal options (all inf: option 0, as no plan).
-        best = values.min(axis=0)
-        choice = (-1 - values.argmin(axis=0)).astype(np.int32) if choose else None
+            # The options that exist, rows in order: each row's least over its own pairs.
+            count = self._opt_count[len(s)]
+            row_of = self._opt_s[:count]
+            values = self._graph_first(
+                span,
+                pin,
+                self._opt_o[:count],
+                row_of,
+                entry_rest[row_of],
+                after[row_of],
+                left_b[row_of],
+            )
+            best = np.minimum.reduceat(values, self._opt_count[: len(s)], axis=0)
+            choice = None
         if span > 0 and z.pair_time is not None:
             value = self._release(s, pin, span, entry_rest, after, left_b)
             better = value < best
@@ -231,6 +238,36 @@ class OptimalTable:
             if choice is not None and pick is not None:
                 choice = np.where(better, (s[:, None] + 1 + pick).astype(np.int32), choice)
         return best, choice
+
+    def _graph_first(
+        self,
+        span: int,
+        pin: int,
+        o: np.ndarray,
+        s: np.ndarray,
+        entry_rest: np.ndarray,
+        after: np.ndarray,
+        left_b: np.ndarray,
+    ) -> np.ndarray:
+        """Times of starting the sub-chains ``s..s+span`` graph first with option ``o`` (arrays
+        that broadcast; the per-row numbers already taken at ``s``), inf where it does not fit:
+        its forward phase, the sub-chain ``s+1..t``, its backward phase; each phase's peak, and
+        what it leaves (the larger counts)."""
+        z = self._z
+        m = np.arange(self.slots + 1)
+        peak_f = entry_rest + z.opt_fwd_peak[o, pin, s]
+        peak_b = z.held_grads[s + 1] + z.opt_bwd_peak[o, pin, s]
+        if span > 0:
+            peak_b = peak_b + after  # the caller's output and its gradient, if top
+        peak_b = np.maximum(peak_b, left_b)
+        ok = m >= np.maximum(peak_f, peak_b)[..., None]
+        base = z.opt_time[o, s][..., None]
+        if span == 0:
+            return np.where(ok, base, np.inf)
+        pinned = z.opt_pins[o, s].astype(np.int64)
+        shift = z.opt_graph[o, pin, s] + pinned * z.act[s + 1]
+        inner = self._windows[pinned, span - 1, s + 1, self._back(shift)]
+        return np.where(ok, base + inner, np.inf)
 
     def _checkpoints(
         self,
@@ -277,9 +314,11 @@ class OptimalTable:
             if pin == 0:
                 near_first = near_first - own[:rows][None, :]
             limit = reached[:rows].T
-            start = int(
-                np.maximum(np.maximum(limit, self._first[0, span - q, row + q]), near_first).min()
-            )
+            # Below a candidate's first finite slot its sum is inf already: only where the walk
+            # to a[j] needs more (rarely) does the fit rule out slots of its own.
+            finite_from = np.maximum(self._first[0, span - q, row + q], near_first)
+            binding = limit > finite_from
+            start = int(np.maximum(limit, finite_from).min())
             low = np.full((rows, len(m)), np.inf)
             # Above every row's saturation (in the coordinates of low) nothing is computed.
             end = int((stop[:rows] - (own[:rows] if pin == 0 else 0)).max(initial=0))
@@ -287,7 +326,7 @@ class OptimalTable:
             if start < end:
                 start = max(start, 0)
                 low[:, start:end] = _least_sum(
-                    far[..., start:end], near[..., start:end], limit - start
+                    far[..., start:end], near[..., start:end], limit - start, binding
                 )
             value[:rows] = low if pin else _shift_each(low, own[:rows])
         top, _ = self._checkpoints_of(
@@ -403,16 +442,26 @@ class OptimalTable:
         z = self._z
         act_out = int(z.act[n])
         ops: list[tuple[Op, int, int]] = []
-        # Explicit stack: ("solve", pin, s, t, m) or ("emit", op, index, option).
+        # Explicit stack: ("solve", pin, s, t, m), ("emit", op, index, option) or ("solved",
+        # cell, first): the cell's operations are ops[first:] (kept: the plans of neighbouring
+        # budgets share most of their cells).
         stack: list[tuple[object, ...]] = [("solve", 1, 0, n - 1, slots)]
+        solved = self._solved
         while stack:
             item = stack.pop()
             if item[0] == "emit":
                 ops.append((item[1], item[2], item[3]))  # type: ignore[arg-type]
                 continue
+            if item[0] == "solved":
+                solved[item[1]] = ops[item[2] :]  # type: ignore[index]
+                continue
             _, pin, s, t, m = item
             assert isinstance(pin, int) and isinstance(s, int) and isinstance(t, int)
             assert isinstance(m, int)
+            known = solved.get((pin, s, t, m))
+            if known is not None:
+                ops.extend(known)
+                continue
             j = self._choice_at(pin, s, t, m)
             after = act_out + int(z.grad[n]) if t == n - 1 else 0
             todo: list[tuple[object, ...]]
@@ -448,6 +497,7 @@ class OptimalTable:
                 todo = [("emit", Op.FORWARD_CHECKPOINT, s, 0)]
                 todo += [("emit", Op.FORWARD_NOSAVE, k, 0) for k in range(s + 1, j)]
                 todo += [("solve", 0, j, t, m - own), ("solve", pin, s, j - 1, m - after)]
+            todo.append(("solved", (pin, s, t, m), len(ops)))
             stack.extend(reversed(todo))
         return ops
 
@@ -464,24 +514,26 @@ CHUNK_ELEMENTS = 32768
 """Candidates summed and reduced at a time (256 KiB of float64: they stay in the cache)."""
 
 
-def _least_sum(far: np.ndarray, near: np.ndarray, reached: np.ndarray) -> np.ndarray:
+def _least_sum(
+    far: np.ndarray, near: np.ndarray, reached: np.ndarray, binding: np.ndarray
+) -> np.ndarray:
     """``min over q of far[q] + near[q]``, each term inf where ``m < reached[q]``: arrays
-    ``[q, row, m]`` and ``reached[q, row]``, in chunks of q that stay in the cache."""
+    ``[q, row, m]`` and ``reached[q, row]``, in chunks of q that stay in the cache. Only the
+    terms ``binding[q, row]`` have finite sums below ``reached`` (the others are inf there)."""
     span, rows, size = far.shape
-    # below[r] is inf below slot r and 0 from there on: added, it rules out what does not fit.
-    below = np.where(np.arange(size)[None, :] < np.arange(size + 1)[:, None], np.inf, 0.0)
     limit = np.clip(reached, 0, size)
     chunk = max(1, min(span, CHUNK_ELEMENTS // (rows * size)))
     cand = np.empty((chunk, rows, size))
-    ruled = np.empty(cand.shape)
     least = np.full((rows, size), np.inf)
     part = np.empty((rows, size))
+    bound_q, bound_row = np.nonzero(binding)  # q ascending
     for first in range(0, span, chunk):
         last = min(span, first + chunk)
-        c, r = cand[: last - first], ruled[: last - first]
+        c = cand[: last - first]
         np.add(far[first:last], near[first:last], out=c)
-        np.take(below, limit[first:last], axis=0, out=r)
-        np.add(c, r, out=c)
+        lo, hi = np.searchsorted(bound_q, (first, last))
+        for q, row in zip(bound_q[lo:hi].tolist(), bound_row[lo:hi].tolist(), strict=True):
+            c[q - first, row, : limit[q, row]] = np.inf
         np.minimum.reduce(c, axis=0, out=part)
         np.minimum(least, part, out=least)
     return least

@@ -30,7 +30,13 @@ from edgetrain.planners.budget import (
     frontier_of,
     optimal_candidates,
 )
-from edgetrain.planners.optimal import DEFAULT_SLOTS, TableMaker, fastest_at
+from edgetrain.planners.optimal import (
+    DEFAULT_SLOTS,
+    MIN_SLOTS,
+    TableMaker,
+    fastest_at,
+    max_slots,
+)
 from edgetrain.planners.poet.to_schedule import plan_poet
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
@@ -105,7 +111,7 @@ def plan(
     else:
         point = frontier.points[-1]  # the fastest
         params = {}
-    schedule = _as_strategy(point.schedule, strategy, params)
+    schedule = as_strategy(point.schedule, strategy, params)
     return made_for(schedule, chain)
 
 
@@ -154,7 +160,7 @@ def _revolve_family(chain: Chain) -> list[Schedule]:
     return [revolve(chain, s) for s in range(1, chain.length + 1)]
 
 
-def _as_strategy(schedule: Schedule, strategy: str, params: dict[str, object]) -> Schedule:
+def as_strategy(schedule: Schedule, strategy: str, params: dict[str, object]) -> Schedule:
     """``schedule`` labelled as ``strategy``'s, with ``params`` (and, for the DP, whether its
     table was over the chain's stages or its blocks)."""
     info = {**schedule.params, **params}
@@ -241,11 +247,16 @@ def _makers(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> tuple
     and, where single-tensor cuts group its stages into blocks, its blocks. Each finds plans
     the other misses: the flat DP may place checkpoints across a block's boundary; the block
     DP counts a skip carried across cuts inside a block once (the flat DP counts it at every
-    cut, on the safe side)."""
+    cut, on the safe side). Beside the blocks, the flat DP runs only where its work limit leaves
+    it more than :data:`MIN_SLOTS` slots: on random 200-stage chains of mixed stages (48 slots
+    against the blocks' 160 to 180) it found no plan the blocks' tables miss, for a third of the
+    planning time; at 150 stages (106 slots) it finds plans 2 % faster."""
+    grouped = len(blocks_of(chain)) < chain.length
     makers = []
-    if strategy == "optimal" and chain.length <= FLAT_UP_TO:
+    flat = chain.length <= FLAT_UP_TO and (not grouped or max_slots(chain.length) > MIN_SLOTS)
+    if strategy == "optimal" and flat:
         makers.append(TableMaker(chain, grads_exist))
-    if strategy == "blocks" or len(blocks_of(chain)) < chain.length or not makers:
+    if strategy == "blocks" or grouped or not makers:
         makers.append(block_plan(chain, grads_exist=grads_exist, slots=slots).maker())
     return tuple(makers)
 

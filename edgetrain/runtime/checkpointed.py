@@ -84,6 +84,7 @@ model's logits) comes on top; leave room for it with ``reserve_bytes``.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -105,7 +106,7 @@ from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain
 from edgetrain.core.explain import UNSPLIT, PeakExplanation, explain_plan
-from edgetrain.core.schedule import Op, Schedule
+from edgetrain.core.schedule import Schedule
 from edgetrain.core.simulator import Cost, simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.cuts import as_stages, stage_input
@@ -114,9 +115,13 @@ from edgetrain.frontend.profiling import (
 )
 from edgetrain.planners.optimal import store_all
 from edgetrain.planners.search import plan, plan_for_device
+from edgetrain.planners.sequential import sequential
 from edgetrain.runtime.checks import (
+    BUDGET_RULES,
     check_budget_holds_weights,
     check_plan_for,
+    device_bytes,
+    refuse_hooks,
 )
 from edgetrain.runtime.interpreter import (
     ScheduleFunction,
@@ -128,7 +133,12 @@ from edgetrain.runtime.paging import PageStore
 from edgetrain.runtime.peak_probe import PeakProbe
 from edgetrain.runtime.prepared import PreparedPlan, Preparing
 from edgetrain.runtime.replanning import Replanning
-from edgetrain.runtime.stage_cost import cached_stage_seconds, time_factor, with_stage_cost
+from edgetrain.runtime.stage_cost import (
+    ExecutorSeconds,
+    cached_rebuild_seconds,
+    cached_stage_seconds,
+    plans_within_time,
+)
 from edgetrain.units import parse_bytes
 
 _NEW_SHAPE = ("replan", "error")
@@ -197,11 +207,11 @@ class Checkpointed(Replanning, Preparing, nn.Module):
         leaf_modules: Sequence[type[nn.Module]] = (),
     ) -> None:
         super().__init__()
-        _refuse_hooks(model)
+        refuse_hooks(model)
         if on_new_shape not in _NEW_SHAPE:
             raise InvalidInput(f"on_new_shape must be one of {', '.join(_NEW_SHAPE)}")
         self.reserve_bytes = 0 if reserve_bytes in (0, "0") else parse_bytes(reserve_bytes)
-        self._rule = memory_budget if memory_budget in _BUDGET_RULES else None
+        self._rule = memory_budget if memory_budget in BUDGET_RULES else None
         if self._rule is not None and schedule is not None:
             raise InvalidInput(
                 f"memory_budget={self._rule!r} chooses a plan; give no schedule, or a budget in "
@@ -211,7 +221,7 @@ class Checkpointed(Replanning, Preparing, nn.Module):
         self.leaf_modules = tuple(leaf_modules)
         self.model = as_stages(model, sample_input, leaf_modules=self.leaf_modules)
         sample_input = stage_input(self.model, sample_input)
-        self._device = None if memory_budget is None else _device_bytes(memory_budget)
+        self._device = None if memory_budget is None else device_bytes(memory_budget)
         if self._device:  # before the profile: from the sizes alone
             check_budget_holds_weights(
                 self._device, self.model, sample_input, self.reserve_bytes, strategy, chain
@@ -267,7 +277,7 @@ class Checkpointed(Replanning, Preparing, nn.Module):
                     grads_exist=self.grads_exist,
                 )
             if device is None and self._max_recompute is not None:
-                return self._planned_within_time(self._max_recompute)
+                return self._plans_within_time(self._max_recompute)[-1]
             return plan_for_device(
                 self.chain,
                 self.strategy,
@@ -277,21 +287,11 @@ class Checkpointed(Replanning, Preparing, nn.Module):
                 grads_exist=self.grads_exist,
             )
 
-    def _planned_within_time(self, rho: float) -> Schedule:
-        """The least-memory plan that, run stage by stage at the executor's cost per stage
-        operation (:func:`~edgetrain.runtime.stage_cost.stage_seconds`) on top of the stages'
-        compute,
-        takes at most ``rho`` times plain autograd's time (which runs the module itself)."""
-        seconds = stage_seconds() if rho >= 1.0 else 0.0
-        factor = time_factor(self.chain, rho, seconds)
-        if factor < 1.0 <= rho:
-            return store_all(self.chain)  # only plain autograd's own step keeps to rho
-        return plan(
-            with_stage_cost(self.chain, seconds),
-            self.strategy,
-            max_recompute=max(factor, 1.0) if rho >= 1.0 else rho,
-            grads_exist=self.grads_exist,
-        )
+    def _plans_within_time(self, rho: float) -> list[Schedule]:
+        """Plans to try for ``max_recompute=rho``, least memory first, the last one within
+        ``rho`` stage by stage (:func:`~edgetrain.runtime.stage_cost.plans_within_time`)."""
+        costs = executor_seconds() if rho >= 1.0 else ExecutorSeconds(0.0, 0.0, 0.0)
+        return plans_within_time(self.chain, self.strategy, rho, costs, self.grads_exist)
 
     @property
     def runs_as(self) -> str:
@@ -327,12 +327,12 @@ class Checkpointed(Replanning, Preparing, nn.Module):
     @property
     def predicted_seconds(self) -> float:
         """The step's predicted time: the plan's compute (``cost.seconds``, the stages' profiled
-        times) and, for a plan run stage by stage, the executor's cost per stage operation on
-        this machine (:func:`~edgetrain.runtime.stage_cost.stage_seconds`)."""
-        if self._stores_everything or self._one_graph:
+        times) and the executor's own as the plan runs (graph runs merged): per stage operation
+        run stage by stage, per unit rebuilt inside a graph run and per stage it rebuilds,
+        measured on this machine (:func:`executor_seconds`)."""
+        if self._stores_everything:
             return self.cost.seconds
-        ops = self._exec_plan.count(*(op for op in Op if op.is_forward), Op.BACKWARD)
-        return self.cost.seconds + stage_seconds() * ops
+        return self.cost.seconds + executor_seconds().of(self._as_run)
 
     @property
     def predicted_recompute_factor(self) -> float:
@@ -441,7 +441,7 @@ class Checkpointed(Replanning, Preparing, nn.Module):
         return self.module(x) if given is None else self.module(**given)
 
     def _forward(self, x: Any, given: dict[str, Any] | None) -> Any:
-        _refuse_hooks(self.module)
+        refuse_hooks(self.module)
         trainable = [i for i, p in enumerate(self._params) if p.requires_grad]
         params = [self._params[i] for i in trainable]
         inputs = leaves(x)
@@ -486,32 +486,8 @@ class Checkpointed(Replanning, Preparing, nn.Module):
         )
 
 
-def _refuse_hooks(model: nn.Module) -> None:
-    hooks = (
-        model._forward_hooks,
-        model._forward_pre_hooks,
-        model._backward_hooks,
-        model._backward_pre_hooks,
-    )
-    if any(hooks):
-        raise InvalidInput(
-            "the wrapped nn.Sequential has hooks of its own, which Checkpointed would not run; "
-            "register them on the Checkpointed module or on the model's children instead"
-        )
-
-
-_BUDGET_RULES = ("min", "auto")
-"""Budgets read off the frontier instead of given in bytes (see :class:`Checkpointed`)."""
-
-
-def _device_bytes(memory_budget: int | float | str) -> int:
-    """A budget's bytes: 0 until planning reads a rule off the frontier."""
-    if memory_budget in _BUDGET_RULES:
-        return 0
-    return parse_bytes(memory_budget)
-
-
 CALIBRATION_STAGES = 32
+CALIBRATION_BLOCKS = 12
 CALIBRATION_ROUNDS = 21
 
 
@@ -523,18 +499,77 @@ def stage_seconds() -> float:
     return cached_stage_seconds(measure_stage_seconds)
 
 
+def executor_seconds() -> ExecutorSeconds:
+    """The executor's costs on this machine: :func:`stage_seconds` and what a unit rebuilt
+    inside a graph run and each stage it rebuilds cost beyond their compute, measured once by
+    :func:`measure_rebuild_seconds` and cached
+    (:func:`~edgetrain.runtime.stage_cost.cached_rebuild_seconds`)."""
+    return ExecutorSeconds(stage_seconds(), *cached_rebuild_seconds(measure_rebuild_seconds))
+
+
 def measure_stage_seconds(
     stages: int = CALIBRATION_STAGES, rounds: int = CALIBRATION_ROUNDS
 ) -> float:
-    """One measurement of the executor's cost per stage operation (seconds, at least 0)."""
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(stages)))
-    x = torch.randn(2, 4)
-    chain = replace(analytic_chain(model, x), autograd_peak_bytes=None)
+    """One measurement of the executor's cost per stage operation (seconds, at least 0): a
+    chain of tiny stages run stage by stage, over plain autograd, per stage operation."""
+    model, x, chain = _calibration_chain(stages)
     executor = Checkpointed(
         model, x, chain=chain, schedule=store_all(chain), merge_graph_runs=False
     )
+    return _extra_seconds(model, executor, x, rounds) / (2 * stages)
+
+
+def measure_rebuild_seconds(
+    blocks: int = CALIBRATION_BLOCKS, rounds: int = CALIBRATION_ROUNDS
+) -> tuple[float, float]:
+    """One measurement of what a unit rebuilt inside a graph run and each stage it rebuilds
+    cost beyond their compute (seconds, each at least 0): a chain of small convolution,
+    BatchNorm and ReLU stages checkpointed in segments of one block, then of three, each run as
+    one graph, over plain autograd (less the real time of the forwards computed again), solved
+    for the two costs."""
+    torch.manual_seed(0)
+    block = (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+    model = nn.Sequential(*(copy.deepcopy(m) for _ in range(blocks) for m in block))
+    x = torch.randn(2, 4, 8, 8)
+    chain = replace(analytic_chain(model, x), autograd_peak_bytes=None)
+    with torch.no_grad():
+        forward = _median_seconds(lambda: model(x), rounds) / chain.length
+    rows = []
+    for segments in (blocks, blocks // 3):
+        executor = Checkpointed(model, x, chain=chain, schedule=sequential(chain, segments))
+        run = executor._as_run
+        extra = _extra_seconds(model, executor, x, rounds) - forward * run.rebuilt_stages
+        rows.append((run.rebuilds, run.rebuilt_stages, extra))
+    (u1, s1, e1), (u2, s2, e2) = rows
+    determinant = u1 * s2 - u2 * s1
+    unit = (e1 * s2 - e2 * s1) / determinant if determinant else 0.0
+    stage = (u1 * e2 - u2 * e1) / determinant if determinant else e1 / max(s1, 1)
+    if unit < 0 or stage < 0:  # noise: the first measure's cost all per unit
+        unit, stage = max(e1, 0.0) / max(u1, 1), 0.0
+    return unit, stage
+
+
+def _calibration_chain(stages: int) -> tuple[nn.Sequential, torch.Tensor, Chain]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(stages)))
+    x = torch.randn(2, 4)
+    return model, x, replace(analytic_chain(model, x), autograd_peak_bytes=None)
+
+
+def _median_seconds(work: Any, rounds: int) -> float:
+    """The median process CPU time of ``work()`` over ``rounds`` runs (after two to warm up)."""
+    samples = []
+    for round_ in range(rounds + 2):
+        start = time.process_time()
+        work()
+        if round_ >= 2:
+            samples.append(time.process_time() - start)
+    return statistics.median(samples)
+
+
+def _extra_seconds(model: nn.Module, executor: nn.Module, x: torch.Tensor, rounds: int) -> float:
+    """The median, over paired rounds, of ``executor``'s step's process CPU time less
+    ``model``'s (at least 0)."""
 
     def step(net: torch.nn.Module) -> float:
         start = time.process_time()
@@ -548,4 +583,4 @@ def measure_stage_seconds(
         plain, staged = step(model), step(executor)
         if round_ >= 2:  # the first rounds warm up
             differences.append(staged - plain)
-    return max(0.0, statistics.median(differences) / (2 * stages))
+    return max(0.0, statistics.median(differences))

@@ -15,13 +15,13 @@ from edgetrain.autograd.storage_counter import storage_bytes
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import Schedule
-from edgetrain.errors import EdgetrainError, InfeasibleBudget, InvalidSchedule
+from edgetrain.errors import EdgetrainError, InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.frontend.profiling import (
     analytic_chain,
 )
 from edgetrain.planners.search import plan_for_device
 from edgetrain.runtime.interpreter import gradients_kept
-from edgetrain.units import format_bytes
+from edgetrain.units import format_bytes, parse_bytes
 
 
 def check_made_for(schedule: Schedule, chain: Chain) -> None:
@@ -119,3 +119,30 @@ def check_plan_for(schedule: Schedule, stages: nn.Module, sample: Any, name: str
             f"({recorded[0]} bytes of weights, an input of {recorded[1]} bytes), not for {name} "
             f"({weights} bytes of weights, an input of {given} bytes); re-plan it for this one"
         )
+
+
+def refuse_hooks(model: nn.Module) -> None:
+    """InvalidInput when the wrapped model has hooks of its own (Checkpointed runs its stages,
+    not its ``forward()``)."""
+    hooks = (
+        model._forward_hooks,
+        model._forward_pre_hooks,
+        model._backward_hooks,
+        model._backward_pre_hooks,
+    )
+    if any(hooks):
+        raise InvalidInput(
+            "the wrapped nn.Sequential has hooks of its own, which Checkpointed would not run; "
+            "register them on the Checkpointed module or on the model's children instead"
+        )
+
+
+BUDGET_RULES = ("min", "auto")
+"""Budgets read off the frontier instead of given in bytes (see :class:`Checkpointed`)."""
+
+
+def device_bytes(memory_budget: int | float | str) -> int:
+    """A budget's bytes: 0 until planning reads a rule off the frontier."""
+    if memory_budget in BUDGET_RULES:
+        return 0
+    return parse_bytes(memory_budget)

@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from edgetrain import progress
 from edgetrain.autograd.replay import autocast_label, autocast_state, autocasting
 from edgetrain.autograd.stages import signature, stage_params
 from edgetrain.core.accounting import fixed_training_bytes
@@ -29,6 +30,7 @@ from edgetrain.frontend.profiling import (
 )
 from edgetrain.runtime.checks import check_made_for
 from edgetrain.runtime.replanning import autocast_mismatch
+from edgetrain.runtime.stage_cost import AsRun, as_run
 from edgetrain.runtime.stages_as_run import modules_as_run, own_params, stage_modules
 from edgetrain.units import format_bytes
 
@@ -68,6 +70,7 @@ class PreparedPlan:
     exec_stages: list[nn.Module]  # the stages as they run (graph runs merged)
     exec_first: list[int]  # the chain's stage each executed stage begins with
     exec_length: int
+    as_run: AsRun  # what the plan costs the executor as it runs (stage_cost.as_run)
     stage_params: list[Any]  # per executed stage, its parameters (autograd.stages.stage_params)
     shared_params: set[int]  # parameters more than one executed stage uses
     forward_ops: list[tuple[Op, int]]
@@ -108,6 +111,7 @@ class Preparing:
             exec_stages=self._exec_stages,
             exec_first=self._exec_first,
             exec_length=self._exec_length,
+            as_run=self._as_run,
             stage_params=self._stage_params,
             shared_params=self._shared_params,
             forward_ops=self._forward_ops,
@@ -140,6 +144,7 @@ class Preparing:
         self._exec_stages = plan.exec_stages
         self._exec_first = plan.exec_first
         self._exec_length = plan.exec_length
+        self._as_run = plan.as_run
         self._stage_params = plan.stage_params
         self._shared_params = plan.shared_params
         self._forward_ops = plan.forward_ops
@@ -192,6 +197,9 @@ class Preparing:
             return
         if self._rule is not None:
             self._device = self._ruled_device()
+        if self._device is None and self._max_recompute is not None and not self._given_bytes:
+            self._adopt_within_time(self._max_recompute, sample)
+            return
         planned = self._planned(self._device)
         self._adopt(planned, sample)
         excess = self._one_graph_excess
@@ -218,8 +226,24 @@ class Preparing:
         if not self._one_graph or self.cost.seconds + STAGE_SECONDS > first:
             self._adopt(planned, sample)
 
-    def _adopt(self, schedule: Schedule, sample: Any) -> None:
-        """Make ``schedule`` the plan: its costs, the stages as they run (runs merged)."""
+    def _adopt_within_time(self, rho: float, sample: Any) -> None:
+        """Make the plan of least memory that, as it runs (graph runs merged where they fit),
+        predicts at most ``rho`` times plain autograd's time: the first of
+        :meth:`~edgetrain.runtime.checkpointed.Checkpointed._plans_within_time` that does, the
+        last of them (which keeps to ``rho`` stage by stage) otherwise."""
+        with progress.task(f"planning {self.chain.length} stages of {self.chain.name}"):
+            plans = self._plans_within_time(rho)
+        limit = rho * (self.chain.forward_seconds + self.chain.backward_seconds) * (1 + 1e-9)
+        for schedule in plans:
+            self._adopt(schedule, sample)
+            if self.predicted_seconds <= limit:
+                return
+        # The last plan keeps to rho stage by stage: its runs merged without what they rebuild.
+        self._adopt(plans[-1], sample, rebuild=False)
+
+    def _adopt(self, schedule: Schedule, sample: Any, rebuild: bool = True) -> None:
+        """Make ``schedule`` the plan: its costs, the stages as they run (runs merged; with
+        ``rebuild=False``, without the units that rebuild, which then run stage by stage)."""
         self.schedule = schedule
         try:
             self._costs = {
@@ -256,11 +280,14 @@ class Preparing:
         self._one_graph_excess: int | None = None  # bytes over, when it could but does not fit
         merging = self.merge_graph_runs and not self._stores_everything
         runs = list(graph_runs(schedule)) if merging else []
+        if not rebuild:
+            runs = [part for run in runs for part in run.without(run.rebuilds)]
         chosen, self._exec_first, executed = self._merge(
             runs, schedule, sample, lambda run: own_params(fine, run)
         )
         self._exec_stages = modules_as_run(self._stages, chosen, self._snapshotted)
         self._exec_length = executed.length
+        self._as_run = as_run(schedule, chosen) if not self._stores_everything else AsRun(0, 0, 0)
         self._stage_params = [
             fine[k] if module is self._stages[k] else stage_params(module, index_of)
             for k, module in zip(self._exec_first, self._exec_stages, strict=True)

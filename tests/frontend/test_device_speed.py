@@ -28,7 +28,8 @@ def test_the_measurement_is_cached_and_a_damaged_cache_is_measured_again(
     monkeypatch.delenv(ds.ENV, raising=False)
     monkeypatch.setattr(ds, "_memo", {})
     first = ds.device_speed()
-    path = tmp_path / ds.CACHE_FILE
+    path = ds.cache_path()
+    assert path.parent == tmp_path
     assert ds._read(path) == first
     data = json.loads(path.read_text())
     data["speed"]["seconds_per_op"] *= 2  # the checksum no longer matches

@@ -11,11 +11,21 @@ import torch
 from torch import nn
 
 from edgetrain.core.chain import Chain
+from edgetrain.core.graph_merge import graph_runs
 from edgetrain.core.schedule import Op
-from edgetrain.runtime.checkpointed import Checkpointed, measure_stage_seconds
+from edgetrain.planners.optimal import store_all
+from edgetrain.planners.sequential import sequential
+from edgetrain.runtime.checkpointed import (
+    Checkpointed,
+    measure_rebuild_seconds,
+    measure_stage_seconds,
+)
 from edgetrain.runtime.stage_cost import (
+    AsRun,
+    ExecutorSeconds,
     _machine,
     _read,
+    as_run,
     time_factor,
     with_stage_cost,
 )
@@ -59,13 +69,61 @@ def test_the_predicted_time_with_the_stage_cost_keeps_to_rho(monkeypatch, rho):
         assert net.predicted_seconds > net.cost.seconds or ops == 0
 
 
-def test_a_stage_cost_that_eats_the_slack_stores_everything(monkeypatch):
+def test_a_stage_cost_that_eats_the_slack_runs_the_plan_as_one_graph(monkeypatch):
     free = _net(monkeypatch, 0.0, 1.5)
     assert _recomputations(free) > 0
     plain = free.chain.forward_seconds + free.chain.backward_seconds
     net = _net(monkeypatch, plain, 1.5, free.chain)  # each stage operation costs a whole plain step
+    assert net.runs_as in ("one graph", "the module itself")
+    assert net.predicted_recompute_factor <= 1.5 + 1e-9
+    # It still saves memory: the recomputation runs inside the one graph, at no stage cost.
+    assert _recomputations(net) > 0
+    assert net.cost.peak_bytes < net.plain_cost.peak_bytes
+
+
+def test_stage_and_rebuild_costs_that_eat_the_slack_store_everything(monkeypatch):
+    free = _net(monkeypatch, 0.0, 1.5)
+    plain = free.chain.forward_seconds + free.chain.backward_seconds
+    monkeypatch.setenv("EDGETRAIN_REBUILD_SECONDS", repr(plain))  # a unit rebuilt: a whole step
+    net = _net(monkeypatch, plain, 1.5, free.chain)
     assert _recomputations(net) == 0
     assert net.predicted_recompute_factor <= 1.5
+
+
+@pytest.mark.parametrize("rho", [1.2, 1.5, 2.0])
+def test_the_rebuild_costs_are_in_the_predicted_time(monkeypatch, rho):
+    free = _net(monkeypatch, 0.0, rho)
+    plain = free.chain.forward_seconds + free.chain.backward_seconds
+    mean = plain / free.chain.length
+    monkeypatch.setenv("EDGETRAIN_REBUILD_SECONDS", repr(mean))  # a unit: a mean stage's step
+    monkeypatch.setenv("EDGETRAIN_REBUILT_STAGE_SECONDS", repr(mean / 2))
+    net = _net(monkeypatch, mean / 4, rho, free.chain)
+    assert net.predicted_recompute_factor <= rho + 1e-9
+    run = net._as_run
+    executor = mean / 4 * run.operations + mean * run.rebuilds + mean / 2 * run.rebuilt_stages
+    assert net.predicted_seconds == pytest.approx(net.cost.seconds + executor)
+    assert net.cost.peak_bytes <= net.plain_cost.peak_bytes
+
+
+def test_as_run_counts_the_runs_as_they_run():
+    chain = Checkpointed(_model(), X).chain
+    assert as_run(store_all(chain)) == AsRun(0, 0, 0)  # one graph, nothing rebuilt
+    segments = sequential(chain, 4)
+    runs = graph_runs(segments)
+    counted = as_run(segments)
+    assert counted.rebuilds == sum(len(run.rebuilds) for run in runs) > 0
+    whole = len(runs) == 1 and runs[0].last == chain.length - 1
+    assert whole  # checkpoint_sequential's plan: one graph, its segments under checkpoint
+    assert counted.rebuilt_stages == sum(
+        j - k + 1 for run in runs for k, j in run.checkpointed
+    ) + sum(len(run.recomputed) for run in runs)
+    assert counted.operations == 0 if whole else counted.operations > 0
+    stage_by_stage = segments.count(*(op for op in Op if op.is_forward), Op.BACKWARD)
+    assert counted.operations < stage_by_stage
+    unmerged = as_run(segments, [])  # nothing merged: every forward after a stage's first reruns
+    forwards = segments.count(*(op for op in Op if op.is_forward))
+    assert unmerged == AsRun(stage_by_stage, 0, forwards - chain.length)
+    assert ExecutorSeconds(1.0, 10.0, 100.0).of(AsRun(1, 2, 3)) == 321.0
 
 
 def test_time_factor_and_the_costly_chain_agree():
@@ -89,3 +147,9 @@ def test_the_calibration_measures_and_the_cache_is_checked(tmp_path):
     assert _read(path) is None
     path.write_text("{not json")
     assert _read(path) is None
+    path.write_text(
+        json.dumps({"machine": _machine(), "stage_seconds": 7e-5, "rebuild_seconds": 2e-4})
+    )
+    assert (_read(path), _read(path, "rebuild_seconds")) == (7e-5, 2e-4)
+    unit, stage = measure_rebuild_seconds(blocks=6, rounds=3)
+    assert 0.0 <= unit < 0.1 and 0.0 <= stage < 0.1
