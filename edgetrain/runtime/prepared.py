@@ -5,6 +5,7 @@ the operations of each phase decoded once (:class:`PreparedPlan`), and how
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -344,8 +345,14 @@ class Preparing:
             return self._merged_costs(schedule, chosen)
 
         def over(cost: dict[bool, Cost]) -> int:
-            """How far the worse of the two loops is above what it allows (bytes)."""
-            return max(c.heap_peak_bytes - allowed[e] for e, c in cost.items())
+            """How far the worse of the two loops is above what it allows (bytes): its tensors
+            or its heap, whichever is further."""
+            return math.ceil(
+                max(
+                    max(c.peak_bytes - allowed[e][0], c.heap_peak_bytes - allowed[e][1])
+                    for e, c in cost.items()
+                )
+            )
 
         def fits(chosen: list[GraphRun]) -> bool:
             return over(costs(chosen)) <= 0
@@ -406,18 +413,26 @@ class Preparing:
             by_first = dict(zip(first, sized.stages, strict=True))
             as_one.update({run: by_first[run.first] for run in candidates})
 
-    def _merge_allowed(self, schedule: Schedule) -> dict[bool, int]:
-        """Per training loop, the peak a plan with runs merged may have (see :meth:`_merge`)."""
-        allowed = {e: int(c.heap_peak_bytes * (1 + MERGE_GROWTH)) for e, c in self._costs.items()}
+    def _merge_allowed(self, schedule: Schedule) -> dict[bool, tuple[float, float]]:
+        """Per training loop, the tensor peak and the heap peak (tensors and kernel scratch) a
+        plan with runs merged may have (see :meth:`_merge`): the heap within ``memory_budget``
+        when one is given; else the tensors within :data:`MERGE_GROWTH` of the plan's own and
+        the heap within the budget a given plan was made for. Without a budget the heap is not
+        bounded by the plan's own: a run's scratch counts in full on top of its merged peak (a
+        bound), which is more than the stages one by one count."""
         planned_for = schedule.params.get("budget_bytes")  # the planner's, for a given plan
+        allowed: dict[bool, tuple[float, float]] = {}
         for exist, cost in self._costs.items():
             if self._device is not None:
                 # What a step starts with in this loop (see fixed_bytes), and the reserve.
                 grads = 0 if exist else self.chain.gradient_bytes
                 fixed = fixed_training_bytes(self.chain) - grads + self.reserve_bytes
-                allowed[exist] = max(cost.heap_peak_bytes, self._device - fixed)
-            elif isinstance(planned_for, int):
-                allowed[exist] = min(allowed[exist], max(cost.heap_peak_bytes, planned_for))
+                allowed[exist] = (math.inf, max(cost.heap_peak_bytes, self._device - fixed))
+            else:
+                heap = math.inf
+                if isinstance(planned_for, int):
+                    heap = max(cost.heap_peak_bytes, planned_for)
+                allowed[exist] = (cost.peak_bytes * (1 + MERGE_GROWTH), heap)
         return allowed
 
     def _merged_costs(self, schedule: Schedule, chosen: list[GraphRun]) -> dict[bool, Cost]:
