@@ -12,7 +12,7 @@ in place, nor a view or an in-place one), keyed as :class:`~edgetrain.autograd.m
 keys its calls: the operator, its arguments' shapes, strides and dtypes, its other arguments,
 and torch's thread count (a kernel may take a buffer per thread). :func:`measure_scratch` then
 runs each call not measured before on the CPU, on tensors of those shapes (zeros), in each
-of :data:`LAYOUTS` (as noted, contiguous, channels-last), in one session of the torch profiler with
+of :data:`LAYOUTS` (as noted, contiguous, channels-last), in one torch profiler session with
 ``profile_memory=True``, whose allocator events record every allocation and free of torch's CPU
 allocator in order (oneDNN's scratchpads included): the most the running total rose above what
 the call left allocated (its outputs) is the call's scratch. The process remembers it: a kind of
