@@ -227,7 +227,14 @@ def plans_within_time(
     plans = [(p.peak_bytes, p.seconds, p.schedule) for p in points if p.peak_bytes < below]
     params: dict[str, object] = {"recompute_target": rho}
     tried = [
-        made_for(as_strategy(s, strategy, params), chain)
+        made_for(as_strategy(_without_budget(s), strategy, params), chain)
         for s in within_time(chain, plans, rho, seconds)[:TIME_TRIES]
     ]
     return [*tried, safe]
+
+
+def _without_budget(schedule: Schedule) -> Schedule:
+    """``schedule`` without the budget of the table that made it: a plan chosen for a recompute
+    factor keeps no memory budget (the executor merges its runs as for ``max_recompute``)."""
+    params = {k: v for k, v in schedule.params.items() if k != "budget_bytes"}
+    return Schedule(schedule.length, schedule.kinds, schedule.indices, schedule.strategy, params)

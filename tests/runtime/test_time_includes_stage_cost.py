@@ -26,6 +26,7 @@ from edgetrain.runtime.stage_cost import (
     _machine,
     _read,
     as_run,
+    plans_within_time,
     time_factor,
     with_stage_cost,
 )
@@ -153,3 +154,18 @@ def test_the_calibration_measures_and_the_cache_is_checked(tmp_path):
     assert (_read(path), _read(path, "rebuild_seconds")) == (7e-5, 2e-4)
     unit, stage = measure_rebuild_seconds(blocks=6, rounds=3)
     assert 0.0 <= unit < 0.1 and 0.0 <= stage < 0.1
+
+
+def test_plans_for_a_recompute_factor_carry_no_memory_budget():
+    """A plan read off the frontier for ``max_recompute`` keeps no table budget: the executor
+    would otherwise bound its merged runs' heap by it and run them stage by stage."""
+    chain = Checkpointed(_model(), X).chain
+    plain = chain.forward_seconds + chain.backward_seconds
+    # Stage by stage costs a mean stage per operation; one graph costs nothing more.
+    seconds = ExecutorSeconds(plain / chain.length, 0.0, 0.0)
+    plans = plans_within_time(chain, "optimal", 2.0, seconds, False)
+    assert len(plans) >= 2  # the frontier's candidates, then the stage-by-stage plan
+    for schedule in plans[:-1]:
+        assert "budget_bytes" not in schedule.params
+        assert schedule.params["recompute_target"] == 2.0
+        assert schedule.params["made_for"]["chain"] == chain.fingerprint()
