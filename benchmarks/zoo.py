@@ -162,12 +162,13 @@ def bench_model(entry: ZooModel, batch: int, size: int, rounds: int) -> dict[str
         model = copy.deepcopy(copies["plain"])  # its gradients exist: the loop keeps them
         try:
             net = Checkpointed(model, x, **kwargs)
+            step = _step(net, list(model.parameters()), x)
+            step()  # may plan again for the loop it finds (gradients kept): refused there too
         except EdgetrainError as exc:
             notes.append(f"{config}: {exc}")
             return
         nets[config] = net
-        steps[config] = _step(net, list(model.parameters()), x)
-        steps[config]()
+        steps[config] = step
         peaks[config] = _peak(steps[config])
 
     _progress(f"{entry.name}: Checkpointed(max_recompute=1.15) from nothing")
