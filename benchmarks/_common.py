@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmarks: interleaved timing with medians, table/JSON output, and the
-record of where a result was measured."""
+"""Helpers shared by the benchmarks: interleaved timing with medians, a step's tensor peak,
+table/JSON output, and the record of where a result was measured."""
 
 from __future__ import annotations
 
@@ -19,6 +19,16 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from edgetrain.autograd.storage_counter import StorageCounter
+
+
+def step_peak_bytes(step: Callable[[], object]) -> int:
+    """The tensor peak of one run of ``step`` (live storages, above what was held before)."""
+    counter = StorageCounter()
+    with counter:
+        step()
+    return counter.peak_bytes
 
 
 def interleaved_medians(

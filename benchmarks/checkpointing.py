@@ -40,9 +40,8 @@ import torch
 from torch.utils.checkpoint import checkpoint_sequential
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_samples, paired_ratio, sample_medians
+from _common import emit, interleaved_samples, paired_ratio, sample_medians, step_peak_bytes
 
-from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.frontend.profiling import profile_chain
@@ -92,14 +91,6 @@ def _step(
     module(x).logsumexp(1).sum().backward()
 
 
-def _peak(step: Callable[[], None]) -> int:
-    """Activation memory of one run of ``step``, measured (live tensor storages)."""
-    counter = StorageCounter()
-    with counter:
-        step()
-    return counter.peak_bytes
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="resnet101")
@@ -142,7 +133,7 @@ def main() -> None:
         row: Row, module: Callable[[torch.Tensor], torch.Tensor], owner: torch.nn.Module = model
     ) -> Row:
         step = functools.partial(_step, owner, module, x)
-        row.measured = _peak(step)
+        row.measured = step_peak_bytes(step)
         rows.append(row)
         steps[row.config] = step
         return row
@@ -174,7 +165,10 @@ def main() -> None:
     torch_costs = {s: simulate(chain, sequential(chain, s)) for s in range(2, chain.length + 1)}
     # torch's own memory use is not what the simulator predicts for its plan (it frees
     # differently), so its best is found by measuring every segment count, not by prediction.
-    swept = {s: _peak(functools.partial(_step, model, torch_sequential(s), x)) for s in torch_costs}
+    swept = {
+        s: step_peak_bytes(functools.partial(_step, model, torch_sequential(s), x))
+        for s in torch_costs
+    }
     promising = sorted(swept, key=lambda s: swept[s])[:3]
     torch_rows = [
         add(

@@ -49,9 +49,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_samples, paired_ratio, sample_medians
+from _common import emit, interleaved_samples, paired_ratio, sample_medians, step_peak_bytes
 
-from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.errors import InfeasibleBudget
 from edgetrain.models import build, canonical_name, sample_input
 from edgetrain.planners import plan
@@ -72,13 +71,6 @@ def _step(net: Any, params: list[torch.nn.Parameter], x: torch.Tensor) -> Callab
     return step
 
 
-def _peak(step: Callable[[], None]) -> int:
-    counter = StorageCounter()
-    with counter:
-        step()
-    return counter.peak_bytes
-
-
 def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     base = build(name, image=size)
@@ -86,11 +78,13 @@ def bench_model(name: str, batch: int, size: int, rounds: int) -> list[dict[str,
     plain = copy.deepcopy(base)
     steps: dict[str, Callable[[], None]] = {"plain": _step(plain, list(plain.parameters()), x)}
     steps["plain"]()
-    plain_peak = _peak(steps["plain"])
+    plain_peak = step_peak_bytes(steps["plain"])
     chain = Checkpointed(copy.deepcopy(base), x).chain  # profiled once, shared by every plan
     with torch.no_grad():
         shape = base(x).shape
-    loss_bytes = _peak(lambda: torch.zeros(shape, requires_grad=True).square().mean().backward())
+    loss_bytes = step_peak_bytes(
+        lambda: torch.zeros(shape, requires_grad=True).square().mean().backward()
+    )
     try:
         plan(chain, "optimal", memory=1)
         least = 1

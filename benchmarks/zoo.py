@@ -53,9 +53,15 @@ from torch.utils.checkpoint import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, interleaved_samples, measured_on, paired_ratio, sample_medians
+from _common import (
+    emit,
+    interleaved_samples,
+    measured_on,
+    paired_ratio,
+    sample_medians,
+    step_peak_bytes,
+)
 
-from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.errors import EdgetrainError
 from edgetrain.models.zoo import ZOO, ZooModel, call
 from edgetrain.runtime.checkpointed import Checkpointed
@@ -125,13 +131,6 @@ def _step(net: nn.Module, params: list[nn.Parameter], x: Any) -> Callable[[], No
     return step
 
 
-def _peak(step: Callable[[], None]) -> int:
-    counter = StorageCounter()
-    with counter:
-        step()
-    return counter.peak_bytes
-
-
 def _progress(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -155,7 +154,7 @@ def bench_model(entry: ZooModel, batch: int, size: int, rounds: int) -> dict[str
             notes.append(f"{config}: {str(exc).splitlines()[0]}")
             del steps[config]
             continue
-        peaks[config] = _peak(steps[config])
+        peaks[config] = step_peak_bytes(steps[config])
     nets: dict[str, Checkpointed] = {}
 
     def add(config: str, **kwargs: Any) -> None:
@@ -169,7 +168,7 @@ def bench_model(entry: ZooModel, batch: int, size: int, rounds: int) -> dict[str
             return
         nets[config] = net
         steps[config] = step
-        peaks[config] = _peak(steps[config])
+        peaks[config] = step_peak_bytes(steps[config])
 
     _progress(f"{entry.name}: Checkpointed(max_recompute=1.15) from nothing")
     start = time.perf_counter()

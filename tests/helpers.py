@@ -46,3 +46,14 @@ def step_peak(
         backward(out)
         del out
     return counter.peak_bytes
+
+
+def same_state(ours: nn.Module, plain: nn.Module) -> None:
+    """The two copies of a model hold bitwise-equal gradients (None in both, or equal) and
+    buffers after the same steps."""
+    for (name, p), q in zip(ours.named_parameters(), plain.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(ours.named_buffers(), plain.buffers(), strict=True):
+        assert torch.equal(b, c), name

@@ -31,7 +31,7 @@ from edgetrain.frontend.profiling import (
 )
 from edgetrain.runtime.checks import check_made_for
 from edgetrain.runtime.replanning import autocast_mismatch
-from edgetrain.runtime.stage_cost import AsRun, as_run
+from edgetrain.runtime.stage_cost import AsRun, as_run, time_limit
 from edgetrain.runtime.stages_as_run import modules_as_run, own_params, stage_modules
 from edgetrain.units import format_bytes
 
@@ -234,7 +234,7 @@ class Preparing:
         last of them (which keeps to ``rho`` stage by stage) otherwise."""
         with progress.task(f"planning {self.chain.length} stages of {self.chain.name}"):
             plans = self._plans_within_time(rho)
-        limit = rho * (self.chain.forward_seconds + self.chain.backward_seconds) * (1 + 1e-9)
+        limit = time_limit(self.chain, rho)
         for schedule in plans:
             self._adopt(schedule, sample)
             if self.predicted_seconds <= limit:

@@ -175,6 +175,12 @@ def as_run(schedule: Schedule, runs: Sequence[GraphRun] | None = None) -> AsRun:
     return AsRun(forwards + executed.count(Op.BACKWARD), units, stages + reruns)
 
 
+def time_limit(chain: Chain, rho: float) -> float:
+    """``rho`` times ``chain``'s plain time (seconds), with the simulator's rounding as slack:
+    what a plan under ``max_recompute=rho`` may predict."""
+    return rho * (chain.forward_seconds + chain.backward_seconds) * (1 + 1e-9)
+
+
 def within_time(
     chain: Chain,
     plans: list[tuple[int, float, Schedule]],
@@ -184,7 +190,7 @@ def within_time(
     """Of ``plans`` (peak bytes, compute seconds, schedule), those whose compute plus the
     executor's seconds as they run (:func:`as_run`) is at most ``rho`` times ``chain``'s plain
     time, least peak first (ties: the faster)."""
-    limit = rho * (chain.forward_seconds + chain.backward_seconds) * (1 + 1e-9)
+    limit = time_limit(chain, rho)
     kept = []
     for peak, compute, schedule in plans:
         total = compute + seconds.of(as_run(schedule))

@@ -14,7 +14,8 @@ from edgetrain.frontend.fx_capture import capture
 from edgetrain.frontend.profiling import analytic_chain
 from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.runtime.checkpointed import Checkpointed
-from tests.runtime.test_any_model import measured_peak, same_state, schedules, train_step
+from tests.helpers import same_state
+from tests.runtime.test_any_model import measured_peak, schedules, train_step
 
 
 class Encoder(nn.Module):

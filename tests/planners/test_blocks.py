@@ -35,7 +35,8 @@ from edgetrain.planners.optimal import OptimalTable, TableMaker, fastest, store_
 from edgetrain.planners.search import FLAT_UP_TO
 from edgetrain.runtime.checkpointed import Checkpointed
 from tests.conftest import random_chain
-from tests.runtime.test_any_model import F64, ResidualMLP, measured_peak, same_state, train_step
+from tests.helpers import same_state
+from tests.runtime.test_any_model import F64, ResidualMLP, measured_peak, train_step
 
 
 def residual_chain(rng: random.Random, blocks: int, *, carried: bool = True) -> Chain:

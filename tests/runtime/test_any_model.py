@@ -27,7 +27,7 @@ from edgetrain.planners.optimal import minimum_memory, store_all
 from edgetrain.planners.revolve import revolve
 from edgetrain.planners.sequential import sequential
 from edgetrain.runtime.checkpointed import Checkpointed
-from tests.helpers import step_peak
+from tests.helpers import same_state, step_peak
 
 F64 = torch.float64
 
@@ -92,15 +92,6 @@ def mean_gradient(out: torch.Tensor) -> None:
 def measured_peak(net: nn.Module, x: torch.Tensor) -> int:
     """The step's peak, gradients set to None before it (PyTorch's default ``zero_grad()``)."""
     return step_peak(net, x, backward=mean_gradient, kept=False)
-
-
-def same_state(ours: nn.Module, plain: nn.Module) -> None:
-    for (name, p), q in zip(ours.named_parameters(), plain.parameters(), strict=True):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            assert torch.equal(p.grad, q.grad), name
-    for (name, b), c in zip(ours.named_buffers(), plain.buffers(), strict=True):
-        assert torch.equal(b, c), name
 
 
 def schedules(chain):

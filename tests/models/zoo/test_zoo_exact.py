@@ -15,6 +15,7 @@ from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.frontend.profiling import analytic_chain
 from edgetrain.models.zoo import ZOO, as_dtype, call
 from edgetrain.runtime.checkpointed import Checkpointed
+from tests.helpers import same_state
 
 FULL = os.environ.get("EDGETRAIN_FULL_ZOO") == "1"
 """Every budget of every model: about 10 CPU-minutes. The default suite checks each model at its
@@ -71,15 +72,6 @@ def _measured_peak(net: nn.Module, x: object) -> int:
     return counter.peak_bytes
 
 
-def _same_state(ours: nn.Module, plain: nn.Module) -> None:
-    for (name, p), q in zip(ours.named_parameters(), plain.parameters(), strict=True):
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            assert torch.equal(p.grad, q.grad), name
-    for (name, b), c in zip(ours.named_buffers(), plain.buffers(), strict=True):
-        assert torch.equal(b, c), name
-
-
 def _exact(model: nn.Module, x: object, net_of, seed: int = 3) -> Checkpointed:
     """Two steps of ``net_of(copy)`` against plain autograd on another copy: losses,
     gradients and buffers bitwise equal after each."""
@@ -89,7 +81,7 @@ def _exact(model: nn.Module, x: object, net_of, seed: int = 3) -> Checkpointed:
         for m in (ours, plain):
             m.zero_grad(set_to_none=True)
         assert torch.equal(_step(net, x, seed + step), _step(plain, x, seed + step))
-        _same_state(ours, plain)
+        same_state(ours, plain)
     return net
 
 
