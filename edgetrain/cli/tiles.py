@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -330,7 +331,14 @@ def _fit(
                     except InvalidInput:  # more tiles than a map has pixels
                         continue
 
-    return fit_budget(candidate(grid, asked), others, memory, grid.size, format_bytes)
+    from edgetrain.tiles.recompute_fit import fit_recomputing, rank_units
+
+    def units_of(job: Any, rank: int) -> Any:
+        return rank_units(job, rank, cluster.device.macs_per_second)
+
+    first = candidate(grid, asked)
+    recompute = functools.partial(fit_recomputing, units_of=units_of)
+    return fit_budget(first, others, memory, grid.size, format_bytes, recompute)
 
 
 def _budget_report(
@@ -342,6 +350,8 @@ def _budget_report(
         "budget_bytes": memory,
         "chosen": fitted.candidate.label,
         "predicted_peak_bytes": fitted.peak_bytes,
+        "predicted_step_seconds": fitted.seconds,
+        "recompute": [sorted(fitted.candidate.job.recomputed(r)) for r in range(len(fitted.ranks))],
     }
     over = False
     for row, result in zip(doc["ranks"], results, strict=True):

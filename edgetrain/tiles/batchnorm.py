@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional
 
 from edgetrain.tiles.comm import Comm
+from edgetrain.tiles.recompute import gathered_statistics
 
 _DIMS = (0, 2, 3)
 
@@ -61,7 +62,8 @@ class _GlobalBatchNorm(torch.autograd.Function):
         total = x.new_zeros(channels)
         g_mean = x.new_zeros(channels)
         g_m2 = x.new_zeros(channels)
-        for part in comm.gather_small(packed):  # Chan et al.: combine (n, mean, M2) pairwise
+        # Chan et al.: combine (n, mean, M2) pairwise; a recomputation replays the first gather
+        for part in gathered_statistics(comm, packed):
             n_b, mean_b, m2_b = part[0], part[1], part[2]
             new_total = total + n_b
             delta = mean_b - g_mean

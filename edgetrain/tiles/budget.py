@@ -79,17 +79,18 @@ class RankMemory:
         return self.held_bytes + self.step_peak_bytes
 
 
-def predict_ranks(job: Any) -> tuple[RankMemory, ...]:
-    """Every rank's predicted memory for ``job`` (a :class:`~edgetrain.tiles.worker.TileJob`)."""
+def predict_rank(job: Any, rank: int) -> RankMemory:
+    """``rank``'s predicted memory for ``job`` (a :class:`~edgetrain.tiles.worker.TileJob`)."""
     from edgetrain.tiles.worker import DTYPES, run_job
 
     dry = replace(job, steps=1, first_step=0, collect=False, fault=None, measure_memory=True)
-    held = held_bytes(job.model, DTYPES[job.dtype])
-    memories = []
-    for rank in range(job.grid.size):
-        result = run_job(dry, DryComm(rank, job.grid.size))
-        memories.append(RankMemory(rank, held, result.peak_bytes))
-    return tuple(memories)
+    result = run_job(dry, DryComm(rank, job.grid.size))
+    return RankMemory(rank, held_bytes(job.model, DTYPES[job.dtype]), result.peak_bytes)
+
+
+def predict_ranks(job: Any) -> tuple[RankMemory, ...]:
+    """Every rank's predicted memory for ``job`` (a :class:`~edgetrain.tiles.worker.TileJob`)."""
+    return tuple(predict_rank(job, rank) for rank in range(job.grid.size))
 
 
 def grids_of(boards: int) -> tuple[Grid, ...]:
@@ -112,21 +113,36 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Fitted:
-    """The candidate chosen for a budget and every rank's predicted memory."""
+    """The candidate chosen for a budget and every rank's predicted memory; ``recompute_seconds``
+    is what the slowest rank's recomputation adds to the candidate's step time."""
 
     candidate: Candidate
     ranks: tuple[RankMemory, ...]
+    recompute_seconds: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
         return max(m.peak_bytes for m in self.ranks)
 
+    @property
+    def seconds(self) -> float:
+        """The predicted step time, recomputation included."""
+        return self.candidate.seconds + self.recompute_seconds
+
 
 def fit_budget(
-    first: Candidate, others: Any, budget_bytes: int, boards: int, format_bytes: Any
+    first: Candidate,
+    others: Any,
+    budget_bytes: int,
+    boards: int,
+    format_bytes: Any,
+    recompute: Any = None,
 ) -> Fitted:
     """``first`` if every rank fits ``budget_bytes``; else of ``others()`` (an iterable of
-    candidates, made only when needed) the fastest whose every rank fits.
+    candidates, made only when needed) and, with ``recompute(stored, budget_bytes, least)``
+    (:func:`~edgetrain.tiles.recompute_fit.fit_recomputing` with the units a rank may
+    recompute: the fastest candidate with each rank's recomputation planned, or None, and the
+    least-memory option), of those too, the fastest whose every rank fits.
 
     Raises InvalidInput naming the least memory any candidate needs per board when none fits.
     """
@@ -135,18 +151,18 @@ def fit_budget(
     chosen = Fitted(first, predict_ranks(first.job))
     if chosen.peak_bytes <= budget_bytes:
         return chosen
-    least = chosen
-    fitting: list[Fitted] = []
-    for candidate in others():
-        fitted = Fitted(candidate, predict_ranks(candidate.job))
-        if fitted.peak_bytes <= budget_bytes:
-            fitting.append(fitted)
-        if fitted.peak_bytes < least.peak_bytes:
-            least = fitted
+    stored = [chosen, *(Fitted(c, predict_ranks(c.job)) for c in others())]
+    fitting = [f for f in stored if f.peak_bytes <= budget_bytes]
+    least = min(stored, key=lambda f: f.peak_bytes)
+    if recompute is not None:
+        best, least = recompute(stored, budget_bytes, least)
+        fitting += [best] if best is not None else []
     if fitting:
-        return min(fitting, key=lambda f: f.candidate.seconds)
+        return min(fitting, key=lambda f: f.seconds)
+    way = " with every rank's recomputation" if recompute is not None else ""
     raise InvalidInput(
         f"no grid of {boards} boards trains in {format_bytes(budget_bytes)} per board: the "
-        f"least any needs is {format_bytes(least.peak_bytes)} per board ({least.candidate.label}; "
-        f"{least.peak_bytes:,} bytes); give --memory {least.peak_bytes} or more, or more boards"
+        f"least any needs{way} is {format_bytes(least.peak_bytes)} per board "
+        f"({least.candidate.label}; {least.peak_bytes:,} bytes); give --memory "
+        f"{least.peak_bytes} or more, or more boards"
     )

@@ -35,6 +35,7 @@ class GraphStep:
         cut: int,
         comm: Comm,
         reference: bool = False,
+        recompute: frozenset[int] = frozenset(),
     ) -> None:
         graph, infos = analyse(model, sample)
         self.comm, self.reference = comm, reference
@@ -54,7 +55,7 @@ class GraphStep:
             self.tiled_output = False
         else:
             placement = place(graph, infos, grid, cut)
-            self.model = TiledGraph(graph, infos, placement, comm)
+            self.model = TiledGraph(graph, infos, placement, comm, recompute)
             self.tiled_output = placement.where[output.node.name] == TILED
         if self.tiled_output:
             self.output_region = tile_region(grid, comm.rank, self.out_shape[2:])  # type: ignore[arg-type]

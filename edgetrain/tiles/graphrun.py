@@ -25,8 +25,11 @@ from torch.nn import functional
 from edgetrain.tiles.batchnorm import global_batch_norm
 from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.graph import NONE, SUMMED, TILED, NodeInfo, Placement
+from edgetrain.tiles.graphunits import graph_stretches
 from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.halo import HaloSpec, exchange_halo
+from edgetrain.tiles.rankplan import Stretch
+from edgetrain.tiles.recompute import batch_norms, recomputed
 from edgetrain.tiles.tiled import unpadded_window
 from edgetrain.tiles.tiling import Region, Span, split
 
@@ -135,9 +138,19 @@ class TiledGraph:
     """Runs a captured model as ``placement`` says on rank ``comm.rank``."""
 
     def __init__(
-        self, graph: fx.GraphModule, infos: tuple[NodeInfo, ...], placement: Placement, comm: Comm
+        self,
+        graph: fx.GraphModule,
+        infos: tuple[NodeInfo, ...],
+        placement: Placement,
+        comm: Comm,
+        recompute: frozenset[int] = frozenset(),
     ) -> None:
         self.graph, self.placement, self.comm = graph, placement, comm
+        self.nodes = tuple(graph.graph.nodes)
+        self.recompute = {  # first operation -> the stretch run again in backward
+            s.start: s for s in graph_stretches(graph, infos, placement) if s.start in recompute
+        }
+        self.norms = batch_norms(graph)
         self.grid = placement.grid
         self.infos = {i.node.name: i for i in infos}
         self.modules = dict(graph.named_modules())
@@ -162,27 +175,46 @@ class TiledGraph:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` is the whole input; returns the output (this rank's tile when it is tiled)."""
         env: dict[str, Any] = {}
-        for node in self.graph.graph.nodes:
-            name = node.name
-            placed = self.placement.where[name]
+        position = 0
+        while position < len(self.nodes):
+            node = self.nodes[position]
             if node.op == "placeholder":
-                env[name] = x
+                env[node.name] = x
+            elif node.op == "output":
+                return self._load(node.args[0], env, node.name)  # type: ignore[no-any-return]
+            elif position in self.recompute:
+                stretch = self.recompute[position]
+                env[stretch.result] = recomputed(
+                    self._stretch, stretch, env[stretch.source], norms=self.norms
+                )
+                position = stretch.stop
                 continue
-            if node.op == "output":
-                return self._load(node.args[0], env, name)  # type: ignore[no-any-return]
-            if placed == TILED and name in self.specs:
-                env[name] = self._window(node, env)
-            elif placed == TILED:
-                env[name] = self._tiled(node, env)
-            elif placed == SUMMED:
-                env[name] = self._summed(node, env)
-            elif placed == NONE and any(
-                self.placement.where.get(a.name) == TILED for a in node.all_input_nodes
-            ):
-                env[name] = self._on_meta(node, env)
             else:
-                env[name] = self._run(node, self._args(node, env, name))
+                env[node.name] = self._value(node, env)
+            position += 1
         raise AssertionError("graph without output")
+
+    def _stretch(self, stretch: Stretch, source: torch.Tensor) -> Any:
+        """The result of ``stretch`` run on ``source`` alone (nothing else it reads is live)."""
+        env: dict[str, Any] = {stretch.source: source}
+        for node in self.nodes[stretch.start : stretch.stop]:
+            env[node.name] = self._value(node, env)
+        return env[stretch.result]
+
+    def _value(self, node: fx.Node, env: dict[str, Any]) -> Any:
+        name = node.name
+        placed = self.placement.where[name]
+        if placed == TILED and name in self.specs:
+            return self._window(node, env)
+        if placed == TILED:
+            return self._tiled(node, env)
+        if placed == SUMMED:
+            return self._summed(node, env)
+        if placed == NONE and any(
+            self.placement.where.get(a.name) == TILED for a in node.all_input_nodes
+        ):
+            return self._on_meta(node, env)
+        return self._run(node, self._args(node, env, name))
 
     __call__ = forward
 

@@ -186,7 +186,16 @@ def _train_recovering(
         new_rank = decision.members.index(rank)
         path = store_path(directory, decision.generation)
         fault = job.fault if decision.generation == 0 else None
-        this = replace(job, grid=decision.grid, first_step=decision.resume_step, fault=fault)
+        recompute = job.recompute
+        if decision.generation and recompute:  # larger tiles: recompute all any rank did
+            recompute = (frozenset().union(*recompute),) * decision.grid.size
+        this = replace(
+            job,
+            grid=decision.grid,
+            first_step=decision.resume_step,
+            fault=fault,
+            recompute=recompute,
+        )
         try:  # a peer lost while the group forms is a peer lost too
             comm = (
                 Comm.from_file(path, new_rank, size, address, timeout_seconds)

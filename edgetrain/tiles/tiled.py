@@ -23,6 +23,7 @@ from edgetrain.tiles.batchnorm import global_batch_norm
 from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.halo import HaloSpec, exchange_halo
 from edgetrain.tiles.layers import model_ops
+from edgetrain.tiles.recompute import batch_norms, recomputed
 from edgetrain.tiles.tiling import GroupPlan, Region, TilePlan
 
 
@@ -49,7 +50,13 @@ def unpadded_window(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class TiledNetwork:
     """Runs ``model`` as ``plan`` says on rank ``comm.rank`` (weights shared with ``model``)."""
 
-    def __init__(self, model: nn.Sequential, plan: TilePlan, comm: Comm) -> None:
+    def __init__(
+        self,
+        model: nn.Sequential,
+        plan: TilePlan,
+        comm: Comm,
+        recompute: frozenset[int] = frozenset(),
+    ) -> None:
         if comm.size != plan.ranks:
             raise AssertionError(f"{comm.size} ranks for a {plan.grid} grid")
         self.model = model
@@ -57,6 +64,8 @@ class TiledNetwork:
         self.comm = comm
         self.rank = comm.rank
         self.ops = model_ops(model)
+        self.recompute = recompute  # layers kept as their input only, run again in backward
+        self.norms = batch_norms(model)
         self.halos = tuple(
             HaloSpec.of(g, self.rank, i, self._fill(g.first)) for i, g in enumerate(plan.groups)
         )
@@ -81,7 +90,11 @@ class TiledNetwork:
             if index > 0:
                 x = exchange_halo(x, self.halos[index], self.comm)
             for step, layer in enumerate(group.layers):
-                x = self._layer(x, group, step, layer, padded=index > 0 and step == 0)
+                padded = index > 0 and step == 0
+                if layer in self.recompute:
+                    x = recomputed(self._layer, x, group, step, layer, padded, norms=self.norms)
+                else:
+                    x = self._layer(x, group, step, layer, padded)
         return x
 
     __call__ = forward

@@ -77,6 +77,9 @@ class TileJob:
             on tiles (:mod:`edgetrain.tiles.graph`; ``grouping`` is unused).
         first_step: the step to start from (a run resumed after a board dropped out): steps
             ``first_step .. steps - 1`` run, each on that step's data.
+        recompute: per rank, the units it recomputes in backward instead of storing
+            (:mod:`edgetrain.tiles.rankplan`: layers of a chain model, the first operation of
+            a graph model's stretch); empty: every rank stores everything.
     """
 
     model: nn.Module
@@ -94,6 +97,11 @@ class TileJob:
     measure_memory: bool = True
     cut: int | None = None
     first_step: int = 0
+    recompute: tuple[frozenset[int], ...] = ()
+
+    def recomputed(self, rank: int) -> frozenset[int]:
+        """The units ``rank`` recomputes."""
+        return self.recompute[rank] if self.recompute else frozenset()
 
     @property
     def channels(self) -> int:
@@ -255,7 +263,8 @@ class ChainStep:
             self.output_region = Region(0, out_h, 0, out_w)
         else:
             assert isinstance(model, nn.Sequential)
-            tiled = TiledNetwork(model, plan(net, job.grid, job.grouping), comm)
+            tiles = plan(net, job.grid, job.grouping)
+            tiled = TiledNetwork(model, tiles, comm, job.recomputed(comm.rank))
             self.model = tiled
             self.input_region, self.output_region = tiled.input_region, tiled.output_region
 
@@ -274,7 +283,8 @@ def _step_for(job: TileJob, model: nn.Module, comm: Comm, dtype: torch.dtype) ->
     from edgetrain.tiles.graphjob import GraphStep
 
     sample = torch.zeros(job.batch, job.channels, *job.image, dtype=dtype)
-    return GraphStep(model, sample, job.grid, job.cut, comm, job.reference)
+    recompute = job.recomputed(comm.rank)
+    return GraphStep(model, sample, job.grid, job.cut, comm, job.reference, recompute)
 
 
 def run_job(
