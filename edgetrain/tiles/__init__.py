@@ -2,7 +2,8 @@
 
 The pure planning half imports no torch: :mod:`~edgetrain.tiles.tiling` (the geometry of
 tiles, halos and groups) and :mod:`~edgetrain.tiles.grouping` (the cost model and the
-dynamic program over group boundaries). The torch half runs a plan:
+dynamic program over group boundaries), :mod:`~edgetrain.tiles.rankplan` (what a rank
+recomputes under a memory budget). The torch half runs a plan:
 :mod:`~edgetrain.tiles.worker` (one rank: halo exchange, fused groups, global batch norm,
 weight-gradient all-reduce) and :mod:`~edgetrain.tiles.launch` (local processes, or
 ``torchrun`` across boards). See docs/tiles.md.

@@ -154,8 +154,9 @@ def fit_budget(
     stored = [chosen, *(Fitted(c, predict_ranks(c.job)) for c in others())]
     fitting = [f for f in stored if f.peak_bytes <= budget_bytes]
     least = min(stored, key=lambda f: f.peak_bytes)
-    if recompute is not None:
-        best, least = recompute(stored, budget_bytes, least)
+    if recompute is not None:  # only candidates faster than the fastest that fits already
+        bound = min((f.seconds for f in fitting), default=float("inf"))
+        best, least = recompute([f for f in stored if f.seconds < bound], budget_bytes, least)
         fitting += [best] if best is not None else []
     if fitting:
         return min(fitting, key=lambda f: f.seconds)
