@@ -61,7 +61,7 @@ def fit_recomputing(
             break
         job = fitted.candidate.job
         units = [units_of(job, rank) for rank in range(job.grid.size)]
-        known = [{frozenset(): m.peak_bytes} for m in fitted.ranks]
+        known: list[dict[frozenset[int], int]] = [{frozenset(): m.peak_bytes} for m in fitted.ranks]
         peaks = [_peaks(job, rank, known[rank]) for rank in range(job.grid.size)]
         everything = [frozenset(u.index for u in rank_units) for rank_units in units]
         lowest = [
