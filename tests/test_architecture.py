@@ -34,7 +34,12 @@ ALLOWED: dict[str, set[str]] = {
 PURE = {"leaves", "core", "devices", "planners"}
 # The applications on top use the public API: ``edgetrain`` and each package's ``__all__``.
 PUBLIC_API_ONLY = {"insitu", "paper"}
-PURE_MODULES = {"edgetrain.tiles.tiling", "edgetrain.tiles.grid", "edgetrain.tiles.grouping"}
+PURE_MODULES = {
+    "edgetrain.tiles.tiling",
+    "edgetrain.tiles.grid",
+    "edgetrain.tiles.grouping",
+    "edgetrain.tiles.rankplan",
+}
 
 
 def _modules() -> dict[str, Path]:
