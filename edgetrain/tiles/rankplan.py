@@ -101,16 +101,15 @@ def plan_rank(
     step = max(1, sum(u.saved_bytes for u in units) // CELLS)
     while True:
         chosen = cheapest_saving(units, need)
-        if chosen is None or chosen in tried:
-            chosen = everything
-        if chosen not in tried:
-            tried.add(chosen)
-            peak = peak_of(chosen)
-            if peak <= budget_bytes or chosen == everything:
-                return made(chosen, peak)
-            need += max(peak - budget_bytes, step)
-        else:
-            return made(chosen, peak_of(chosen))
+        while chosen is not None and chosen in tried:  # rounding gave a set already measured
+            need += step
+            chosen = cheapest_saving(units, need)
+        chosen = everything if chosen is None else chosen
+        tried.add(chosen)
+        peak = peak_of(chosen)
+        if peak <= budget_bytes or chosen == everything:
+            return made(chosen, peak)
+        need += max(peak - budget_bytes, step)
 
 
 def chain_units(
