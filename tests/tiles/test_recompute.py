@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 from dataclasses import replace
 
 import pytest
@@ -152,3 +153,20 @@ def test_resnet18_ranks_recompute_blocks_of_their_tail_exactly_within_the_budget
     job = TileJob(model, (64, 64), 2, Grid(1, 2), (), steps=3, dtype="float64", cut=20)
     fitted, budget = _planned(replace(job, collect=True), 0.3, refusal=False)
     _trains_exactly_within(fitted, budget)
+
+
+@pytest.mark.timeout(1200)
+def test_tiles_memory_below_storing_everything_trains_with_recomputation():
+    from click.testing import CliRunner
+
+    from edgetrain.cli.main import cli
+
+    done = CliRunner().invoke(
+        cli,
+        ["tiles", "--grid", "1x2", "--image", "96", "--steps", "2", "--memory", "30MB", "--json"],
+    )
+    assert done.exit_code == 0, done.output
+    doc = json.loads(done.stdout)
+    assert all(doc["memory"]["recompute"])  # every rank recomputes some of its layers
+    for rank in doc["ranks"]:
+        assert rank["board_peak_bytes"] == rank["predicted_board_peak_bytes"] <= 30_000_000
