@@ -65,7 +65,7 @@ def test_plans_made_under_autocast_hold_their_budget_with_the_backward_in_or_out
     with torch.autocast("cpu", dtype=BF16):
         chain = Checkpointed(copy.deepcopy(model), x).chain
     least = minimum_memory(chain, grads_exist=kept)
-    everything = simulate(chain, store_all(chain), grads_exist=kept).peak_bytes
+    everything = simulate(chain, store_all(chain), grads_exist=kept).heap_peak_bytes
     for budget in (least, (least + everything) / 2):
         ours = copy.deepcopy(model)
         schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=kept)
