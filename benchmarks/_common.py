@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from edgetrain.autograd.heap import HeapPeak
 from edgetrain.autograd.storage_counter import StorageCounter
 
 
@@ -29,6 +30,14 @@ def step_peak_bytes(step: Callable[[], object]) -> int:
     with counter:
         step()
     return counter.peak_bytes
+
+
+def step_heap_bytes(step: Callable[[], object]) -> int:
+    """The heap one run of ``step`` takes above what was in use before: its tensors and the
+    kernels' scratch (glibc's ``mallinfo2``, sampled: a lower bound; 0 without glibc)."""
+    with HeapPeak() as heap:
+        step()
+    return heap.peak_bytes or 0
 
 
 def interleaved_medians(

@@ -236,8 +236,8 @@ def _refined(
         if found is None:
             continue
         cost = simulate(chain, found, grads_exist=grads_exist)
-        if cost.peak_bytes <= memory and cost.seconds < best.seconds * (1 - 1e-12):
-            best = Point(cost.peak_bytes, cost.seconds, cost.seconds / plain, found)
+        if cost.heap_peak_bytes <= memory and cost.seconds < best.seconds * (1 - 1e-12):
+            best = Point(cost.heap_peak_bytes, cost.seconds, cost.seconds / plain, found)
     return best
 
 
