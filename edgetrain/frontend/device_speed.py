@@ -15,7 +15,10 @@ depthwise, forward and backward apart, against their work as the FLOP counter co
 two) and keeps them in the cache directory (:mod:`edgetrain.cache`; a file for each,
 :func:`cache_path`), written atomically with a checksum that is verified when read: a damaged or
 foreign file is measured again. ``$EDGETRAIN_DEVICE_SPEED`` (a JSON object of
-:class:`DeviceSpeed`'s fields) sets them instead.
+:class:`DeviceSpeed`'s fields) sets them instead. Calls the timed operators do not predict (a
+BatchNorm, a pooling, dropout) are timed themselves, once per kind of call
+(:mod:`edgetrain.frontend.call_seconds`), unless a speed given that way leaves out
+``"times_calls": true``.
 
 :class:`OpSeconds` (a ``TorchDispatchMode``) adds up the predicted seconds of the operators run
 inside it; it works on meta tensors, so a stage is timed from shapes alone.
@@ -42,6 +45,7 @@ from edgetrain import progress
 from edgetrain.autograd.storage_counter import tensors_in
 from edgetrain.cache import machine, measured_path, measured_text, read_measured
 from edgetrain.core.schedule import atomic_write_text
+from edgetrain.frontend.call_seconds import call_seconds
 
 CACHE_FILE = "device_speed.json"
 """The cache file's name pattern: ``device_speed-<machine hash>.json``, one per machine, torch
@@ -96,9 +100,17 @@ class DeviceSpeed:
     conv_backward_flops: Points | None = None  # their backward (both gradients); None: as forward
     depthwise_flops: Points | None = None  # grouped convolutions' forward; None: as dense
     depthwise_backward_flops: Points | None = None  # their backward; None: as dense
+    times_calls: bool = False  # the calls no FLOP formula or byte count predicts are timed
 
     def op_seconds(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
-        """Predicted seconds of one call of ``func`` that returned ``out``."""
+        """Predicted seconds of one call of ``func`` that returned ``out``: with
+        ``times_calls``, a call no FLOP formula or byte count predicts (a BatchNorm, a pooling)
+        at its time measured on this machine (:mod:`edgetrain.frontend.call_seconds`; at least
+        ``seconds_per_op``), else from the timed operators."""
+        if self.times_calls:
+            measured = call_seconds(func, args, kwargs)
+            if measured is not None:
+                return max(measured, self.seconds_per_op)
         packet = func._overloadpacket
         count = flop_registry.get(packet)
         if count is not None:
@@ -152,6 +164,7 @@ class DeviceSpeed:
             points(data["elementwise_bytes"]),
             per_op,
             **optional,
+            times_calls=bool(data.get("times_calls", False)),
         )
 
 
@@ -265,6 +278,7 @@ def measure_speed() -> DeviceSpeed:
             "conv_backward_flops": conv_backward,
             "depthwise_flops": depthwise,
             "depthwise_backward_flops": depthwise_backward,
+            "times_calls": True,
         }
     )
 
@@ -275,6 +289,7 @@ def _machine() -> str:
         f"threads {torch.get_num_threads()}",
         f"sizes {len(SIDES)}.{len(CONVOLUTIONS)}.{len(NUMELS)}",
         "convolutions 3",
+        "calls timed",
     )
 
 

@@ -39,16 +39,17 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from edgetrain.autograd.meta_memo import call_key
 from edgetrain.autograd.storage_counter import tensors_in
+from edgetrain.frontend.op_calls import LAYOUTS, made, specs, strides
 
 __all__ = ["LAYOUTS", "REPEATS", "OpScratch", "allocator_peak", "measure_scratch", "scratch_of"]
 
-LAYOUTS = ("as noted", "contiguous", "channels last")
-"""The layouts a call with a tensor laid out otherwise than contiguously is measured in (the most
-counts; a call whose tensors are all contiguous is measured as noted): a kernel's scratch depends
-on its tensors' layout (a 7x7 depthwise convolution's backward on a channels-last gradient took
-15 MiB where a contiguous one took 1 MiB), and meta tensors may lay out what a stage hands the
-next otherwise than the CPU does (a convolution's output after a permute: contiguous on meta,
-channels-last on the CPU), so a model that mixes layouts may run a call in the other one."""
+# A call with a tensor laid out otherwise than contiguously is measured in each of LAYOUTS (the
+# most counts; a call whose tensors are all contiguous is measured as noted): a kernel's scratch
+# depends on its tensors' layout (a 7x7 depthwise convolution's backward on a channels-last
+# gradient took 15 MiB where a contiguous one took 1 MiB), and meta tensors may lay out what a
+# stage hands the next otherwise than the CPU does (a convolution's output after a permute:
+# contiguous on meta, channels-last on the CPU), so a model that mixes layouts may run a call in
+# the other one.
 
 REPEATS = 1
 """Runs of each call measured; the most it takes counts. A kernel's first call could set up
@@ -58,26 +59,6 @@ same to the byte, so one run is measured."""
 
 _MARK = "edgetrain.scratch."
 _known: dict[tuple[Any, ...], int] = {}  # a kind of call -> its scratch in bytes
-
-
-class _Spec:
-    """A tensor argument as :func:`_make` makes it again: shape, strides, dtype."""
-
-    __slots__ = ("dtype", "shape", "stride")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.shape, self.stride, self.dtype = tuple(t.shape), t.stride(), t.dtype
-
-    def laid_out(self, layout: str) -> tuple[int, ...]:
-        """Its strides as noted (``"as noted"``), contiguous, or channels-last (a 4-D or 5-D
-        tensor; others as noted)."""
-        if layout == "as noted":
-            return self.stride
-        probe = torch.empty(self.shape, device="meta")
-        if layout == "channels last" and probe.dim() in (4, 5):
-            last = torch.channels_last if probe.dim() == 4 else torch.channels_last_3d
-            return probe.contiguous(memory_format=last).stride()
-        return probe.stride()
 
 
 class OpScratch(TorchDispatchMode):
@@ -106,7 +87,7 @@ class OpScratch(TorchDispatchMode):
                 in_backward = torch._C._current_graph_task_id() >= 0
                 (self.backward if in_backward else self.forward).add(key)
                 if key not in _known and key not in self.pending:
-                    self.pending[key] = (func, _specs(args), _specs(kwargs))
+                    self.pending[key] = (func, specs(args), specs(kwargs))
         return func(*args, **kwargs)
 
 
@@ -140,14 +121,14 @@ def _run_marked(
         for i, (_, (func, args, kwargs)) in enumerate(todo):
             seen: set[tuple[Any, ...]] = set()
             # Only a call that already mixes layouts is measured in the others.
-            mixed = _strides((args, kwargs), "as noted") != _strides((args, kwargs), "contiguous")
+            mixed = strides((args, kwargs), "as noted") != strides((args, kwargs), "contiguous")
             for r in range(REPEATS * len(LAYOUTS)):
                 layout = LAYOUTS[r % len(LAYOUTS)]
-                strides = _strides((args, kwargs), layout)
-                if (r < len(LAYOUTS) and strides in seen) or (layout != "as noted" and not mixed):
+                laid = strides((args, kwargs), layout)
+                if (r < len(LAYOUTS) and laid in seen) or (layout != "as noted" and not mixed):
                     continue  # laid out as a layout measured already
-                seen.add(strides)
-                made_args, made_kwargs = _make(args, layout), _make(kwargs, layout)
+                seen.add(laid)
+                made_args, made_kwargs = made(args, layout), made(kwargs, layout)
                 try:
                     with record_function(f"{_MARK}{i}.{r}"):
                         out = func(*made_args, **made_kwargs)
@@ -227,41 +208,3 @@ def _may_take_scratch(func: Any) -> bool:
     if torch.Tag.pointwise in func.tags or func.is_view:
         return False
     return all(r.alias_info is None for r in func._schema.returns)
-
-
-def _specs(value: Any) -> Any:
-    """``value`` with each tensor replaced by its :class:`_Spec` (no tensor kept alive)."""
-    if isinstance(value, torch.Tensor):
-        return _Spec(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_specs(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _specs(v) for k, v in value.items()}
-    return value
-
-
-def _strides(value: Any, layout: str) -> tuple[Any, ...]:
-    """The strides of the tensors :func:`_make` makes of ``value`` in ``layout``."""
-    if isinstance(value, _Spec):
-        return (value.laid_out(layout),)
-    if isinstance(value, (list, tuple)):
-        return tuple(s for v in value for s in _strides(v, layout))
-    if isinstance(value, dict):
-        return tuple(s for v in value.values() for s in _strides(v, layout))
-    return ()
-
-
-def _make(value: Any, layout: str) -> Any:
-    """``value`` with each :class:`_Spec` made a new CPU tensor of its shape and dtype, in
-    ``layout`` (see :data:`LAYOUTS`), of zeros: what a dense kernel allocates does not depend
-    on the values (and an index of 0 is always in range)."""
-    if isinstance(value, _Spec):
-        stride = value.laid_out(layout)
-        extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, stride, strict=True))
-        base = torch.zeros(extent if all(value.shape) else 0, dtype=value.dtype)
-        return base.as_strided(value.shape, stride)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_make(v, layout) for v in value)
-    if isinstance(value, dict):
-        return {k: _make(v, layout) for k, v in value.items()}
-    return value
