@@ -75,7 +75,8 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
     "profile",
     default="pi3-ethernet",
     show_default=True,
-    help=f"Cluster profile --groups auto optimises for: {', '.join(CLUSTERS)}, or a .json file.",
+    help=f"Cluster profile the cost model plans for: {', '.join(CLUSTERS)}, or a .json file; a "
+    "file listing boards that differ sizes each tile by its board's speed and memory.",
 )
 @click.option("--address", default="127.0.0.1", show_default=True, help="Address workers bind.")
 @click.option(
@@ -139,9 +140,21 @@ def tiles(
     check_local_workers(grid.size, str(grid))
     name, network_model = _load_model(model, model_file, seed)
     cluster = load(profile)
-    setup = _chain_setup if _is_chain(network_model, cut_text) else _graph_setup
-    job, doc = setup(network_model, image, grid, batch, groups, cut_text, cluster, dtype)
-    fitted = None
+    chain = _is_chain(network_model, cut_text)
+    setup = _chain_setup if chain else _graph_setup
+    fitted = boards = None
+    if cluster.boards:
+        from edgetrain.cli.tiles_boards import fit_profile
+
+        if memory is not None:
+            raise InvalidInput(
+                "give --memory (boards alike) or a --device file of boards (each board's memory "
+                "in the file), not both"
+            )
+        args = (network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+        job, doc, boards = fit_profile(*args, setup, chain)
+    else:
+        job, doc = setup(network_model, image, grid, batch, groups, cut_text, cluster, dtype)
     if memory is not None:
         fitted = _fit(memory, network_model, image, grid, batch, groups, cut_text, cluster, dtype)
         job, doc = fitted.candidate.job, fitted.candidate.extra
@@ -175,6 +188,10 @@ def tiles(
     failed = fitted is not None and _budget_report(
         doc, fitted, memory or 0, results, doc["recoveries"]
     )
+    if boards is not None:
+        from edgetrain.cli.tiles_boards import report
+
+        failed = report(doc, results, boards, doc["recoveries"]) or failed
     failed = _check(job, results, dtype, doc, check) or failed
     if as_json:
         emit_json(doc)
@@ -394,6 +411,10 @@ def _print(doc: dict[str, Any]) -> None:
     )
     if "memory" in doc:
         caption += _memory_line(doc)
+    if "boards" in doc:
+        from edgetrain.cli.tiles_boards import caption_lines
+
+        caption += caption_lines(doc)
     for line in doc["recoveries"]:
         caption += f"\nrecovered: {line}"
     if "max_rel_diff" in doc:
