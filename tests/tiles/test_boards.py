@@ -278,3 +278,51 @@ def test_graph_models_on_3x2_grids_equal_one_process(index):
     assert diff[worst] <= 1e-10, (CASES_3X2[index][:2], worst, diff[worst])
     for result in results[index]:
         assert result.halo_bytes == _predicted_halo_bytes(job, result.rank)
+
+
+def test_cli_gives_the_faster_board_the_larger_tile_and_trains_exactly(tmp_path):
+    # board 1 is half as fast: its tile is about a third of the width, every board's predicted
+    # peak is its measured one, and training equals one process in float64
+    path = tmp_path / "boards.json"
+    path.write_text(json.dumps(_profile(2e9, 1e9)))
+    words = "--grid 1x2 --image 48x64 --steps 2 --dtype float64 --json --check --device"
+    result = CliRunner().invoke(cli, ["tiles", *words.split(), str(path)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["max_rel_diff"] <= 1e-10
+    widths = [r["tile"][3] - r["tile"][2] for r in doc["ranks"]]
+    assert widths[0] > widths[1]
+    assert doc["shares"]["cols"][0] == pytest.approx(2 / 3, abs=0.1)
+    for board, rank in zip(doc["boards"], doc["ranks"], strict=True):
+        assert board["board_peak_bytes"] == board["predicted_peak_bytes"] <= board["memory_bytes"]
+        assert rank["halo_bytes"] == rank["predicted_halo_bytes"]
+    times = [b["predicted_compute_seconds"] for b in doc["boards"]]
+    assert max(times) / min(times) < 1.25  # balanced within what whole pixels allow
+
+
+def _fit(*boards: tuple[float, int]):
+    from edgetrain.cli.tiles import _chain_setup
+    from edgetrain.cli.tiles_boards import fit_profile
+
+    torch.manual_seed(7)
+    doc = _profile(*(s for s, _ in boards))
+    for board, (_, memory) in zip(doc["boards"], boards, strict=True):
+        board["memory"] = memory
+    cluster = boards_from_json(doc, LINKS)
+    return fit_profile(zoo(), (64, 64), Grid(1, 2), 2, "auto", "auto", cluster, "float64",
+                       _chain_setup, True)  # fmt: skip
+
+
+def test_a_board_short_of_memory_gets_a_smaller_tile_that_fits():
+    _, roomy, fitted = _fit((2e9, 2**31), (1e9, 2**31))
+    fast = fitted.ranks[0]
+    tight = (fast.peak_bytes + fitted.ranks[1].peak_bytes) // 2  # below its balanced need
+    _, doc, fitted = _fit((2e9, tight), (1e9, 2**31))
+    assert doc["shares"]["cols"][0] < roomy["shares"]["cols"][0]
+    assert fitted.ranks[0].peak_bytes <= tight
+
+
+def test_a_board_that_cannot_hold_the_weights_is_refused_in_one_line():
+    with pytest.raises(InvalidInput, match=r"board 1 .* weights and buffers alone") as info:
+        _fit((2e9, 2**31), (1e9, 1000))
+    assert "\n" not in str(info.value)

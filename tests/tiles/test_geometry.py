@@ -7,8 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from edgetrain.errors import InvalidInput
-from edgetrain.tiles.grid import Grid, format_grouping, parse_grid, parse_groups
-from edgetrain.tiles.grid import split
+from edgetrain.tiles.grid import Grid, format_grouping, parse_grid, parse_groups, split
 from edgetrain.tiles.tiling import Layer, Network, Region, Window, plan, smallest_image
 
 
