@@ -19,6 +19,7 @@ from edgetrain.cli.options import (
     Size,
 )
 from edgetrain.cli.output import console, emit_json, table
+from edgetrain.cli.tiles_boards import boards_report, caption_lines, fit_profile
 from edgetrain.devices.catalog import CLUSTERS
 from edgetrain.errors import InvalidInput
 from edgetrain.tiles.supported import TILE_MODELS
@@ -127,36 +128,22 @@ def tiles(
     Across boards use torchrun (docs/tiles.md).
     """
     from edgetrain.devices import load
-    from edgetrain.tiles.grid import parse_grid, parse_image
+    from edgetrain.tiles.grid import parse_grid
     from edgetrain.tiles.launch import check_local_workers
 
-    image = parse_image(image_text)
-    if max(image) > MAX_IMAGE:
-        raise InvalidInput(
-            f"image {image[0]}x{image[1]} is more than {MAX_IMAGE:,} pixels per side; give at "
-            f"most {MAX_IMAGE}"
-        )
+    image = _image(image_text)
     grid = parse_grid(grid_text)
     check_local_workers(grid.size, str(grid))
     name, network_model = _load_model(model, model_file, seed)
     cluster = load(profile)
-    chain = _is_chain(network_model, cut_text)
-    setup = _chain_setup if chain else _graph_setup
-    fitted = boards = None
-    if cluster.boards:
-        from edgetrain.cli.tiles_boards import fit_profile
-
-        if memory is not None:
-            raise InvalidInput(
-                "give --memory (boards alike) or a --device file of boards (each board's memory "
-                "in the file), not both"
-            )
-        args = (network_model, image, grid, batch, groups, cut_text, cluster, dtype)
-        job, doc, boards = fit_profile(*args, setup, chain)
-    else:
-        job, doc = setup(network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+    setup = _chain_setup if (chain := _is_chain(network_model, cut_text)) else _graph_setup
+    args = (network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+    job, doc, boards = (
+        fit_profile(*args, setup, chain, memory) if cluster.boards else (*setup(*args), None)
+    )
+    fitted = None
     if memory is not None:
-        fitted = _fit(memory, network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+        fitted = _fit(memory, *args)
         job, doc = fitted.candidate.job, fitted.candidate.extra
         grid = job.grid
     job = replace(job, steps=steps, seed=seed, collect=check)
@@ -188,10 +175,7 @@ def tiles(
     failed = fitted is not None and _budget_report(
         doc, fitted, memory or 0, results, doc["recoveries"]
     )
-    if boards is not None:
-        from edgetrain.cli.tiles_boards import report
-
-        failed = report(doc, results, boards, doc["recoveries"]) or failed
+    failed = boards_report(doc, results, boards) or failed
     failed = _check(job, results, dtype, doc, check) or failed
     if as_json:
         emit_json(doc)
@@ -199,6 +183,18 @@ def tiles(
         _print(doc)
     if failed:
         raise click.exceptions.Exit(1)
+
+
+def _image(text: str) -> tuple[int, int]:
+    from edgetrain.tiles.grid import parse_image
+
+    image = parse_image(text)
+    if max(image) > MAX_IMAGE:
+        raise InvalidInput(
+            f"image {image[0]}x{image[1]} is more than {MAX_IMAGE:,} pixels per side; give at "
+            f"most {MAX_IMAGE}"
+        )
+    return image
 
 
 def _check(job: Any, results: Any, dtype: str, doc: dict[str, Any], check: bool) -> bool:
@@ -412,8 +408,6 @@ def _print(doc: dict[str, Any]) -> None:
     if "memory" in doc:
         caption += _memory_line(doc)
     if "boards" in doc:
-        from edgetrain.cli.tiles_boards import caption_lines
-
         caption += caption_lines(doc)
     for line in doc["recoveries"]:
         caption += f"\nrecovered: {line}"

@@ -95,6 +95,7 @@ def fit_profile(
     dtype: str,
     setup: Any,
     chain: bool,
+    memory: int | None = None,
 ) -> tuple[Any, dict[str, Any], Any]:
     """The job, its report and its :class:`~edgetrain.tiles.budget.Fitted` memory for
     ``cluster``'s boards on ``grid``: shares balanced by speed, every rank within its board's
@@ -102,9 +103,10 @@ def fit_profile(
     from edgetrain.tiles.balance import balance, speed_shares
     from edgetrain.tiles.budget import Candidate, Fitted, predict_ranks
 
-    if not cluster.boards:
+    if memory is not None:
         raise InvalidInput(
-            "--profile needs a profile that lists boards (docs/tiles.md, boards that differ)"
+            "give --memory (boards alike) or a --device file of boards (each board's memory in "
+            "the file), not both"
         )
     speeds = [b.macs_per_second for b in cluster.boards]
     start = speed_shares(grid, speeds)
@@ -161,11 +163,11 @@ def _rows(cluster: Cluster, ranks: Any, seconds: Any) -> list[dict[str, Any]]:
     ]
 
 
-def report(doc: dict[str, Any], results: Any, fitted: Any, recoveries: Any) -> bool:
-    """Adds each rank's measured peak (weights included) to ``doc``'s boards; True when a board
-    went over its memory."""
+def boards_report(doc: dict[str, Any], results: Any, fitted: Any) -> bool:
+    """With boards that differ (``fitted`` not None), adds each rank's measured peak (weights
+    included) to ``doc``'s boards; True when a board went over its memory."""
     over = False
-    if recoveries:
+    if fitted is None or doc["recoveries"]:
         return over
     for row, result in zip(doc["boards"], results, strict=True):
         row["board_peak_bytes"] = fitted.ranks[result.rank].held_bytes + result.peak_bytes
