@@ -12,7 +12,11 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,3 +330,23 @@ def test_a_board_that_cannot_hold_the_weights_is_refused_in_one_line():
     with pytest.raises(InvalidInput, match=r"board 1 .* weights and buffers alone") as info:
         _fit((2e9, 2**31), (1e9, 1000))
     assert "\n" not in str(info.value)
+
+
+def test_torchrun_workers_reading_one_profile_agree_on_its_shares(tmp_path):
+    path = tmp_path / "boards.json"
+    path.write_text(json.dumps(_profile(2e9, 1e9)))
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    worker = (
+        "-m edgetrain.tiles.worker --model yolov2-16 --grid 1x2 --image 32x48 --steps 1 "
+        f"--groups per-layer --bind 127.0.0.1 --timeout 60 --threads 1 --profile {path}"
+    )
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nnodes", "1", "--nproc-per-node", "2", *worker.split()],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads(done.stdout)
+    assert doc["grid"].startswith("1x2 (rows 1.00, cols 0.6")
+    assert doc["ranks"][0]["loss"] == doc["ranks"][1]["loss"]
