@@ -350,3 +350,9 @@ def test_torchrun_workers_reading_one_profile_agree_on_its_shares(tmp_path):
     doc = json.loads(done.stdout)
     assert doc["grid"].startswith("1x2 (rows 1.00, cols 0.6")
     assert doc["ranks"][0]["loss"] == doc["ranks"][1]["loss"]
+
+
+def test_the_documented_example_profile_reads():
+    cluster = load(str(Path(__file__).resolve().parents[2] / "docs" / "boards-example.json"))
+    assert len(cluster.boards) == 2
+    assert cluster.macs_per_second(0) == 2 * cluster.macs_per_second(1)
