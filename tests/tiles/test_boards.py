@@ -143,7 +143,7 @@ def test_shares_cut_every_pixel_once_each_span_within_a_pixel_of_its_share(size,
         assert abs(end - size * running / total) <= 0.5 + len(shares)
 
 
-def test_equal_grids_cut_as_before():
+def test_a_grid_without_shares_cuts_size_over_parts_the_last_taking_the_rest():
     assert Grid(3, 2).row_spans(25) == split(25, 3) == ((0, 8), (8, 16), (16, 25))
 
 
