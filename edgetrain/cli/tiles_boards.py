@@ -26,7 +26,8 @@ def fit_profile(
     """The job, its report and its :class:`~edgetrain.tiles.boards.BoardFit` for ``cluster``'s
     boards on ``grid``: shares balanced by speed, every rank within its board's memory.
     InvalidInput when the profile does not match the grid or a board cannot fit."""
-    from edgetrain.tiles.boards import fit_boards, rank_seconds, start_shares
+    from edgetrain.tiles.boardcost import rank_seconds
+    from edgetrain.tiles.boards import fit_boards, start_shares
 
     if memory is not None:
         raise InvalidInput(

@@ -5,8 +5,9 @@ The grid's row and column shares start from the boards' speeds and are moved whi
 model's slowest rank gets faster (:func:`edgetrain.tiles.balance.balance`); every rank's peak is
 then predicted (:func:`edgetrain.tiles.budget.predict_ranks`). A rank over its board's memory is
 balanced again as if its board were slower, in proportion to how far over it is, until every rank
-fits; else one line names the board and what it would need. Every board that reads the same
-profile computes the same shares, so ``torchrun`` workers agree on them without talking.
+fits; else one line names the board and what it would need. ``torchrun`` workers balance
+their tiles with :func:`edgetrain.tiles.boardcost.balanced_job` alone (every board that reads the
+same profile computes the same shares, so they agree without talking).
 """
 
 from __future__ import annotations
@@ -24,60 +25,6 @@ from edgetrain.units import format_bytes
 
 ATTEMPTS = 8
 """Times the shares are balanced again for ranks over their board's memory."""
-
-
-def rank_seconds(
-    model: Any,
-    image: Any,
-    grid: Any,
-    batch: int,
-    spec: tuple[str, str],
-    dtype: str,
-    chain: bool,
-    cluster: Cluster,
-) -> tuple[Callable[[Cluster], Any], str]:
-    """A function of a cluster giving the cost model's per-rank compute seconds on a grid, with
-    the grouping or cut (``spec``: groups, cut) fixed to what ``cluster``'s cost model picks on
-    ``grid``; and that choice as text."""
-    groups, cut = spec
-    from edgetrain.tiles.worker import DTYPES
-
-    if chain:
-        from edgetrain.tiles.grid import format_grouping
-        from edgetrain.tiles.grouping import choose_grouping, rank_compute_seconds
-        from edgetrain.tiles.layers import describe
-        from edgetrain.tiles.tiling import plan
-
-        net = describe(model, 3, *image)
-        net.check_batch(batch)
-        element = DTYPES[dtype].itemsize
-        grouping = choose_grouping(groups, net, grid, cluster, batch, element)
-
-        def chain_seconds(cluster: Cluster) -> Any:
-            return lambda g: rank_compute_seconds(plan(net, g, grouping), cluster, batch)
-
-        return chain_seconds, format_grouping(grouping)
-    import torch
-
-    from edgetrain.tiles.front import rank_compute_seconds as front_seconds
-    from edgetrain.tiles.graph import analyse, choose_cut, front_ops, place
-
-    channels = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d)).in_channels
-    sample = torch.zeros(batch, channels, *image, dtype=DTYPES[dtype])
-    graph, infos = analyse(model.to(DTYPES[dtype]), sample)
-    if cut == "auto":
-        index = choose_cut(graph, infos, grid, cluster)[0].cut
-    else:
-        index = len(infos) if cut == "last" else int(cut)
-
-    def graph_seconds(cluster: Cluster) -> Any:
-        def seconds(g: Any) -> Any:
-            ops = front_ops(infos, place(graph, infos, g, index))
-            return [front_seconds(ops, cluster, r) for r in range(g.size)]
-
-        return seconds
-
-    return graph_seconds, str(index)
 
 
 def _slower(cluster: Cluster, factors: list[float]) -> Cluster:
@@ -145,20 +92,3 @@ def fit_boards(
 def start_shares(grid: Grid, cluster: Cluster) -> Grid:
     """``grid`` with shares in proportion to the boards' speeds (the search's start)."""
     return speed_shares(grid, [b.macs_per_second for b in cluster.boards])
-
-
-def fit_to_boards(job: Any, cluster: Cluster) -> Any:
-    """``job`` (a :class:`~edgetrain.tiles.worker.TileJob` on equal tiles) with its grid's shares
-    fitted to ``cluster``'s boards, its grouping or cut kept."""
-    from edgetrain.tiles.grid import format_grouping
-
-    chain = job.cut is None
-    spec = (format_grouping(job.grouping), "auto") if chain else ("auto", str(job.cut))
-    start_shares(job.grid, cluster)  # refuses a profile whose board count is not the grid's
-    seconds_for, _ = rank_seconds(
-        job.model, job.image, job.grid, job.batch, spec, job.dtype, chain, cluster
-    )
-    fit = fit_boards(
-        job.grid, cluster, max(job.image), seconds_for, lambda g: (replace(job, grid=g), None)
-    )
-    return fit.job

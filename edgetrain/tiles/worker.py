@@ -457,11 +457,11 @@ def _torchrun_job(
     """The job of ``name``: fused groups for a plain chain, else its graph cut by the cost
     model; with a profile of boards that differ, its tiles sized for them."""
     from edgetrain.devices import load
-    from edgetrain.tiles.boards import fit_to_boards
+    from edgetrain.tiles.boardcost import balanced_job
 
     cluster = load(args.profile)
     job = _equal_job(model, name, image, grid, args, cluster)
-    return fit_to_boards(job, cluster) if cluster.boards else job
+    return balanced_job(job, cluster) if cluster.boards else job
 
 
 def _equal_job(
