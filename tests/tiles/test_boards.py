@@ -161,6 +161,35 @@ def test_shares_follow_the_speeds_on_a_line_and_balance_a_product_exactly():
     assert max(times) == pytest.approx(min(times), rel=1e-9)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.lists(st.floats(0.1, 10.0), min_size=9, max_size=9),
+)
+def test_speed_shares_never_leave_the_slowest_rank_slower_than_equal_tiles(rows, cols, speeds):
+    grid = Grid(rows, cols)
+    speeds = speeds[: grid.size]
+    shared = speed_shares(grid, speeds)
+
+    def slowest(h, w):
+        return max(h[r // cols] * w[r % cols] / speeds[r] for r in range(grid.size))
+
+    equal = slowest([1 / rows] * rows, [1 / cols] * cols)
+    assert slowest(shared.row_shares, shared.col_shares) <= equal * (1 + 1e-9)
+    assert sum(shared.row_shares) == pytest.approx(1) and sum(shared.col_shares) == pytest.approx(1)
+
+
+def test_the_cli_refuses_memory_with_a_profile_of_boards_in_one_line(tmp_path):
+    path = tmp_path / "boards.json"
+    path.write_text(json.dumps(_profile(2e9, 1e9)))
+    words = ["tiles", "--grid", "1x2", "--memory", "100MB", "--device", str(path)]
+    result = CliRunner().invoke(cli, words)
+    assert result.exit_code == 2
+    assert "not both" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def _zoo_net():
     return describe(zoo(), 3, 64, 64)
 
