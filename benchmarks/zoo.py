@@ -18,8 +18,9 @@ every configuration's peak is the model's, not the caller's loss's). Configurati
   of convolutions, matrix products and attention and recomputing the rest (:data:`SAVED`).
 * ``edgetrain ≤ checkpoint`` / ``edgetrain ≤ SAC``: ``Checkpointed`` on the same chain with
   ``memory_budget`` = what the step starts with + the heap ``checkpoint`` / ``SAC`` took from the
-  device (tensors and kernel scratch, glibc's ``mallinfo2`` sampled through the step; the
-  budget counts both, so this is the same memory); a budget refused is a note in the row.
+  device (tensors and kernel scratch: the larger of torch's allocator record and glibc's
+  ``mallinfo2``; the budget counts both, so this is the same memory); a budget refused is a
+  note in the row.
 
 Memory: ``StorageCounter`` (live tensor storages, exact) over one step after a warm-up;
 ``mem/plain`` is a configuration's activation peak over plain's. ``pred/meas`` is edgetrain's
