@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,11 @@ class Traffic:
     halo_messages: int = 0
     collective_bytes: int = 0
     collectives: int = 0
+    sync_points: int = 0
+    """Times this rank waited for its peers: every exchange, small gather and blocking
+    collective, and each wait for collectives started earlier."""
+    wait_seconds: float = 0.0
+    """Wall time spent in those waits."""
 
     @property
     def bytes_sent(self) -> int:
@@ -129,8 +135,16 @@ class Comm:
             return
         works = [self.backend.recv([buf], peer, tag) for peer, buf in receives]
         works += [self.backend.send([t.contiguous()], peer, tag) for peer, t in sends]
+        self.wait_all(works)
+
+    def wait_all(self, works: Sequence[Any]) -> None:
+        """Wait for ``works`` (started operations): one synchronisation point."""
+        began = time.perf_counter()
         for work in works:
-            work.wait()
+            if work is not None:
+                work.wait()
+        self.traffic.wait_seconds += time.perf_counter() - began
+        self.traffic.sync_points += 1
 
     def gather_small(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` in rank order, sent directly to every peer.
@@ -152,7 +166,7 @@ class Comm:
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks, in place (it must be contiguous)."""
         if self.backend is not None:
-            self.backend.allreduce([tensor]).wait()
+            self.wait_all([self.backend.allreduce([tensor])])
             self.traffic.collective_bytes += _nbytes(tensor)
             self.traffic.collectives += 1
         return tensor

@@ -13,8 +13,9 @@ The cost model prices a group as
 * batch norm: two small collectives per batch-norm layer (statistics forward, gradient sums
   backward), each ``ceil(log2 P)`` latencies plus its bytes.
 
-The step adds one all-reduce of the weight gradients (ring: ``2 (P-1)/P`` of the gradient bytes
-per device) which does not depend on the grouping. Because a group's cost depends only on its
+The step adds the all-reduce of the weight gradients (ring: ``2 (P-1)/P`` of the gradient bytes
+per device, ``2 (P-1)`` latencies per bucket of :func:`gradient_buckets`), which does not depend
+on the grouping. Because a group's cost depends only on its
 own first and last layer (its input is always cut by the same grid), the total is a sum over
 groups and a dynamic program over group boundaries finds the cheapest grouping in ``O(L^2)``
 group evaluations.
@@ -22,6 +23,7 @@ group evaluations.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import ceil, log2
 
@@ -117,6 +119,49 @@ def allreduce_seconds(size_bytes: int, ranks: int, link: Link) -> float:
     return wire / link.bandwidth_bytes_per_second + 2 * (ranks - 1) * link.latency_seconds
 
 
+GRADIENT_BUCKET_BYTES = 1 << 20
+"""Gradients smaller than this are summed together in one all-reduce (a bucket) of at most this
+many bytes: each collective costs latencies, and a bucket starts as soon as its last gradient is
+ready, so it still overlaps the backward pass of the earlier layers."""
+
+
+def gradient_buckets(
+    unit_bytes: Sequence[int], cap_bytes: int = GRADIENT_BUCKET_BYTES
+) -> tuple[tuple[int, ...], ...]:
+    """Indices of ``unit_bytes`` (units of gradients in the order backward produces them: the
+    last layer's first) in consecutive buckets of at most ``cap_bytes``; a larger unit is a
+    bucket of its own; empty units belong to no bucket."""
+    buckets: list[tuple[int, ...]] = []
+    current: list[int] = []
+    size = 0
+    for index, nbytes in enumerate(unit_bytes):
+        if nbytes <= 0:
+            continue
+        if current and size + nbytes > cap_bytes:
+            buckets.append(tuple(current))
+            current, size = [], 0
+        current.append(index)
+        size += nbytes
+    if current:
+        buckets.append(tuple(current))
+    return tuple(buckets)
+
+
+def weight_sync_seconds(unit_bytes: Sequence[int], ranks: int, link: Link) -> float:
+    """The weight-gradient all-reduce: one ring all-reduce per bucket of
+    :func:`gradient_buckets`."""
+    return sum(
+        allreduce_seconds(sum(unit_bytes[i] for i in bucket), ranks, link)
+        for bucket in gradient_buckets(unit_bytes)
+    )
+
+
+def layer_gradient_bytes(net: Network, element_bytes: int) -> tuple[int, ...]:
+    """Gradient bytes of each layer, the last layer first (the order backward produces them):
+    the units :class:`~edgetrain.tiles.worker.GradientSync` buckets for a chain."""
+    return tuple(layer.parameters * element_bytes for layer in reversed(net.layers))
+
+
 def small_collective_seconds(size_bytes: int, ranks: int, link: Link) -> float:
     """A latency-bound collective (tree): ``ceil(log2 P)`` rounds of ``size_bytes``."""
     if ranks <= 1:
@@ -182,7 +227,7 @@ def step_cost(
     return StepCost(
         grouping,
         groups,
-        allreduce_seconds(net.parameters * element_bytes, grid.size, cluster.link),
+        weight_sync_seconds(layer_gradient_bytes(net, element_bytes), grid.size, cluster.link),
         net.macs() * batch,
     )
 
@@ -224,7 +269,7 @@ def optimise(
     return StepCost(
         grouping,
         tuple(cost[g] for g in grouping),
-        allreduce_seconds(net.parameters * element_bytes, grid.size, cluster.link),
+        weight_sync_seconds(layer_gradient_bytes(net, element_bytes), grid.size, cluster.link),
         net.macs() * batch,
     )
 
