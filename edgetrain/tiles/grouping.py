@@ -122,17 +122,18 @@ def allreduce_seconds(size_bytes: int, ranks: int, link: Link) -> float:
 
 
 GRADIENT_BUCKET_BYTES = 1 << 20
-"""Gradients smaller than this are summed together in one all-reduce (a bucket) of at most this
-many bytes: each collective costs latencies, and a bucket starts as soon as its last gradient is
-ready, so it still overlaps the backward pass of the earlier layers."""
+"""Consecutive gradients are summed together in one all-reduce (a bucket) of at most this many
+bytes: each collective costs latencies, and a bucket starts as soon as its last gradient is
+ready, so it still overlaps the backward pass of the earlier layers. A larger gradient is a
+bucket of its own, summed where it lies (a bucket of several is copied into one buffer)."""
 
 
 def gradient_buckets(
     unit_bytes: Sequence[int], cap_bytes: int = GRADIENT_BUCKET_BYTES
 ) -> tuple[tuple[int, ...], ...]:
-    """Indices of ``unit_bytes`` (units of gradients in the order backward produces them: the
-    last layer's first) in consecutive buckets of at most ``cap_bytes``; a larger unit is a
-    bucket of its own; empty units belong to no bucket."""
+    """Indices of ``unit_bytes`` (gradients in the order backward produces them: the last
+    registered first) in consecutive buckets of at most ``cap_bytes``; a larger one is a bucket
+    of its own; empty ones belong to no bucket."""
     buckets: list[tuple[int, ...]] = []
     current: list[int] = []
     size = 0
@@ -158,10 +159,14 @@ def weight_sync_seconds(unit_bytes: Sequence[int], ranks: int, link: Link) -> fl
     )
 
 
-def layer_gradient_bytes(net: Network, element_bytes: int) -> tuple[int, ...]:
-    """Gradient bytes of each layer, the last layer first (the order backward produces them):
-    the units :class:`~edgetrain.tiles.worker.GradientSync` buckets for a chain."""
-    return tuple(layer.parameters * element_bytes for layer in reversed(net.layers))
+def gradient_bytes(net: Network, element_bytes: int) -> tuple[int, ...]:
+    """Bytes of each trainable tensor's gradient, the last registered first (the order backward
+    produces them): what :class:`~edgetrain.tiles.sync.GradientSync` buckets."""
+    sizes = []
+    for layer in reversed(net.layers):
+        tensors = layer.parameter_tensors or ((layer.parameters,) if layer.parameters else ())
+        sizes += [n * element_bytes for n in reversed(tensors)]
+    return tuple(sizes)
 
 
 def small_collective_seconds(
@@ -237,7 +242,7 @@ def step_cost(
     return StepCost(
         grouping,
         groups,
-        weight_sync_seconds(layer_gradient_bytes(net, element_bytes), grid.size, cluster.link),
+        weight_sync_seconds(gradient_bytes(net, element_bytes), grid.size, cluster.link),
         net.macs() * batch,
     )
 
@@ -297,7 +302,7 @@ def optimise(
     return StepCost(
         grouping,
         tuple(cost[g] for g in grouping),
-        weight_sync_seconds(layer_gradient_bytes(net, element_bytes), grid.size, cluster.link),
+        weight_sync_seconds(gradient_bytes(net, element_bytes), grid.size, cluster.link),
         net.macs() * batch,
     )
 

@@ -35,43 +35,26 @@ class LossTotal:
         return float(self.value.item())
 
 
-def gradient_units(model: nn.Module, chain: bool) -> list[list[nn.Parameter]]:
-    """Trainable parameters in the order backward produces their gradients, in units: a
-    chain's layers (the last first: :func:`~edgetrain.tiles.grouping.layer_gradient_bytes`),
-    else each parameter (the last registered first)."""
-    if chain:
-        children = [list(c.parameters()) for c in model.children()]
-        units = [[p for p in ps if p.requires_grad] for ps in reversed(children)]
-    else:
-        units = [[p] for p in reversed(list(model.parameters())) if p.requires_grad]
-    seen: set[int] = set()
-    out = []
-    for unit in units:  # a parameter shared by two layers is summed once, with the later
-        unit = [p for p in unit if id(p) not in seen]
-        seen.update(id(p) for p in unit)
-        if unit:
-            out.append(unit)
-    return out
-
-
 class GradientSync:
     """Sum every parameter's gradient over the ranks while backward is still running.
 
-    The gradients are summed in buckets (:func:`~edgetrain.tiles.grouping.gradient_buckets`:
-    consecutive units up to a MiB, a larger unit alone), one collective each. A hook on each
-    parameter marks its gradient accumulated; a bucket whose gradients are all there starts an
-    asynchronous all-reduce (a bucket of several is copied into one buffer and the gradients
-    become views of it, so nothing is held twice), so the transfer overlaps with the backward
-    pass of the earlier layers. Buckets start strictly in their fixed order, so the collectives
-    match on every rank whatever order autograd runs in; :meth:`wait` starts what is left and
-    finishes them all, in one synchronisation point.
+    The gradients are summed in buckets (:func:`~edgetrain.tiles.grouping.gradient_buckets` of
+    the parameters, the last registered first: consecutive ones up to a MiB, a larger one
+    alone), one collective each. A hook on each parameter marks its gradient accumulated; a
+    bucket whose gradients are all there starts an asynchronous all-reduce (a bucket of several
+    is copied into one buffer and the gradients become views of it, so nothing is held twice),
+    so the transfer overlaps with the backward pass of the earlier layers. Buckets start
+    strictly in their fixed order, so the collectives match on every rank whatever order
+    autograd runs in; :meth:`wait` starts what is left and finishes them all, in one
+    synchronisation point.
     """
 
-    def __init__(self, units: list[list[nn.Parameter]], comm: Comm) -> None:
+    def __init__(self, parameters: list[nn.Parameter], comm: Comm) -> None:
         self.comm = comm
-        self.parameters = [p for unit in units for p in unit]
-        sizes = [sum(p.numel() * p.element_size() for p in unit) for unit in units]
-        self.buckets = [[p for i in bucket for p in units[i]] for bucket in gradient_buckets(sizes)]
+        unique = {id(p): p for p in parameters if p.requires_grad}  # a shared one counts once
+        self.parameters = list(reversed(unique.values()))
+        sizes = [p.numel() * p.element_size() for p in self.parameters]
+        self.buckets = [[self.parameters[i] for i in bucket] for bucket in gradient_buckets(sizes)]
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         self.ready = [0] * len(self.buckets)
         self.started = 0
@@ -88,7 +71,7 @@ class GradientSync:
 
     def _start(self, bucket: list[nn.Parameter]) -> None:
         grads = [p for p in bucket if p.grad is not None]
-        if not grads:
+        if not grads or self.comm.size == 1:  # alone, a gradient is its own sum
             return
         if len(grads) == 1:
             flat = grads[0].grad

@@ -43,7 +43,7 @@ from edgetrain.tiles.comm import Comm, listening_addresses
 from edgetrain.tiles.grid import Grid, Grouping
 from edgetrain.tiles.layers import describe
 from edgetrain.tiles.lifeline import die_with_parent
-from edgetrain.tiles.sync import GradientSync, LossTotal, gradient_units
+from edgetrain.tiles.sync import GradientSync, LossTotal
 from edgetrain.tiles.tiled import TiledNetwork, region_slices
 from edgetrain.tiles.tiling import Network, Region, TilePlan, plan
 
@@ -260,7 +260,7 @@ def run_job(
         comm = Comm.solo()  # every rank trains the whole model alone
     runner = _step_for(job, model, comm, dtype)
     in_region, out_region = runner.input_region, runner.output_region
-    sync = GradientSync(gradient_units(model, job.cut is None), comm)
+    sync = GradientSync(list(model.parameters()), comm)
     try:
         regions = (in_region, out_region)
         return _train(job, comm, clock, model, runner, sync, regions, progress)
