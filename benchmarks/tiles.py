@@ -4,8 +4,11 @@ Measured on this machine, in one run, medians over all timed steps (the first st
 launch is warm-up and left out):
 
 * speed: one process with one thread (the plain model) against two workers (1x2 grid) with one
-  thread each, alternating in rounds; also two independent single-thread copies of the plain model
-  at once, which is the most two workers could gain here (the machine's parallel ceiling);
+  thread each, with the groups optimised for Pi 3 Ethernet and for this machine, in paired
+  rounds (the speedup is the median of each round's ratio); also two independent single-thread
+  copies of the plain model at once, which is the most two workers could gain here (the
+  machine's parallel ceiling); each worker's synchronisation points per step beside the cost
+  model's count, and the load average of each round;
 * memory: peak tensor bytes per rank of a 2x2 grid against the plain model on one device (exact
   storage counts, not RSS);
 * halo bytes: what gloo carried against what the geometry predicts, per rank;
