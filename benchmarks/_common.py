@@ -20,7 +20,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from edgetrain.autograd.heap import HeapPeak
 from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.frontend.scratch import allocator_peak
 
 
 def step_peak_bytes(step: Callable[[], object]) -> int:
@@ -29,6 +31,16 @@ def step_peak_bytes(step: Callable[[], object]) -> int:
     with counter:
         step()
     return counter.peak_bytes
+
+
+def step_heap_bytes(step: Callable[[], object]) -> int:
+    """The heap one run of ``step`` takes above what was in use before: its tensors and the
+    kernels' scratch, the larger of torch's CPU allocator's record (every allocation and free
+    in order, from the profiler) and glibc's ``mallinfo2`` sampled through a second run."""
+    recorded, _ = allocator_peak(step)
+    with HeapPeak() as heap:
+        step()
+    return max(recorded or 0, heap.peak_bytes or 0)
 
 
 def interleaved_medians(

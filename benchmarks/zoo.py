@@ -17,7 +17,10 @@ every configuration's peak is the model's, not the caller's loss's). Configurati
   selective activation checkpointing (``create_selective_checkpoint_contexts``) saving the outputs
   of convolutions, matrix products and attention and recomputing the rest (:data:`SAVED`).
 * ``edgetrain ≤ checkpoint`` / ``edgetrain ≤ SAC``: ``Checkpointed`` on the same chain with
-  ``memory_budget`` = what the step starts with + the peak ``checkpoint`` / ``SAC`` measured.
+  ``memory_budget`` = what the step starts with + the heap ``checkpoint`` / ``SAC`` took from the
+  device (tensors and kernel scratch: the larger of torch's allocator record and glibc's
+  ``mallinfo2``; the budget counts both, so this is the same memory); a budget refused is a
+  note in the row.
 
 Memory: ``StorageCounter`` (live tensor storages, exact) over one step after a warm-up;
 ``mem/plain`` is a configuration's activation peak over plain's. ``pred/meas`` is edgetrain's
@@ -59,6 +62,7 @@ from _common import (
     measured_on,
     paired_ratio,
     sample_medians,
+    step_heap_bytes,
     step_peak_bytes,
 )
 
@@ -145,6 +149,7 @@ def bench_model(entry: ZooModel, batch: int, size: int, rounds: int) -> dict[str
     copies["SAC"] = checkpoint_blocks(copy.deepcopy(base), entry.blocks, True)
     steps: dict[str, Callable[[], None]] = {}
     peaks: dict[str, int] = {}
+    heaps: dict[str, int] = {}
     notes: list[str] = []
     for config, model in copies.items():
         steps[config] = _step(model, list(model.parameters()), x)
@@ -155,6 +160,7 @@ def bench_model(entry: ZooModel, batch: int, size: int, rounds: int) -> dict[str
             del steps[config]
             continue
         peaks[config] = step_peak_bytes(steps[config])
+        heaps[config] = step_heap_bytes(steps[config])
     nets: dict[str, Checkpointed] = {}
 
     def add(config: str, **kwargs: Any) -> None:
@@ -163,12 +169,12 @@ def bench_model(entry: ZooModel, batch: int, size: int, rounds: int) -> dict[str
             net = Checkpointed(model, x, **kwargs)
             step = _step(net, list(model.parameters()), x)
             step()  # may plan again for the loop it finds (gradients kept): refused there too
+            peaks[config] = step_peak_bytes(step)
         except EdgetrainError as exc:
             notes.append(f"{config}: {exc}")
             return
         nets[config] = net
         steps[config] = step
-        peaks[config] = step_peak_bytes(steps[config])
 
     _progress(f"{entry.name}: Checkpointed(max_recompute=1.15) from nothing")
     start = time.perf_counter()
@@ -180,8 +186,8 @@ def bench_model(entry: ZooModel, batch: int, size: int, rounds: int) -> dict[str
     fixed = nets["edgetrain ρ≤1.15"].fixed_bytes
     _progress(f"{entry.name}: min, and at checkpoint's and SAC's memory")
     add("edgetrain min", chain=chain, memory_budget="min")
-    for torch_config in [c for c in ("checkpoint", "SAC") if c in peaks]:
-        add(f"edgetrain ≤ {torch_config}", chain=chain, memory_budget=fixed + peaks[torch_config])
+    for torch_config in [c for c in ("checkpoint", "SAC") if c in heaps]:
+        add(f"edgetrain ≤ {torch_config}", chain=chain, memory_budget=fixed + heaps[torch_config])
     _progress(f"{entry.name}: {rounds} timing rounds of {len(steps)} steps")
     samples = interleaved_samples(steps, rounds=rounds)
     return _row(entry, batch, size, construct_s, chain.length, peaks, nets, samples, notes)

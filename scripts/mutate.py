@@ -93,8 +93,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "rho-pick-fastest",
         "edgetrain/planners/budget.py",
-        "key=lambda cs: (cs[0].peak_bytes, cs[0].seconds, len(cs[1]))",
-        "key=lambda cs: (cs[0].peak_bytes, -cs[0].seconds, len(cs[1]))",
+        "key=lambda cs: (cs[0].heap_peak_bytes, cs[0].seconds, len(cs[1]))",
+        "key=lambda cs: (cs[0].heap_peak_bytes, -cs[0].seconds, len(cs[1]))",
         BUDGET_TESTS + PLANNER_TESTS,
         "the frontier keeps the slowest plan of each peak: a recompute-factor search's tie goes "
         "to the slower plan, a budget's to a slower one",

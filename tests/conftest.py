@@ -44,6 +44,32 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # runs make both in the same process, with the same thread count).
     torch.set_num_threads(1)
 
+# The files whose tests take longest (CPU seconds, measured), heaviest first. pytest-xdist hands
+# tests to its two workers in collection order as each worker frees up, so a long test collected
+# near the end keeps one worker busy while the other idles; run first, the long ones leave only
+# short tests for the end. Each file's tests stay together and in their order (module fixtures
+# are made once per worker), the rest of the suite follows in its usual order.
+HEAVY_FIRST = (
+    "tests/models/zoo/test_zoo_exact.py",
+    "tests/runtime/test_any_model.py",
+    "tests/tiles/test_graph_exact.py",
+    "tests/tiles/test_exact.py",
+    "tests/tiles/test_cli.py",
+    "tests/insitu/test_cli.py",
+    "tests/runtime/test_hugging_face.py",
+    "tests/tiles/test_recovery.py",
+    "tests/insitu/test_student.py",
+    "tests/tiles/test_budget.py",
+    "tests/runtime/test_paging_shared_and_full.py",
+    "tests/insitu/test_run_bounded.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: index for index, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 # 1 flop/s and 1 flop/J, paging no cheaper than that: a node's joules equal its seconds, so
 # least energy is least time (the MILP and POET-schedule tests compare against the chain DP).
 UNIT = EnergyProfile(

@@ -46,6 +46,13 @@ def _describe(value: Any) -> Any:
     return (type(value).__name__, value)
 
 
+def call_key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What identifies a kind of operator call: the operator, and of its arguments what its
+    outputs' shapes may depend on (tensors' shapes, strides, dtypes and offsets, the others'
+    values)."""
+    return (func, _describe(args), _describe(tuple(sorted(kwargs.items()))))
+
+
 def _strided_bytes(t: torch.Tensor) -> int:
     """The storage bytes ``torch.empty_strided(t.shape, t.stride())`` allocates."""
     if t.numel() == 0:
@@ -97,7 +104,7 @@ class MetaMemo(TorchDispatchMode):
         tensors = tensors_in((args, kwargs))
         if not tensors or any(t.device.type != "meta" for t in tensors):
             return func(*args, **kwargs)
-        key = (func, _describe(args), _describe(tuple(sorted(kwargs.items()))))
+        key = call_key(func, args, kwargs)
         known = _known.get(key)
         if known is _NOT_STAMPED:
             return func(*args, **kwargs)

@@ -19,6 +19,7 @@ from edgetrain.cli.options import (
     Size,
 )
 from edgetrain.cli.output import console, emit_json, table
+from edgetrain.cli.tiles_boards import boards_report, caption_lines, fit_profile
 from edgetrain.devices.catalog import CLUSTERS
 from edgetrain.errors import InvalidInput
 from edgetrain.tiles.supported import TILE_MODELS
@@ -75,7 +76,8 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
     "profile",
     default="pi3-ethernet",
     show_default=True,
-    help=f"Cluster profile --groups auto optimises for: {', '.join(CLUSTERS)}, or a .json file.",
+    help=f"Cluster profile the cost model plans for: {', '.join(CLUSTERS)}, or a .json file; a "
+    "file listing boards that differ sizes each tile by its board's speed and memory.",
 )
 @click.option("--address", default="127.0.0.1", show_default=True, help="Address workers bind.")
 @click.option(
@@ -126,24 +128,22 @@ def tiles(
     Across boards use torchrun (docs/tiles.md).
     """
     from edgetrain.devices import load
-    from edgetrain.tiles.grid import parse_grid, parse_image
+    from edgetrain.tiles.grid import parse_grid
     from edgetrain.tiles.launch import check_local_workers
 
-    image = parse_image(image_text)
-    if max(image) > MAX_IMAGE:
-        raise InvalidInput(
-            f"image {image[0]}x{image[1]} is more than {MAX_IMAGE:,} pixels per side; give at "
-            f"most {MAX_IMAGE}"
-        )
+    image = _image(image_text)
     grid = parse_grid(grid_text)
     check_local_workers(grid.size, str(grid))
     name, network_model = _load_model(model, model_file, seed)
     cluster = load(profile)
-    setup = _chain_setup if _is_chain(network_model, cut_text) else _graph_setup
-    job, doc = setup(network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+    setup = _chain_setup if (chain := _is_chain(network_model, cut_text)) else _graph_setup
+    args = (network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+    job, doc, boards = (
+        fit_profile(*args, setup, chain, memory) if cluster.boards else (*setup(*args), None)
+    )
     fitted = None
     if memory is not None:
-        fitted = _fit(memory, network_model, image, grid, batch, groups, cut_text, cluster, dtype)
+        fitted = _fit(memory, *args)
         job, doc = fitted.candidate.job, fitted.candidate.extra
         grid = job.grid
     job = replace(job, steps=steps, seed=seed, collect=check)
@@ -175,6 +175,7 @@ def tiles(
     failed = fitted is not None and _budget_report(
         doc, fitted, memory or 0, results, doc["recoveries"]
     )
+    failed = boards_report(doc, results, boards) or failed
     failed = _check(job, results, dtype, doc, check) or failed
     if as_json:
         emit_json(doc)
@@ -182,6 +183,18 @@ def tiles(
         _print(doc)
     if failed:
         raise click.exceptions.Exit(1)
+
+
+def _image(text: str) -> tuple[int, int]:
+    from edgetrain.tiles.grid import parse_image
+
+    image = parse_image(text)
+    if max(image) > MAX_IMAGE:
+        raise InvalidInput(
+            f"image {image[0]}x{image[1]} is more than {MAX_IMAGE:,} pixels per side; give at "
+            f"most {MAX_IMAGE}"
+        )
+    return image
 
 
 def _check(job: Any, results: Any, dtype: str, doc: dict[str, Any], check: bool) -> bool:
@@ -393,6 +406,8 @@ def _print(doc: dict[str, Any]) -> None:
     )
     if "memory" in doc:
         caption += _memory_line(doc)
+    if "boards" in doc:
+        caption += caption_lines(doc)
     for line in doc["recoveries"]:
         caption += f"\nrecovered: {line}"
     if "max_rel_diff" in doc:

@@ -101,6 +101,11 @@ class Stage:
             their own. A gradient passed on keeps its whole storage alive: the U-Net's decoder
             concatenates the upsampled trunk and the skip, and the skip's gradient, a view of
             the concatenation's, holds both halves until the encoder consumes it.
+        forward_scratch_bytes: heap the forward with grad takes beyond its tensors at its peak
+            (a convolution's workspace, an attention kernel's buffers: memory a kernel
+            allocates for itself and frees before it returns, which no tensor holds); measured
+            on the device (0 from shapes alone, and in chains written without it).
+        backward_scratch_bytes: likewise for the backward.
         caller_gradients: the model's last stage only: which of its output tensors (indexed as
             ``leaf_bytes``) the caller's backward starts from, the output's own loss (a Hugging
             Face output given ``labels``: ``out.loss.backward()``); its other tensors get their
@@ -135,6 +140,8 @@ class Stage:
     shared_gradient_bytes: int = 0
     reads_updated_buffers: bool = False
     retained_bytes: int = 0
+    forward_scratch_bytes: int = 0
+    backward_scratch_bytes: int = 0
     caller_gradients: tuple[int, ...] | None = None
 
     def made_gradient_bytes(self, grads_exist: bool) -> int:
@@ -158,6 +165,17 @@ class Stage:
         if grads_exist and self.backward_peak_kept_bytes is not None:
             return self.backward_peak_kept_bytes
         return self.backward_peak_bytes
+
+    def heap_transients(self, grads_exist: bool) -> tuple[int, int, int]:
+        """The stage's transient peaks as the device's memory sees them: its forward without
+        grad, its forward with grad and its backward (:meth:`backward_peak`), each its tensors'
+        peak plus the scratch its kernels take beside them. What a budget holds; the
+        planners add these on top of what is held while the stage runs."""
+        return (
+            self.forward_peak_bytes + self.forward_scratch_bytes,
+            self.forward_grad_peak_bytes + self.forward_scratch_bytes,
+            self.backward_peak(grads_exist) + self.backward_scratch_bytes,
+        )
 
     @property
     def output_leaves(self) -> int:
@@ -352,7 +370,8 @@ class Chain:
         return sum(s.layer_output_bytes for s in self.stages)
 
     def fingerprint(self) -> str:
-        """A hash of everything a plan depends on: every byte count and flag, not names or times.
+        """A hash of everything a plan depends on: every byte count and flag, not names, times
+        or kernel scratch (like times, the device's own: a chain from shapes has none).
 
         A chain measured on one device and its analytic twin share it; another model, batch,
         image size or dtype changes it.

@@ -84,7 +84,8 @@ class PeakExplanation:
         measured_peak_bytes: a measured step's peak (the fixed parts plus the step's), if any.
         heap_peak_bytes: a measured step's heap peak above its start
         (:mod:`edgetrain.autograd.heap`):
-            beyond its tensor peak, the scratch kernels allocate, which no plan counts.
+            beyond its tensor peak, the scratch kernels allocate (the plan counts it as
+            measured when the stages were profiled: ``Cost.heap_peak_bytes``).
         measured: a measured step's bytes by category at the same operation (see
             :mod:`edgetrain.runtime.peak_probe`; ``kept graph`` there is what the step held beyond
             the
@@ -188,7 +189,7 @@ class PeakExplanation:
                 lines.append(
                     f"heap: the step's peak {format_bytes(self.heap_peak_bytes)} above its start, "
                     f"{format_bytes(self.heap_peak_bytes - step)} beyond its tensors (kernel "
-                    "scratch, not in the plan: leave room with reserve_bytes)"
+                    "scratch, planned for as profiled, and the heap's own bookkeeping)"
                 )
         if self.plain_peak_bytes is not None:
             saved = self.plain_peak_bytes - self.peak_bytes

@@ -59,6 +59,8 @@ def with_loss(chain: Chain, loss: Stage) -> Chain:
         gradient_bytes=last.gradient_bytes + out_grad,
         forward_seconds=last.forward_seconds + loss.forward_seconds,
         backward_seconds=last.backward_seconds + loss.backward_seconds,
+        forward_scratch_bytes=max(last.forward_scratch_bytes, loss.forward_scratch_bytes),
+        backward_scratch_bytes=max(last.backward_scratch_bytes, loss.backward_scratch_bytes),
     )
     stages = (*chain.stages[:-1], merged)
     return Chain(stages, chain.input_bytes, chain.input_requires_grad, f"{chain.name}+loss")

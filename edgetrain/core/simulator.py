@@ -15,7 +15,10 @@ from its first run to its last; what a stage keeps past its run
 each operation adds its measured transient peak; parameter gradients appear as the backward
 creates them and stay until the step ends (unless ``grads_exist``: then they were held before the
 step and are added to in place). The input ``a[0]``, the weights and the buffers are held before
-the step and are not counted.
+the step and are not counted. Beside the tensors, each operation's kernels take scratch while it
+runs (:attr:`~edgetrain.core.chain.Stage.forward_scratch_bytes`,
+:attr:`~edgetrain.core.chain.Stage.backward_scratch_bytes`): ``Cost.peak_bytes`` counts the
+tensors, ``Cost.heap_peak_bytes`` the tensors and the scratch, which a budget is checked against.
 
 Recompute factor convention: ``recompute_factor = seconds / (forward_seconds + backward_seconds)``
 of the chain, i.e. the time of the schedule over the time of one plain forward and backward. On a
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from edgetrain.core.chain import Chain
+from edgetrain.core.chain import Chain, Stage
 from edgetrain.core.schedule import Op, Schedule, stores_everything
 from edgetrain.errors import InvalidSchedule
 
@@ -51,6 +54,10 @@ class Cost:
         peak_op: index of the operation at which the peak occurs.
         pages_out / pages_in: paging operations (``Po`` / ``Pi``).
         paged_bytes: bytes written by the page-outs.
+        heap_extra_bytes: what the heap holds at its peak beyond ``peak_bytes``: the scratch
+            kernels allocate for themselves while a stage runs (``Stage.forward_scratch_bytes``,
+            ``Stage.backward_scratch_bytes``), which no tensor holds (see
+            :attr:`heap_peak_bytes`).
     """
 
     peak_bytes: int
@@ -63,6 +70,14 @@ class Cost:
     pages_out: int = 0
     pages_in: int = 0
     paged_bytes: int = 0
+    heap_extra_bytes: int = 0
+
+    @property
+    def heap_peak_bytes(self) -> int:
+        """The most the step takes from the device's memory: ``peak_bytes`` (tensors) and
+        the scratch of the stage running then. A memory budget is checked against this; the
+        tensor counter proves ``peak_bytes`` exactly, scratch is measured on the heap."""
+        return self.peak_bytes + self.heap_extra_bytes
 
 
 def simulate(chain: Chain, schedule: Schedule, *, grads_exist: bool = False) -> Cost:
@@ -199,6 +214,7 @@ def _replay(
     next_backward = n - 1  # the backward phase goes n-1 .. 0
     in_backward = False
     peak = 0
+    heap_peak = 0  # the peak with the scratch of the stage running (Cost.heap_peak_bytes)
     peak_op = -1
     checkpoints = 0
     max_checkpoints = 0
@@ -370,6 +386,8 @@ def _replay(
                 forward_steps += 1
         if forward:
             held += kept
+        # The kernels' scratch sits on the transient peak and is freed before the op returns.
+        heap_peak = max(heap_peak, during + _scratch(stages, kind, k), held)
         during = max(during, held)
         if forward and last_run[k] == i:
             held -= snapshot[k]  # the last run has made its copies of it
@@ -395,7 +413,17 @@ def _replay(
         pages_out=pages_out,
         pages_in=pages_in,
         paged_bytes=paged_bytes,
+        heap_extra_bytes=max(0, heap_peak - peak),
     )
+
+
+def _scratch(stages: tuple[Stage, ...], kind: Op, k: int) -> int:
+    """The heap beyond its tensors the operation's kernels take while it runs."""
+    if kind is Op.BACKWARD:
+        return stages[k].backward_scratch_bytes
+    if kind.is_forward:
+        return stages[k].forward_scratch_bytes
+    return 0
 
 
 def _held(which: tuple[int, ...] | None, whole: bool, ids: list[int]) -> list[int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from edgetrain.devices.boards import boards_from_json
 from edgetrain.devices.cluster import Cluster, Device, Link, cluster_from_json
 from edgetrain.errors import InvalidInput
 from edgetrain.jsonfile import read_json
@@ -65,12 +66,17 @@ CLUSTERS: dict[str, Cluster] = {
 
 
 def load(name: str) -> Cluster:
-    """A built-in profile by name (``pi3-ethernet``, ``pi3-wifi``) or a ``.json`` file."""
+    """A built-in profile by name (``pi3-ethernet``, ``pi3-wifi``) or a ``.json`` file: one
+    device and a link (:func:`cluster_from_json`) or a list of boards that differ
+    (:func:`~edgetrain.devices.boards.boards_from_json`)."""
     if name in CLUSTERS:
         return CLUSTERS[name]
     path = Path(name)
     if path.suffix == ".json":
-        return cluster_from_json(read_json(path, "profile", "fix the file"))
+        data = read_json(path, "profile", "fix the file")
+        if isinstance(data, dict) and "boards" in data:
+            return boards_from_json(data, {key: c.link for key, c in CLUSTERS.items()})
+        return cluster_from_json(data)
     raise InvalidInput(
         f"unknown profile {name!r}; choose one of {', '.join(CLUSTERS)} or give a .json file"
     )

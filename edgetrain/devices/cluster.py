@@ -1,8 +1,9 @@
 """Device and link profiles: the numbers the tile-parallel cost model needs (pure data).
 
-A :class:`Cluster` is a number of identical devices joined by one kind of link. Every number
-carries its source or says that it is an assumption, so a user can replace it with a measurement
-of their own boards (``load("path/to/profile.json")``).
+A :class:`Cluster` is a number of identical devices joined by one kind of link, or a list of
+boards that differ (``boards``, read from a profile by :mod:`~edgetrain.devices.boards`). Every
+number carries its source or says that it is an assumption, so a user can replace it with a
+measurement of their own boards (``load("path/to/profile.json")``).
 """
 
 from __future__ import annotations
@@ -65,14 +66,39 @@ class Link:
 
 @dataclass(frozen=True)
 class Cluster:
-    """``Device`` boards on a ``Link``: what a grouping is optimised for."""
+    """``Device`` boards on a ``Link``: what a grouping is optimised for.
+
+    ``boards`` (empty: any number of ``device``) lists boards that differ, one per rank in rank
+    order; ``device`` is then the slowest of them.
+    """
 
     name: str
     device: Device
     link: Link
+    boards: tuple[Device, ...] = ()
+
+    def board(self, rank: int) -> Device:
+        """The board that runs ``rank``."""
+        return self.boards[rank] if self.boards else self.device
+
+    def macs_per_second(self, rank: int) -> float:
+        """Multiply-accumulates per second of the board that runs ``rank``."""
+        return self.board(rank).macs_per_second
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Name, device and link (what :func:`cluster_from_json` reads); a profile of boards
+        that differ is written as the boards' own format reads it back."""
+        if not self.boards:
+            return {"name": self.name, "device": asdict(self.device), "link": asdict(self.link)}
+        return {
+            "name": self.name,
+            "link": asdict(self.link),
+            "backward_factor": self.device.backward_factor,
+            "boards": [
+                {"name": b.name, "macs_per_second": b.macs_per_second, "memory": b.memory_bytes}
+                for b in self.boards
+            ],
+        }
 
 
 def cluster_from_json(data: dict[str, Any]) -> Cluster:

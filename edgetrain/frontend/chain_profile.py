@@ -21,6 +21,7 @@ from edgetrain.core.chain import Chain, Stage
 from edgetrain.frontend.cuts import check_sequential
 from edgetrain.frontend.device_speed import DeviceSpeed
 from edgetrain.frontend.meta_copies import on_meta
+from edgetrain.frontend.scratch import OpScratch, measure_scratch, scratch_of
 from edgetrain.frontend.stage_measure import Measured, Timer, measure_held, profile_stage
 from edgetrain.frontend.step_peaks import plain_step_peaks, preserved
 
@@ -37,13 +38,17 @@ def profile_stages(
     flops: bool = True,
     plain_step: bool = True,
     speed: DeviceSpeed | None = None,
+    scratch: bool = False,
 ) -> Chain:
+    """The chain of ``model``'s stages; ``scratch``: with each stage's kernel scratch (see
+    :mod:`edgetrain.frontend.scratch`), else none."""
     check_sequential(model)
     assert isinstance(model, nn.Sequential)
     measured: list[tuple[str, nn.Module, int, Measured]] = []
     # On meta tensors a stage's costs follow from its structure and input shape alone, so
     # identical stages (the repeated blocks of a ResNet) are profiled once.
-    memo: dict[tuple[str, str, bool, bool], tuple[Measured, Any]] = {}
+    memo: dict[tuple[str, str, bool, bool], tuple[Measured, Any, OpScratch | None]] = {}
+    calls: list[OpScratch | None] = []  # each stage's kinds of operator call
     index_of = {id(p): i for i, p in enumerate(model.parameters())}
     what = f"{'measuring' if timer is not None else 'sizing'} the stages of {type(model).__name__}"
     if timer is None and on_meta(model):
@@ -62,12 +67,13 @@ def profile_stages(
             key = (module_key(module), signature(x), needs_grad, last)
             stage_input, stage_needs = x, needs_grad
             if timer is None and key in memo and not _shares_parameters(module, measured):
-                known, out = memo[key]
+                known, out, ops = memo[key]
                 # The twin's parameters all got gradients, or none did: so do this one's.
                 trainable = {id(p) for p in module.parameters() if p.requires_grad}
                 result = replace(known, param_grad_ids=trainable if known.param_grad_ids else set())
                 x = empty_like(out)
             else:
+                ops = OpScratch() if scratch else None
                 result, x = profile_stage(
                     name,
                     module,
@@ -79,10 +85,12 @@ def profile_stages(
                     stage_params(module, index_of),
                     last,
                     speed,
+                    ops,
                 )
                 if timer is None:
-                    memo[key] = (result, x)
+                    memo[key] = (result, x, ops)
             measured.append((name, module, span, result))
+            calls.append(ops)
             needs_grad = result.output_requires_grad
             if result.gradient_outputs > 1 and not last:
                 # Its held peaks serve its twins (identical stages on meta tensors) too.
@@ -92,6 +100,9 @@ def profile_stages(
             measure_held(measured, pending, held_memo, index_of, complete=last)
         done(detail="one step of plain autograd")
         autograd_peaks = plain_step_peaks(model, sample_input) if plain_step else None
+        if scratch:
+            done(detail="the kernels' scratch")
+            measured = _with_scratch(measured, calls)
     stages = stage_records(measured)
     return Chain(
         stages=tuple(stages),
@@ -100,6 +111,33 @@ def profile_stages(
         name=type(model).__name__,
         autograd_peak_bytes=autograd_peaks,
     )
+
+
+def _with_scratch(
+    measured: list[tuple[str, nn.Module, int, Measured]], calls: list[OpScratch | None]
+) -> list[tuple[str, nn.Module, int, Measured]]:
+    """Each stage's measures with its kernel scratch: the most any kind of call of its forward,
+    and of its backward, takes (each kind measured once, see :mod:`edgetrain.frontend.scratch`)."""
+    pending = {}
+    for ops in calls:
+        if ops is not None:
+            pending.update(ops.pending)
+    measure_scratch(pending)
+    return [
+        (name, module, span, r)
+        if ops is None
+        else (
+            name,
+            module,
+            span,
+            replace(
+                r,
+                forward_scratch_bytes=scratch_of(ops.forward),
+                backward_scratch_bytes=scratch_of(ops.backward),
+            ),
+        )
+        for (name, module, span, r), ops in zip(measured, calls, strict=True)
+    ]
 
 
 def _shares_parameters(module: nn.Module, measured: list[tuple[str, nn.Module, int, Any]]) -> bool:
@@ -180,6 +218,8 @@ def stage_records(measured: list[tuple[str, nn.Module, int, Measured]]) -> list[
             gradient_from=r.gradient_from,
             reads_updated_buffers=r.reads_updated_buffers,
             retained_bytes=r.retained_bytes,
+            forward_scratch_bytes=r.forward_scratch_bytes,
+            backward_scratch_bytes=r.backward_scratch_bytes,
             caller_gradients=r.caller_gradients,
         )
         for k, (name, module, span, r) in enumerate(measured)

@@ -12,10 +12,13 @@ five sizes, from calls of a few microseconds, and an operator's seconds are inte
 them on log scales (beyond them, at the nearest size's rate). Convolutions are timed dense and
 depthwise, forward and backward apart, against their work as the FLOP counter counts it.
 :func:`device_speed` times them once per machine, torch version and thread count (a second or
-two) and keeps them in the cache directory (:func:`edgetrain.cache.cache_dir`; a file for each,
+two) and keeps them in the cache directory (:mod:`edgetrain.cache`; a file for each,
 :func:`cache_path`), written atomically with a checksum that is verified when read: a damaged or
 foreign file is measured again. ``$EDGETRAIN_DEVICE_SPEED`` (a JSON object of
-:class:`DeviceSpeed`'s fields) sets them instead.
+:class:`DeviceSpeed`'s fields) sets them instead. Calls the timed operators do not predict (a
+BatchNorm, a pooling, dropout) are timed themselves, once per kind of call
+(:mod:`edgetrain.frontend.call_seconds`), unless a speed given that way leaves out
+``"times_calls": true``.
 
 :class:`OpSeconds` (a ``TorchDispatchMode``) adds up the predicted seconds of the operators run
 inside it; it works on meta tensors, so a stage is timed from shapes alone.
@@ -24,12 +27,10 @@ inside it; it works on meta tensors, so a stage is timed from shapes alone.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import json
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -42,8 +43,9 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from edgetrain import progress
 from edgetrain.autograd.storage_counter import tensors_in
-from edgetrain.cache import cache_dir
+from edgetrain.cache import machine, measured_path, measured_text, read_measured
 from edgetrain.core.schedule import atomic_write_text
+from edgetrain.frontend.call_seconds import call_seconds
 
 CACHE_FILE = "device_speed.json"
 """The cache file's name pattern: ``device_speed-<machine hash>.json``, one per machine, torch
@@ -98,9 +100,17 @@ class DeviceSpeed:
     conv_backward_flops: Points | None = None  # their backward (both gradients); None: as forward
     depthwise_flops: Points | None = None  # grouped convolutions' forward; None: as dense
     depthwise_backward_flops: Points | None = None  # their backward; None: as dense
+    times_calls: bool = False  # the calls no FLOP formula or byte count predicts are timed
 
     def op_seconds(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
-        """Predicted seconds of one call of ``func`` that returned ``out``."""
+        """Predicted seconds of one call of ``func`` that returned ``out``: with
+        ``times_calls``, a call no FLOP formula or byte count predicts (a BatchNorm, a pooling)
+        at its time measured on this machine (:mod:`edgetrain.frontend.call_seconds`; at least
+        ``seconds_per_op``), else from the timed operators."""
+        if self.times_calls:
+            measured = call_seconds(func, args, kwargs)
+            if measured is not None:
+                return max(measured, self.seconds_per_op)
         packet = func._overloadpacket
         count = flop_registry.get(packet)
         if count is not None:
@@ -154,6 +164,7 @@ class DeviceSpeed:
             points(data["elementwise_bytes"]),
             per_op,
             **optional,
+            times_calls=bool(data.get("times_calls", False)),
         )
 
 
@@ -267,43 +278,36 @@ def measure_speed() -> DeviceSpeed:
             "conv_backward_flops": conv_backward,
             "depthwise_flops": depthwise,
             "depthwise_backward_flops": depthwise_backward,
+            "times_calls": True,
         }
     )
 
 
 def _machine() -> str:
-    return (
-        f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|torch {torch.__version__}"
-        f"|threads {torch.get_num_threads()}"
-        f"|sizes {len(SIDES)}.{len(CONVOLUTIONS)}.{len(NUMELS)}|convolutions 3"
+    return machine(
+        f"torch {torch.__version__}",
+        f"threads {torch.get_num_threads()}",
+        f"sizes {len(SIDES)}.{len(CONVOLUTIONS)}.{len(NUMELS)}",
+        "convolutions 3",
+        "calls timed",
     )
-
-
-def _digest(payload: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
 def _read(path: os.PathLike[str] | str) -> DeviceSpeed | None:
     """The cached rates for this machine, or None (missing, another machine, damaged)."""
+    values = read_measured(path, _machine())
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-        payload = data["speed"]
-        if data["sha256"] != _digest(payload) or payload.pop("machine") != _machine():
-            return None
-        return DeviceSpeed.from_dict(payload)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None if values is None else DeviceSpeed.from_dict(values)
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 _memo: dict[str, DeviceSpeed] = {}
 
 
-def cache_path(machine: str | None = None) -> Path:
-    """Where the rates of ``machine`` (default: this one, :func:`_machine`) are kept."""
-    key = hashlib.sha256((machine or _machine()).encode()).hexdigest()[:12]
-    stem, suffix = os.path.splitext(CACHE_FILE)
-    return cache_dir() / f"{stem}-{key}{suffix}"
+def cache_path(key: str | None = None) -> Path:
+    """Where the rates of machine ``key`` (default: this one, :func:`_machine`) are kept."""
+    return measured_path(CACHE_FILE, key or _machine())
 
 
 def device_speed() -> DeviceSpeed:
@@ -312,17 +316,15 @@ def device_speed() -> DeviceSpeed:
     given = os.environ.get(ENV)
     if given is not None:
         return DeviceSpeed.from_dict(json.loads(given))
-    machine = _machine()
-    if machine in _memo:
-        return _memo[machine]
-    path = cache_path(machine)
+    key = _machine()
+    if key in _memo:
+        return _memo[key]
+    path = cache_path(key)
     speed = _read(path)
     if speed is None:
         with progress.task("measuring this machine's speed (matrix products, convolutions)"):
             speed = measure_speed()
-        payload = {"machine": machine, **asdict(speed)}
-        text = json.dumps({"speed": payload, "sha256": _digest(payload)}, indent=1) + "\n"
         with contextlib.suppress(OSError):  # unwritable: measured again by the next process
-            atomic_write_text(path, text)
-    _memo[machine] = speed
+            atomic_write_text(path, measured_text(key, asdict(speed)))
+    _memo[key] = speed
     return speed

@@ -12,8 +12,9 @@ Both measure memory with :class:`~edgetrain.autograd.storage_counter.StorageCoun
 exactly as the
 executor does (:mod:`edgetrain.autograd.stages`), so a measured chain and its analytic twin agree
 on every
-byte count, and both agree with what :class:`~edgetrain.runtime.checkpointed.Checkpointed` then
-holds.
+tensor byte count, and both agree with what :class:`~edgetrain.runtime.checkpointed.Checkpointed`
+then holds. A measured chain also carries each stage's kernel scratch, from the allocator's
+record (:mod:`edgetrain.frontend.scratch`); a chain from shapes has none.
 Profiling leaves the model as it found it: BatchNorm statistics, gradients and the RNG state are
 restored afterwards.
 """
@@ -89,10 +90,12 @@ def profile_chain(
             return modelled
         progress.note(f"measuring the stages of {type(model).__name__}: {modelled}")
     if not autocast:
-        chain = profile_stages(model, sample_input, timer=Timer(repeats))
+        chain = profile_stages(model, sample_input, timer=Timer(repeats), scratch=True)
         return chain if _sized_alike_on_meta(chain, model, sample_input) else _unsized(chain)
     with autocasting(autocast):
-        chain = profile_stages(model, sample_input, timer=Timer(repeats), plain_step=False)
+        chain = profile_stages(
+            model, sample_input, timer=Timer(repeats), plain_step=False, scratch=True
+        )
     return replace(chain, autocast=autocast_label(autocast))
 
 
@@ -130,7 +133,9 @@ def _modelled(model: nn.Module, sample_input: Any) -> Chain | str:
     try:
         twin = meta_copy(model)
         with cpu_kernels() as unlike_cpu, MetaMemo():
-            chain = profile_stages(twin, to_meta(sample_input), timer=None, speed=speed)
+            chain = profile_stages(
+                twin, to_meta(sample_input), timer=None, speed=speed, scratch=True
+            )
     except (TypeError, NotImplementedError, RuntimeError, InvalidInput, copy.Error) as exc:
         return f"not sized on meta tensors ({str(exc).splitlines()[0][:80]})"
     if unlike_cpu:
@@ -222,10 +227,17 @@ def merged_chain(
     sized unlike the CPU) on the sample's own device, as the executor will run them."""
     bounds = [*first, chain.length]
     # Its own stages only: the chain's plain step does not apply to it (set to None below).
-    sized = _sized_on_meta(nn.Sequential(*modules), sample_input)
+    # Its kernels' scratch as the chain has it: measured, or none (a chain from shapes).
+    scratch = any(s.forward_scratch_bytes or s.backward_scratch_bytes for s in chain.stages)
+    sized = _sized_on_meta(nn.Sequential(*modules), sample_input, scratch=scratch)
     if sized is None:
         sized = profile_stages(
-            nn.Sequential(*modules), sample_input, timer=None, flops=False, plain_step=False
+            nn.Sequential(*modules),
+            sample_input,
+            timer=None,
+            flops=False,
+            plain_step=False,
+            scratch=scratch,
         )
     if sized.length != len(modules):
         return None
@@ -247,7 +259,7 @@ def merged_chain(
     return replace(chain, stages=tuple(stages), autograd_peak_bytes=None)
 
 
-def _sized_on_meta(model: nn.Module, sample_input: Any) -> Chain | None:
+def _sized_on_meta(model: nn.Module, sample_input: Any, *, scratch: bool) -> Chain | None:
     """``model``'s stages sized (not timed) on meta tensors; None where meta tensors would not
     size them as the sample's device runs them (see :func:`merged_chain`)."""
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
@@ -256,7 +268,12 @@ def _sized_on_meta(model: nn.Module, sample_input: Any) -> Chain | None:
         twin = meta_copy(model)
         with cpu_kernels() as unlike_cpu, MetaMemo():
             sized = profile_stages(
-                twin, to_meta(sample_input), timer=None, flops=False, plain_step=False
+                twin,
+                to_meta(sample_input),
+                timer=None,
+                flops=False,
+                plain_step=False,
+                scratch=scratch,
             )
     except (TypeError, NotImplementedError, RuntimeError, InvalidInput, copy.Error):
         return None

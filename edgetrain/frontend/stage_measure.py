@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.autograd.buffer_state import BufferFlow
@@ -116,6 +117,8 @@ class Measured:
     backward_peaks_held: tuple[int, int] | None = None
     reads_updated_buffers: bool = False
     retained_bytes: int = 0
+    forward_scratch_bytes: int = 0
+    backward_scratch_bytes: int = 0
     caller_gradients: tuple[int, ...] | None = None  # the last stage's: see Stage
 
 
@@ -192,10 +195,14 @@ def profile_stage(
     params: StageParams,
     last: bool = False,
     speed: DeviceSpeed | None = None,
+    calls: TorchDispatchMode | None = None,
 ) -> tuple[Measured, Any]:
+    """One stage's measures and its output; ``calls`` (an
+    :class:`~edgetrain.frontend.scratch.OpScratch`) sees the operator calls of the passes that
+    size it (not those that time it)."""
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
-    with counter:
+    with counter, calls or nullcontext():
         base = counter.reset_peak()
         with layer_outputs:
             out = run_forward(module, x, stage=index, name=name)

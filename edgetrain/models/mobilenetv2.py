@@ -57,14 +57,22 @@ class InvertedResidual(nn.Module):
 
 
 class MobileNetV2(nn.Module):
-    """MobileNetV2 with width multiplier ``width`` (1.0 is the paper's network)."""
+    """MobileNetV2 with width multiplier ``width`` (1.0 is the paper's network) and the
+    inverted-residual stages of ``settings`` (rows of :data:`SETTINGS`; a prefix such as
+    ``SETTINGS[:3]`` gives a shallower network of the same kinds of block)."""
 
-    def __init__(self, num_classes: int = 1000, width: float = 1.0, dropout: float = 0.2) -> None:
+    def __init__(
+        self,
+        num_classes: int = 1000,
+        width: float = 1.0,
+        dropout: float = 0.2,
+        settings: tuple[tuple[int, int, int, int], ...] = SETTINGS,
+    ) -> None:
         super().__init__()
         cin = _round(32 * width)
         last = _round(1280 * max(1.0, width))
         layers: list[nn.Module] = [_conv_bn_relu6(3, cin, 3, stride=2)]
-        for t, c, n, s in SETTINGS:
+        for t, c, n, s in settings:
             cout = _round(c * width)
             for i in range(n):
                 layers.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))

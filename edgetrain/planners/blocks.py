@@ -203,7 +203,7 @@ def _candidates(
         # the forward phase leaves held. The DP counts a tensor carried across a cut (the skip)
         # at every cut, so its budgets run to twice the simulated store-all peak; to the
         # nearest slot as well as up.
-        peak = simulate(sub, store_all(sub), grads_exist=grads_exist).peak_bytes
+        peak = simulate(sub, store_all(sub), grads_exist=grads_exist).heap_peak_bytes
         for rest in (0, peak // 2, peak, 2 * peak) if followed else (0,):
             plans += _dp_plans(sub, rest, grads_exist, slots)
     out: list[tuple[str, Ops, Ops]] = []
@@ -233,7 +233,7 @@ def _dp_plans(sub: Chain, rest: int, grads_exist: bool, slots: int) -> list[tupl
             backward_peak_bytes=rest,
         )
         chain = Chain((*sub.stages, tail), sub.input_bytes, sub.input_requires_grad)
-    peak = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
+    peak = simulate(chain, store_all(chain), grads_exist=grads_exist).heap_peak_bytes
     slot_bytes, count = resolution(chain, max(2 * peak, 1), slots)
     plans: list[tuple[Ops, Ops]] = []
     # Each rounding's costs once, for the comparison and the table.

@@ -51,8 +51,9 @@ LEAST_MARGIN = 1.1
 
 @dataclass(frozen=True)
 class Point:
-    """One plan of a frontier: its simulated peak (bytes above what the step starts with), time
-    (seconds) and recompute factor (time over plain autograd's)."""
+    """One plan of a frontier: its simulated peak (bytes above what the step starts with, kernel
+    scratch included: ``Cost.heap_peak_bytes``), time (seconds) and recompute factor (time over
+    plain autograd's)."""
 
     peak_bytes: int
     seconds: float
@@ -129,13 +130,13 @@ class Frontier:
 def pareto(costs: Iterable[tuple[Cost, Schedule]], plain_seconds: float) -> tuple[Point, ...]:
     """The plans no other beats in both peak and time, by peak ascending (ties in peak: the
     fastest; ties in both: the one with fewer operations)."""
-    ordered = sorted(costs, key=lambda cs: (cs[0].peak_bytes, cs[0].seconds, len(cs[1])))
+    ordered = sorted(costs, key=lambda cs: (cs[0].heap_peak_bytes, cs[0].seconds, len(cs[1])))
     points: list[Point] = []
     for cost, schedule in ordered:
         if points and cost.seconds >= points[-1].seconds * (1 - 1e-12):
             continue
         factor = cost.seconds / plain_seconds if plain_seconds > 0 else 1.0
-        points.append(Point(cost.peak_bytes, cost.seconds, factor, schedule))
+        points.append(Point(cost.heap_peak_bytes, cost.seconds, factor, schedule))
     return tuple(points)
 
 
@@ -158,7 +159,7 @@ class Measured:
 
     def add(self, schedules: Iterable[Schedule]) -> float:
         """Simulate ``schedules``; the least peak among them (inf: none)."""
-        return min((self.cost(s).peak_bytes for s in schedules), default=math.inf)
+        return min((self.cost(s).heap_peak_bytes for s in schedules), default=math.inf)
 
 
 def frontier_of(
@@ -204,7 +205,7 @@ def maker_plans(maker: TableMaker, slots: int, measured: Measured) -> bool:
        smallest budgets are (where that is finer than the first tables').
     """
     chain = maker.chain
-    top = max(measured.cost(maker.everything()).peak_bytes, 1)
+    top = max(measured.cost(maker.everything()).heap_peak_bytes, 1)
     slot_bytes, count = maker.resolution(top, slots)
     unit = common_unit(chain) if maker.unit < 0 else maker.unit
     exact = bool(unit) and slot_bytes == unit
@@ -213,7 +214,7 @@ def maker_plans(maker: TableMaker, slots: int, measured: Measured) -> bool:
         found += table_plans(maker.table(slot_bytes, count, nearest=True))
     least = measured.add(found)
     if found and any(stage.carried for stage in chain.stages):
-        reach = max(measured.cost(s).peak_bytes for s in found)
+        reach = max(measured.cost(s).heap_peak_bytes for s in found)
         if 0 < reach < 0.95 * top:
             wide, wide_count = maker.resolution(top * min(4.0, top / reach), slots)
             least = min(least, measured.add(table_plans(maker.table(wide, wide_count))))

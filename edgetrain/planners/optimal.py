@@ -171,7 +171,7 @@ def _fastest_within(maker: TableMaker, memory_bytes: float, slots: int) -> Sched
     """:func:`optimal`'s search; None when nothing fits."""
     chain = maker.chain
     everything = maker.everything()
-    if simulate(chain, everything, grads_exist=maker.grads_exist).peak_bytes <= memory_bytes:
+    if simulate(chain, everything, grads_exist=maker.grads_exist).heap_peak_bytes <= memory_bytes:
         schedule = everything  # nothing is faster than storing everything
     else:
         slot_bytes, count = maker.resolution(memory_bytes, slots)
@@ -231,7 +231,7 @@ def _widened(maker: TableMaker, memory_bytes: float, slots: int, found: Schedule
     reach = memory_bytes
     best, best_time = found, simulate(chain, found, grads_exist=grads_exist).seconds
     for _ in range(3):
-        peak = simulate(chain, found, grads_exist=grads_exist).peak_bytes
+        peak = simulate(chain, found, grads_exist=grads_exist).heap_peak_bytes
         if peak >= _WIDEN_BELOW * memory_bytes or peak <= 0:
             break
         reach *= memory_bytes / peak
@@ -262,7 +262,7 @@ def fastest_fitting(
             continue  # the same plan as another budget's
         tried.add(key)
         if (
-            simulate(table.chain, schedule, grads_exist=table.grads_exist).peak_bytes
+            simulate(table.chain, schedule, grads_exist=table.grads_exist).heap_peak_bytes
             <= memory_bytes
         ):
             return schedule
@@ -273,7 +273,7 @@ def _least_memory_table(maker: TableMaker, slots: int) -> OptimalTable:
     """A table at the resolution of the least memory any plan needs (estimated at the
     resolution of the store-everything peak)."""
     chain = maker.chain
-    everything = simulate(chain, store_all(chain), grads_exist=maker.grads_exist).peak_bytes
+    everything = simulate(chain, store_all(chain), grads_exist=maker.grads_exist).heap_peak_bytes
     slot_bytes, count = maker.resolution(max(everything, 1), slots)
     coarse = maker.table(slot_bytes, count)
     fewest = coarse.smallest_feasible_slots()
@@ -289,7 +289,7 @@ def _least_memory_tables(maker: TableMaker, slots: int) -> tuple[OptimalTable, O
     least-memory table, and a table rounded to the nearest slot at the resolution of the
     store-everything peak."""
     chain = maker.chain
-    everything = simulate(chain, store_all(chain), grads_exist=maker.grads_exist).peak_bytes
+    everything = simulate(chain, store_all(chain), grads_exist=maker.grads_exist).heap_peak_bytes
     slot_bytes, count = maker.resolution(max(everything, 1), slots)
     near = maker.table(slot_bytes, count, nearest=True)
     return _least_memory_table(maker, slots), near
@@ -305,11 +305,11 @@ def least_memory(maker: TableMaker, slots: int = DEFAULT_SLOTS) -> float:
     """:func:`minimum_memory` with the tables of ``maker``."""
     chain = maker.chain
     grads_exist = maker.grads_exist
-    best = float(simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes)
+    best = float(simulate(chain, store_all(chain), grads_exist=grads_exist).heap_peak_bytes)
     for table in _least_memory_tables(maker, slots):
         times = table.times()
         for m in np.flatnonzero(np.isfinite(times))[:64]:
-            peak = simulate(chain, table.schedule(int(m)), grads_exist=grads_exist).peak_bytes
+            peak = simulate(chain, table.schedule(int(m)), grads_exist=grads_exist).heap_peak_bytes
             best = min(best, float(peak))
     return best
 
@@ -326,6 +326,8 @@ def common_unit(chain: Chain) -> int:
             stage.backward_peak_bytes,
             stage.gradient_bytes,
             stage.shared_gradient_bytes,
+            stage.forward_scratch_bytes,
+            stage.backward_scratch_bytes,
             chain.gradient_of_activation_bytes(k),
         ):
             unit = math.gcd(unit, size)

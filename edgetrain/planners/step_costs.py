@@ -116,9 +116,8 @@ def chain_costs(chain: Chain, slot_bytes: float, grads_exist: bool, nearest: boo
     extra = up([s.saved_bytes for s in stages])
     saved_in = up([chain.saved_input_bytes(k) for k in range(n)])
     saved_out = up([chain.saved_output_bytes(k) for k in range(n)])
-    fwd_peak = up([s.forward_peak_bytes for s in stages])
-    fwd_grad_peak = up([s.forward_grad_peak_bytes for s in stages])
-    bwd_peak = up([s.backward_peak(grads_exist) for s in stages])
+    transients = [s.heap_transients(grads_exist) for s in stages]  # kernel scratch included
+    fwd_peak, fwd_grad_peak, bwd_peak = (up(list(peaks)) for peaks in zip(*transients, strict=True))
     fwd_time = np.array([s.forward_seconds for s in stages], dtype=np.float64)
     bwd_time = np.array([s.backward_seconds for s in stages], dtype=np.float64)
     s = np.arange(n)

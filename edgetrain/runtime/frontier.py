@@ -27,7 +27,8 @@ class FrontierPoint:
         budget_bytes: the budget it plans in: ``fixed_bytes`` + its activation peak (for a
             model, what ``Checkpointed(memory_budget=...)`` takes; for a chain with no fixed
             part, what ``plan(memory=...)`` takes).
-        activation_bytes: its simulated peak above what the step starts with.
+        activation_bytes: its simulated peak above what the step starts with, the kernels'
+            scratch included (``Cost.heap_peak_bytes``).
         recompute_factor: its time over plain autograd's.
         seconds: its predicted time (the chain's stage times).
     """

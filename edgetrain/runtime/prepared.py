@@ -5,6 +5,7 @@ the operations of each phase decoded once (:class:`PreparedPlan`), and how
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -193,7 +194,7 @@ class Preparing:
                 # for (its planner's budget, else its own peak), not for storing everything.
                 made_for = schedule.params.get("budget_bytes")
                 self._given_bytes = (
-                    made_for if isinstance(made_for, int) else self._costs[False].peak_bytes
+                    made_for if isinstance(made_for, int) else self._costs[False].heap_peak_bytes
                 )
             return
         if self._rule is not None:
@@ -254,7 +255,7 @@ class Preparing:
             raise InvalidSchedule(f"the plan does not fit this model: {exc}") from exc
         if self._device is not None:
             limit = self._device - self.reserve_bytes
-            worst = self.fixed_bytes + self._costs[self.grads_exist].peak_bytes
+            worst = self.fixed_bytes + self._costs[self.grads_exist].heap_peak_bytes
             if worst > limit:
                 raise InfeasibleBudget(
                     f"the given plan needs {format_bytes(worst)}, more than "
@@ -345,8 +346,14 @@ class Preparing:
             return self._merged_costs(schedule, chosen)
 
         def over(cost: dict[bool, Cost]) -> int:
-            """How far the worse of the two loops is above what it allows (bytes)."""
-            return max(c.peak_bytes - allowed[e] for e, c in cost.items())
+            """How far the worse of the two loops is above what it allows (bytes): its tensors
+            or its heap, whichever is further."""
+            return math.ceil(
+                max(
+                    max(c.peak_bytes - allowed[e][0], c.heap_peak_bytes - allowed[e][1])
+                    for e, c in cost.items()
+                )
+            )
 
         def fits(chosen: list[GraphRun]) -> bool:
             return over(costs(chosen)) <= 0
@@ -407,18 +414,26 @@ class Preparing:
             by_first = dict(zip(first, sized.stages, strict=True))
             as_one.update({run: by_first[run.first] for run in candidates})
 
-    def _merge_allowed(self, schedule: Schedule) -> dict[bool, int]:
-        """Per training loop, the peak a plan with runs merged may have (see :meth:`_merge`)."""
-        allowed = {e: int(c.peak_bytes * (1 + MERGE_GROWTH)) for e, c in self._costs.items()}
+    def _merge_allowed(self, schedule: Schedule) -> dict[bool, tuple[float, float]]:
+        """Per training loop, the tensor peak and the heap peak (tensors and kernel scratch) a
+        plan with runs merged may have (see :meth:`_merge`): the heap within ``memory_budget``
+        when one is given; else the tensors within :data:`MERGE_GROWTH` of the plan's own and
+        the heap within the budget a given plan was made for. Without a budget the heap is not
+        bounded by the plan's own: a run's scratch counts in full on top of its merged peak (a
+        bound), which is more than the stages one by one count."""
         planned_for = schedule.params.get("budget_bytes")  # the planner's, for a given plan
+        allowed: dict[bool, tuple[float, float]] = {}
         for exist, cost in self._costs.items():
             if self._device is not None:
                 # What a step starts with in this loop (see fixed_bytes), and the reserve.
                 grads = 0 if exist else self.chain.gradient_bytes
                 fixed = fixed_training_bytes(self.chain) - grads + self.reserve_bytes
-                allowed[exist] = max(cost.peak_bytes, self._device - fixed)
-            elif isinstance(planned_for, int):
-                allowed[exist] = min(allowed[exist], max(cost.peak_bytes, planned_for))
+                allowed[exist] = (math.inf, max(cost.heap_peak_bytes, self._device - fixed))
+            else:
+                heap = math.inf
+                if isinstance(planned_for, int):
+                    heap = max(cost.heap_peak_bytes, planned_for)
+                allowed[exist] = (cost.peak_bytes * (1 + MERGE_GROWTH), heap)
         return allowed
 
     def _merged_costs(self, schedule: Schedule, chosen: list[GraphRun]) -> dict[bool, Cost]:
@@ -429,7 +444,7 @@ class Preparing:
         stages = tuple(merged.get(k, self.chain.stages[k]) for k in starts)
         chain = replace(self.chain, stages=stages, autograd_peak_bytes=None)
         return {
-            exist: replace(fine, peak_bytes=simulate(chain, plan, grads_exist=exist).peak_bytes)
+            exist: _peaks_of(fine, simulate(chain, plan, grads_exist=exist))
             for exist, fine in self._costs.items()
         }
 
@@ -459,7 +474,7 @@ class Preparing:
             if peaks is not None:
                 one = replace(self.chain, stages=(as_one[chosen[0]],), autograd_peak_bytes=peaks)
                 direct = {
-                    e: replace(c, peak_bytes=simulate(one, plan, grads_exist=e).peak_bytes)
+                    e: _peaks_of(c, simulate(one, plan, grads_exist=e))
                     for e, c in self._costs.items()
                 }
                 self._one_graph_excess = over(direct)
@@ -468,3 +483,9 @@ class Preparing:
                     self._exec_chain = one
         if self._one_graph_excess is not None and self._one_graph_excess <= 0:
             self._one_graph_excess = None
+
+
+def _peaks_of(cost: Cost, run: Cost) -> Cost:
+    """``cost`` (the plan's time, steps and recompute factor) with the peaks of ``run`` (the
+    plan as it runs, runs merged): tensors and the heap beyond them."""
+    return replace(cost, peak_bytes=run.peak_bytes, heap_extra_bytes=run.heap_extra_bytes)

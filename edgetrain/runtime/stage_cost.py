@@ -9,8 +9,8 @@ run stage by stage through :class:`~edgetrain.runtime.checkpointed.Checkpointed`
 step of plain
 autograd, in paired rounds (the median of the per-round differences of process CPU time, which
 other processes on the machine do not inflate), per stage operation. It is
-measured once and kept in the cache directory (``$EDGETRAIN_CACHE_DIR``, else the user's cache),
-per machine and torch version; ``$EDGETRAIN_STAGE_SECONDS`` sets it instead.
+measured once and kept in the cache directory (:mod:`edgetrain.cache`: a file per machine and
+torch version, with a checksum verified when read); ``$EDGETRAIN_STAGE_SECONDS`` sets it instead.
 
 :func:`with_stage_cost` is the chain whose stages each cost that much more, forward and backward:
 a plan made on it under ``max_recompute=rho`` (with ``rho`` scaled to that chain's plain time,
@@ -30,13 +30,11 @@ it, and :func:`within_time` ranks plans by their compute and that price.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from edgetrain.cache import cache_dir
+from edgetrain.cache import machine, measured_path, measured_text, read_measured
 from edgetrain.core.chain import Chain
 from edgetrain.core.graph_merge import GraphRun, graph_runs, merged_schedule
 from edgetrain.core.schedule import Op, Schedule, atomic_write_text, made_for
@@ -56,21 +54,18 @@ _memo: dict[str, float] = {}
 def _machine() -> str:
     import torch
 
-    return f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|torch {torch.__version__}"
+    return machine(f"torch {torch.__version__}")
 
 
 def _read(path: os.PathLike[str] | str, key: str = "stage_seconds") -> float | None:
     """The cached value of ``key`` for this machine, or None (missing, another machine,
-    damaged)."""
+    damaged, out of range)."""
+    values = read_measured(path, _machine()) or {}
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-        value = float(data[key])
-    except (OSError, ValueError, KeyError, TypeError):
+        value = float(values[key])
+    except (KeyError, TypeError, ValueError):
         return None
-    if data.get("machine") != _machine() or not 0.0 <= value < 0.1:
-        return None
-    return value
+    return value if 0.0 <= value < 0.1 else None
 
 
 def _cached(keys: tuple[str, ...], measure: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
@@ -81,7 +76,7 @@ def _cached(keys: tuple[str, ...], measure: Callable[[], tuple[float, ...]]) -> 
         return tuple(float(value) for value in given if value is not None)
     if all(key in _memo for key in keys):
         return tuple(_memo[key] for key in keys)
-    path = cache_dir() / CACHE_FILE
+    path = measured_path(CACHE_FILE, _machine())
     values = tuple(_read(path, key) for key in keys)
     if any(value is None for value in values):
         measured = measure()
@@ -89,7 +84,7 @@ def _cached(keys: tuple[str, ...], measure: Callable[[], tuple[float, ...]]) -> 
         kept = {k: v for k, v in known.items() if v is not None}
         kept |= dict(zip(keys, measured, strict=True))
         with contextlib.suppress(OSError):  # unwritable: measured again by the next process
-            atomic_write_text(path, json.dumps({"machine": _machine(), **kept}) + "\n")
+            atomic_write_text(path, measured_text(_machine(), kept))
         values = measured
     _memo.update(zip(keys, values, strict=True))
     return tuple(v for v in values if v is not None)

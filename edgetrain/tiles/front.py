@@ -1,12 +1,13 @@
 """The tiled front of a graph model and where it ends: geometry and cost (pure: no torch).
 
 A captured model is a list of operations in topological order. Every feature map of the *front*
-is cut by the grid the same way (:func:`~edgetrain.tiles.tiling.split` per axis), so tiles of
-two maps of one size line up and element-wise operations, residual additions and channel
-concatenations run tile by tile. A window (convolution, pooling, transposed convolution) reads a
-span of its input per output tile: its halo comes from the ranks that own it (one exchange per
-window). Past the *cut* the rest of the model runs on every rank on the gathered map; global
-average pooling is a sum over tiles, so it needs an all-reduce of one value per channel only.
+is cut by the grid the same way (:meth:`~edgetrain.tiles.grid.Grid.row_spans` per axis, equal
+tiles or the shares of boards that differ), so tiles of two maps of one size line up and
+element-wise operations, residual additions and channel concatenations run tile by tile. A
+window (convolution, pooling, transposed convolution) reads a span of its input per output tile:
+its halo comes from the ranks that own it (one exchange per window). Past the *cut* the rest of
+the model runs on every rank on the gathered map; global average pooling is a sum over tiles, so
+it needs an all-reduce of one value per channel only.
 
 :func:`front_cost` prices a placement of the operations (which run on tiles, which maps are
 gathered, which are summed) with the same device and link model as the grouping optimiser
@@ -27,7 +28,7 @@ from edgetrain.tiles.grouping import (
     small_collective_seconds,
     weight_sync_seconds,
 )
-from edgetrain.tiles.tiling import Region, Span, Transfer, Window, split
+from edgetrain.tiles.tiling import Region, Span, Transfer, Window
 
 
 def transposed_needed(out: Span, window: Window, size: int) -> Span:
@@ -50,7 +51,7 @@ def window_transfers(
 ) -> tuple[Transfer, ...]:
     """Halo messages of one window: rank ``dst`` needs ``needed_rows[i] x needed_cols[j]``
     (clipped) of a map whose tiles the grid owns; who sends which owned pixels to whom."""
-    own_rows, own_cols = split(in_size[0], grid.rows), split(in_size[1], grid.cols)
+    own_rows, own_cols = grid.row_spans(in_size[0]), grid.col_spans(in_size[1])
     out = []
     for dst in range(grid.size):
         i, j = grid.position(dst)
@@ -73,7 +74,7 @@ class FrontOp:
         placement: ``"tiled"`` (on each rank's tile), ``"replicated"`` (whole, on every rank),
             ``"summed"`` (a sum over tiles, then an all-reduce) or ``"none"`` (no tensor work).
         macs: forward multiply-accumulates of the untiled operation.
-        largest_tile_fraction: the largest rank's share of the map (1.0 when replicated).
+        tile_fractions: each rank's share of the map (empty: the whole map on every rank).
         transfers: halo messages of a tiled window, and the bytes of each.
         gathered_bytes: bytes of tiled maps this operation needs whole (all-gathered first).
         summed_bytes: bytes all-reduced by a sum over tiles.
@@ -83,7 +84,7 @@ class FrontOp:
     name: str
     placement: str
     macs: int
-    largest_tile_fraction: float = 1.0
+    tile_fractions: tuple[float, ...] = ()
     transfers: tuple[Transfer, ...] = ()
     transfer_bytes: tuple[int, ...] = ()
     gathered_bytes: int = 0
@@ -127,9 +128,8 @@ def front_cost(
     forward with an all-reduce of their gradient back, sums over tiles, batch-norm statistics
     (two small collectives per layer) and the weight-gradient all-reduce in buckets
     (``gradient_bytes``: each parameter's, the last registered first)."""
-    device, link, ranks = cluster.device, cluster.link, grid.size
-    macs = sum(op.macs * op.largest_tile_fraction for op in ops)
-    compute = macs * (1.0 + device.backward_factor) / device.macs_per_second
+    link, ranks = cluster.link, grid.size
+    compute = max(rank_compute_seconds(ops, cluster, rank) for rank in range(ranks))
     halo = sum(2 * exchange_seconds(op.transfers, list(op.transfer_bytes), link) for op in ops)
     gather = 0.0
     collective = 0.0
@@ -154,6 +154,13 @@ def front_cost(
         2 * sum(sum(op.transfer_bytes) for op in ops),
         sum(op.gathered_bytes for op in ops),
     )
+
+
+def rank_compute_seconds(ops: tuple[FrontOp, ...], cluster: Cluster, rank: int) -> float:
+    """Seconds ``rank`` computes per step (forward and backward) on its own board: its tile's
+    share of every tiled operation and the whole of every other."""
+    macs = sum(op.macs * (op.tile_fractions[rank] if op.tile_fractions else 1.0) for op in ops)
+    return macs * (1.0 + cluster.device.backward_factor) / cluster.macs_per_second(rank)
 
 
 def halo_bytes_sent(ops: tuple[FrontOp, ...], rank: int) -> int:

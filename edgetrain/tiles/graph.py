@@ -41,7 +41,7 @@ from edgetrain.tiles.front import (
 )
 from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.layers import ELEMENTWISE
-from edgetrain.tiles.tiling import Span, Window, split
+from edgetrain.tiles.tiling import Span, Window
 
 TILED, REPLICATED, SUMMED, NONE = "tiled", "replicated", "summed", "none"
 
@@ -269,8 +269,8 @@ def _needs(module: nn.Module, kind: str, size: tuple[int, int], out: tuple[int, 
     window = _window_of(module)
     assert window is not None
     spans = []
-    for axis, parts in ((0, grid.rows), (1, grid.cols)):
-        tiles = split(out[axis], parts)
+    for axis, cut in ((0, grid.row_spans), (1, grid.col_spans)):
+        tiles = cut(out[axis])
         if kind == "transposed":
             spans.append(tuple(transposed_needed(t, window[axis], size[axis]) for t in tiles))
         else:
@@ -338,13 +338,14 @@ def front_ops(infos: tuple[NodeInfo, ...], placement: Placement) -> tuple[FrontO
         name = info.node.name
         placed = placement.where[name]
         size = _map(info)
-        fraction = 1.0
+        fractions: tuple[float, ...] = ()
         transfers: tuple = ()
         transfer_bytes: tuple[int, ...] = ()
         if placed == TILED and size is not None:
-            rows, cols = split(size[0], grid.rows), split(size[1], grid.cols)
-            fraction = (
-                (rows[-1][1] - rows[-1][0]) * (cols[-1][1] - cols[-1][0]) / (size[0] * size[1])
+            rows, cols = grid.row_spans(size[0]), grid.col_spans(size[1])
+            fractions = tuple(
+                (rows[i][1] - rows[i][0]) * (cols[j][1] - cols[j][0]) / (size[0] * size[1])
+                for i, j in map(grid.position, range(grid.size))
             )
             if name in placement.window_needs:
                 source = by_name[info.node.all_input_nodes[0].name]
@@ -365,7 +366,7 @@ def front_ops(infos: tuple[NodeInfo, ...], placement: Placement) -> tuple[FrontO
             bn = info.shape[1] * info.element_bytes
         macs = 0 if placed == NONE else info.macs
         ops.append(
-            FrontOp(name, placed, macs, fraction, transfers, transfer_bytes, gathered, summed, bn)
+            FrontOp(name, placed, macs, fractions, transfers, transfer_bytes, gathered, summed, bn)
         )
     return tuple(ops)
 

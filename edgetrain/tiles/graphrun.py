@@ -28,13 +28,13 @@ from edgetrain.tiles.graph import NONE, SUMMED, TILED, NodeInfo, Placement
 from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.halo import HaloSpec, exchange_halo
 from edgetrain.tiles.tiled import unpadded_window
-from edgetrain.tiles.tiling import Region, Span, split
+from edgetrain.tiles.tiling import Region, Span
 
 
 def tile_region(grid: Grid, rank: int, size: tuple[int, int]) -> Region:
     """``rank``'s tile of a map of ``size`` (height, width)."""
     i, j = grid.position(rank)
-    return Region.of(split(size[0], grid.rows)[i], split(size[1], grid.cols)[j])
+    return Region.of(grid.row_spans(size[0])[i], grid.col_spans(size[1])[j])
 
 
 def _slices(region: Region) -> tuple[slice, slice, slice, slice]:
@@ -51,8 +51,8 @@ class _Gather(torch.autograd.Function):
     def forward(
         ctx: Any, tile: torch.Tensor, grid: Grid, size: tuple[int, int], comm: Comm
     ) -> torch.Tensor:  # type: ignore[override]
-        rows, cols = split(size[0], grid.rows), split(size[1], grid.cols)
-        tallest, widest = rows[-1][1] - rows[-1][0], cols[-1][1] - cols[-1][0]
+        rows, cols = grid.row_spans(size[0]), grid.col_spans(size[1])
+        tallest, widest = max(b - a for a, b in rows), max(b - a for a, b in cols)
         padded = tile.new_zeros(*tile.shape[:2], tallest, widest)
         padded[:, :, : tile.shape[2], : tile.shape[3]] = tile
         whole = tile.new_empty(*tile.shape[:2], *size)

@@ -18,16 +18,53 @@ Grouping = tuple[tuple[int, int], ...]
 """Consecutive layer groups as inclusive ``(first, last)`` layer indices covering every layer."""
 
 
+Span = tuple[int, int]
+"""A half-open range of pixel indices ``[start, stop)`` along one axis."""
+
+
 @dataclass(frozen=True)
 class Grid:
-    """``rows`` × ``cols`` tiles; rank ``r`` is tile ``(r // cols, r % cols)``."""
+    """``rows`` × ``cols`` tiles; rank ``r`` is tile ``(r // cols, r % cols)``.
+
+    ``row_shares`` and ``col_shares`` (empty: equal tiles) are the fraction of every map's height
+    each grid row takes and of its width each grid column takes, for boards that differ in speed
+    or memory (see :func:`split`).
+    """
 
     rows: int
     cols: int
+    row_shares: tuple[float, ...] = ()
+    col_shares: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.rows < 1 or self.cols < 1:
             raise InvalidInput(f"grid {self.rows}x{self.cols} is empty; use e.g. 2x2")
+        for name, shares, parts in (
+            ("row", self.row_shares, self.rows),
+            ("column", self.col_shares, self.cols),
+        ):
+            if shares and (len(shares) != parts or not all(s > 0 for s in shares)):
+                raise InvalidInput(
+                    f"grid {self.rows}x{self.cols} needs {parts} positive {name} shares, got "
+                    f"{list(shares)}; give one per grid {name}"
+                )
+
+    def row_spans(self, size: int) -> tuple[Span, ...]:
+        """The grid rows' spans of a map ``size`` pixels high."""
+        return split(size, self.rows, self.row_shares)
+
+    def col_spans(self, size: int) -> tuple[Span, ...]:
+        """The grid columns' spans of a map ``size`` pixels wide."""
+        return split(size, self.cols, self.col_shares)
+
+    @property
+    def equal(self) -> bool:
+        """Whether every tile takes an equal share (the last row and column the remainder)."""
+        return not self.row_shares and not self.col_shares
+
+    def with_shares(self, rows: Sequence[float], cols: Sequence[float]) -> Grid:
+        """This grid with the row and column shares given (normalised to sum 1)."""
+        return Grid(self.rows, self.cols, _normalised(rows), _normalised(cols))
 
     @property
     def size(self) -> int:
@@ -40,6 +77,43 @@ class Grid:
 
     def __str__(self) -> str:
         return f"{self.rows}x{self.cols}"
+
+    def describe(self) -> str:
+        """``2x2`` or, with shares, ``2x2 (rows 0.62/0.38, cols 0.50/0.50)``."""
+        if self.equal:
+            return str(self)
+        rows = "/".join(f"{s:.2f}" for s in self.row_shares or _normalised([1.0] * self.rows))
+        cols = "/".join(f"{s:.2f}" for s in self.col_shares or _normalised([1.0] * self.cols))
+        return f"{self} (rows {rows}, cols {cols})"
+
+
+def _normalised(shares: Sequence[float]) -> tuple[float, ...]:
+    total = float(sum(shares))
+    return tuple(float(s) / total for s in shares)
+
+
+def split(size: int, parts: int, shares: Sequence[float] = ()) -> tuple[Span, ...]:
+    """Cut ``size`` pixels into ``parts`` spans.
+
+    With no ``shares``: spans of ``size // parts``, the last taking the rest. With shares (one
+    positive number per part), span ``k`` ends at ``round(size * (s_0 + ... + s_k) / total)``,
+    kept at least one pixel long, so a map's tiles follow the shares as closely as whole pixels
+    allow and every map of one size is cut the same way.
+    """
+    step = size // parts
+    if step == 0:
+        raise InvalidInput(f"cannot cut {size} pixels into {parts} tiles; use at most {size}")
+    if not shares:
+        return tuple((i * step, size if i == parts - 1 else (i + 1) * step) for i in range(parts))
+    total, running = float(sum(shares)), 0.0
+    ends: list[int] = []
+    for k in range(parts - 1):
+        running += shares[k]
+        end = round(size * running / total)
+        low = (ends[-1] if ends else 0) + 1
+        ends.append(min(max(end, low), size - (parts - 1 - k)))
+    starts = [0, *ends]
+    return tuple(zip(starts, [*ends, size], strict=True))
 
 
 _GRID = re.compile(r"^\s*(\d+)\s*[xX×*]\s*(\d+)\s*$")

@@ -5,7 +5,7 @@ input) but costs redundant computation (the halo grows with every window it is t
 The cost model prices a group as
 
 * compute: the slowest rank's multiply-accumulates (halo included) × (1 + backward factor) /
-  the device's rate (``Device.macs_per_second``);
+  its board's rate (``Device.macs_per_second``; boards that differ each have their own);
 * halo: forward halos plus the same bytes back as gradient halos. On a switch every device has its
   own full-duplex link, so an exchange takes the largest bytes any rank sends or receives over
   the bandwidth; on a shared medium (Wi-Fi) all transfers queue on one channel. Each message adds
@@ -201,7 +201,9 @@ def group_cost(
         * batch
         for rank in range(ranks)
     ]
-    compute = max(per_rank) * (1.0 + device.backward_factor) / device.macs_per_second
+    compute = max(m / cluster.macs_per_second(r) for r, m in enumerate(per_rank)) * (
+        1.0 + device.backward_factor
+    )
     transfers = group.transfers()
     channels = net.layers[group.first].in_channels
     sizes = [t.region.area * channels * batch * element_bytes for t in transfers]
@@ -268,6 +270,14 @@ def sync_points(net: Network, grid: Grid, grouping: Grouping, rank: int) -> int:
 def plan_cost(plan: TilePlan, cluster: Cluster, batch: int = 1, element_bytes: int = 4) -> StepCost:
     """:func:`step_cost` of an existing plan."""
     return step_cost(plan.network, plan.grid, plan.grouping, cluster, batch, element_bytes)
+
+
+def rank_compute_seconds(plan: TilePlan, cluster: Cluster, batch: int = 1) -> tuple[float, ...]:
+    """Seconds every rank computes per step (forward and backward, halo included) on its board."""
+    factor = batch * (1.0 + cluster.device.backward_factor)
+    return tuple(
+        plan.macs(rank) * factor / cluster.macs_per_second(rank) for rank in range(plan.ranks)
+    )
 
 
 def optimise(

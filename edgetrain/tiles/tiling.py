@@ -22,15 +22,12 @@ All spans are half-open ``(start, stop)`` pixel ranges; sizes are pixels unless 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from edgetrain.errors import InvalidInput
-from edgetrain.tiles.grid import Grid, Grouping, check_grouping
-
-Span = tuple[int, int]
-"""A half-open range of pixel indices ``[start, stop)`` along one axis."""
+from edgetrain.tiles.grid import Grid, Grouping, Span, check_grouping
 
 
 @dataclass(frozen=True)
@@ -245,14 +242,6 @@ class Region:
         return Region(rows[0], rows[1], cols[0], cols[1])
 
 
-def split(size: int, parts: int) -> tuple[Span, ...]:
-    """Cut ``size`` pixels into ``parts`` spans of ``size // parts``; the last takes the rest."""
-    step = size // parts
-    if step == 0:
-        raise InvalidInput(f"cannot cut {size} pixels into {parts} tiles; use at most {size}")
-    return tuple((i * step, size if i == parts - 1 else (i + 1) * step) for i in range(parts))
-
-
 def _map_spans(spans: tuple[Span, ...], stride: int, size: int) -> tuple[Span, ...]:
     """Carry a partition of a layer's output back to its input of ``size`` pixels.
 
@@ -387,12 +376,8 @@ def plan_group(net: Network, grid: Grid, first: int, last: int) -> GroupPlan:
             f"({net.layers[last].name}); use a smaller grid or a larger image"
         )
     windows = net.layers[first : last + 1]
-    rows = _plan_axis(
-        [x.rows for x in windows], [s[0] for s in sizes], split(out_h, grid.rows), first
-    )
-    cols = _plan_axis(
-        [x.cols for x in windows], [s[1] for s in sizes], split(out_w, grid.cols), first
-    )
+    rows = _plan_axis([x.rows for x in windows], [s[0] for s in sizes], grid.row_spans, first)
+    cols = _plan_axis([x.cols for x in windows], [s[1] for s in sizes], grid.col_spans, first)
     return GroupPlan(
         first, last, grid, rows[0], cols[0], rows[1], cols[1], rows[2], cols[2], rows[3], cols[3]
     )
@@ -408,10 +393,12 @@ def _hull(need: Span, own: Span) -> Span:
 
 
 def _plan_axis(
-    windows: list[Window], sizes: list[int], tiles: tuple[Span, ...], first: int
+    windows: list[Window], sizes: list[int], cut: Callable[[int], tuple[Span, ...]], first: int
 ) -> tuple[tuple[tuple[Span, ...], ...], ...]:
-    """Per axis: (computed spans, owned spans, pads, needed spans) at every level of one group."""
+    """Per axis: (computed spans, owned spans, pads, needed spans) at every level of one group,
+    ``cut`` splitting a map of a size among the grid's rows (or columns)."""
     n = len(windows)
+    tiles = cut(sizes[n])
     computed: list[tuple[Span, ...]] = [()] * (n + 1)
     owned: list[tuple[Span, ...]] = [()] * (n + 1)
     pads: list[tuple[Span, ...]] = [()] * n
@@ -429,7 +416,7 @@ def _plan_axis(
             computed[j] = tuple(_hull(a, b) for a, b in zip(needed[j], owned[j], strict=True))
     if first > 0:
         # The group input is the previous group's output: each rank owns its tile of it.
-        owned[0] = split(sizes[0], len(tiles))
+        owned[0] = cut(sizes[0])
     for k in range(1, n + 1):
         for own, held in zip(owned[k], computed[k], strict=True):
             if own[0] < own[1] and not (held[0] <= own[0] and own[1] <= held[1]):

@@ -421,12 +421,21 @@ def _torchrun_job(
     model: nn.Module, name: str, image: tuple[int, int], grid: Grid, args: Any
 ) -> TileJob:
     """The job of ``name``: fused groups for a plain chain, else its graph cut by the cost
-    model."""
+    model; with a profile of boards that differ, its tiles sized for them."""
     from edgetrain.devices import load
+    from edgetrain.tiles.boardcost import balanced_job
+
+    cluster = load(args.profile)
+    job = _equal_job(model, name, image, grid, args, cluster)
+    return balanced_job(job, cluster) if cluster.boards else job
+
+
+def _equal_job(
+    model: nn.Module, name: str, image: tuple[int, int], grid: Grid, args: Any, cluster: Any
+) -> TileJob:
     from edgetrain.tiles.grouping import choose_grouping
     from edgetrain.tiles.supported import CHAIN_MODELS
 
-    cluster = load(args.profile)
     dtype = DTYPES[args.dtype]
     if name not in CHAIN_MODELS:
         from edgetrain.tiles.graph import analyse, choose_cut
@@ -490,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         if comm.rank == 0:
             ranks = [json.loads(store.get(f"edgetrain/result/{r}")) for r in range(comm.size)]
             where = {"cut": job.cut} if job.cut is not None else {}
-            doc = {"grid": str(grid), "groups": format_grouping(job.grouping), **where}
+            doc = {"grid": job.grid.describe(), "groups": format_grouping(job.grouping), **where}
             doc["ranks"] = ranks
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         comm.barrier()

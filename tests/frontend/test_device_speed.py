@@ -33,7 +33,7 @@ def test_the_measurement_is_cached_and_a_damaged_cache_is_measured_again(
     assert path.parent == tmp_path
     assert ds._read(path) == first
     data = json.loads(path.read_text())
-    data["speed"]["seconds_per_op"] *= 2  # the checksum no longer matches
+    data["values"]["seconds_per_op"] *= 2  # the checksum no longer matches
     path.write_text(json.dumps(data))
     assert ds._read(path) is None
     path.write_text("{not json")

@@ -1,4 +1,7 @@
-"""``edgetrain insitu run`` / ``eval`` end to end on a tiny synthetic scene, and bad input."""
+"""``edgetrain insitu run`` / ``eval`` end to end on a tiny synthetic scene, and bad input.
+
+The end-to-end run is a child process, as a user starts it (training lowers its process's
+priority); a refusal before any training runs the same command line in this process."""
 
 from __future__ import annotations
 
@@ -9,10 +12,14 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from click.testing import CliRunner
 
+from edgetrain.cli.main import cli
 from edgetrain.insitu.student import CHECKPOINT
 
 # One xdist worker runs the whole file: its module fixtures (a teacher trained into a fresh
@@ -36,6 +43,29 @@ def edgetrain(args: list[str], cache: Path) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=600,
     )
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What a command run in this process ended with."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def edgetrain_here(args: list[str], cache: Path) -> Refusal:
+    """``edgetrain ARGS`` through the same click entry point, in this process; torch's thread
+    count (which the command sets) is put back after it."""
+    threads = torch.get_num_threads()
+    try:
+        result = CliRunner().invoke(
+            cli, args, env={"EDGETRAIN_CACHE_DIR": str(cache)}, prog_name="edgetrain"
+        )
+    finally:
+        torch.set_num_threads(threads)
+    unexpected = "" if isinstance(result.exception, SystemExit | None) else repr(result.exception)
+    return Refusal(result.exit_code, result.stdout, result.stderr + unexpected)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +108,7 @@ def test_run_reports_then_a_rerun_resumes_without_storing_anything_twice(
 PROGRESS = re.compile(r"^\d\d:\d\d:\d\d edgetrain: ")  # a note of work taking over 2 s
 
 
-def _one_line_error(result: subprocess.CompletedProcess[str], text: str) -> None:
+def _one_line_error(result: Refusal, text: str) -> None:
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [x for x in result.stderr.strip().splitlines() if not PROGRESS.match(x)]
     assert len(lines) == 1 and lines[0].startswith("edgetrain: error:") and text in lines[0]
@@ -89,13 +119,15 @@ def test_bad_input_ends_in_one_line_and_exit_2(tmp_path: Path, cache: Path) -> N
     bad.write_bytes(b"garbage")
     store = tmp_path / "s"
     _one_line_error(
-        edgetrain(["insitu", "run", "--video", str(bad), "--store", str(store)], cache),
+        edgetrain_here(["insitu", "run", "--video", str(bad), "--store", str(store)], cache),
         "cannot read video",
     )
     assert not store.exists()  # nothing was created before the check
-    _one_line_error(edgetrain(["insitu", "eval", "--store", str(tmp_path)], cache), "not an")
+    _one_line_error(edgetrain_here(["insitu", "eval", "--store", str(tmp_path)], cache), "not an")
     _one_line_error(
-        edgetrain(["insitu", "run", *SMALL, "--memory", "100KB", "--store", str(store)], cache),
+        edgetrain_here(
+            ["insitu", "run", *SMALL, "--memory", "100KB", "--store", str(store)], cache
+        ),
         "give more --memory",
     )
 
@@ -107,7 +139,9 @@ def test_a_corrupt_checkpoint_is_one_line_and_the_store_survives(
     shutil.copytree(first_run[0], store)
     images = sorted(p.name for p in (store / "images").iterdir())
     (store / CHECKPOINT).write_bytes(b"edgetrain-state sha256=00 bytes=3\nabc")
-    _one_line_error(edgetrain(["insitu", "run", *SMALL, "--store", str(store)], cache), "checksum")
+    _one_line_error(
+        edgetrain_here(["insitu", "run", *SMALL, "--store", str(store)], cache), "checksum"
+    )
     assert sorted(p.name for p in (store / "images").iterdir()) == images
 
 
@@ -136,7 +170,7 @@ def test_a_damaged_meta_value_is_one_line_and_the_store_survives(
     images = sorted(p.name for p in (store / "images").iterdir())
     _set_meta(store, key, value)
     args = [*SMALL] if command == "run" else []
-    _one_line_error(edgetrain(["insitu", command, *args, "--store", str(store)], cache), text)
+    _one_line_error(edgetrain_here(["insitu", command, *args, "--store", str(store)], cache), text)
     assert sorted(p.name for p in (store / "images").iterdir()) == images
 
 
@@ -152,7 +186,7 @@ def test_another_state_file_as_the_checkpoint_is_one_line(
     shutil.copy(teacher, store / CHECKPOINT)
     args = [*SMALL] if command == "run" else []
     _one_line_error(
-        edgetrain(["insitu", command, *args, "--store", str(store)], cache),
+        edgetrain_here(["insitu", command, *args, "--store", str(store)], cache),
         "another kind of state file",
     )
 
@@ -162,5 +196,7 @@ def test_an_unwritable_teacher_cache_is_one_line_before_the_teacher_is_trained(
 ) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    result = edgetrain(["insitu", "run", *SMALL, "--store", str(tmp_path / "s")], blocker / "c")
+    result = edgetrain_here(
+        ["insitu", "run", *SMALL, "--store", str(tmp_path / "s")], blocker / "c"
+    )
     _one_line_error(result, "cannot write the teacher's cache")

@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from edgetrain.cli.insitu import MAX_MINUTES
+from edgetrain.cli.main import cli
 from edgetrain.errors import InvalidInput
 from edgetrain.insitu.scene import MAX_FRAMES, SyntheticScene
 
@@ -45,8 +47,14 @@ def _insitu_run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[
     ],
 )
 def test_frames_and_minutes_past_their_bound_are_one_line(tmp_path, flag, value, message):
-    result = _insitu_run(["--store", str(tmp_path / "s"), flag, value], tmp_path)
-    assert result.returncode == 2, result.stderr[-2000:]
+    """Refused while the command line is read (in this process, through the same entry point)."""
+    result = CliRunner().invoke(
+        cli,
+        ["insitu", "run", "--store", str(tmp_path / "s"), flag, value],
+        env={"EDGETRAIN_CACHE_DIR": str(tmp_path / "cache"), "EDGETRAIN_PROGRESS": "0"},
+        prog_name="edgetrain",
+    )
+    assert result.exit_code == 2, result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0] and message in lines[0], result.stderr
     assert not (tmp_path / "s").exists()

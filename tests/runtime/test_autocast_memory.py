@@ -21,6 +21,7 @@ from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.simulator import simulate
 from edgetrain.errors import InvalidInput
 from edgetrain.planners.optimal import minimum_memory, store_all
+from edgetrain.planners.search import least_memory_of
 from edgetrain.runtime.checkpointed import Checkpointed
 from tests.runtime.test_attention_memory import LOSS_BYTES, Block, Net
 
@@ -64,8 +65,8 @@ def test_plans_made_under_autocast_hold_their_budget_with_the_backward_in_or_out
     model, x = make()
     with torch.autocast("cpu", dtype=BF16):
         chain = Checkpointed(copy.deepcopy(model), x).chain
-    least = minimum_memory(chain, grads_exist=kept)
-    everything = simulate(chain, store_all(chain), grads_exist=kept).peak_bytes
+    least = least_memory_of(chain, grads_exist=kept)  # the smallest edgetrain.plan takes
+    everything = simulate(chain, store_all(chain), grads_exist=kept).heap_peak_bytes
     for budget in (least, (least + everything) / 2):
         ours = copy.deepcopy(model)
         schedule = edgetrain.plan(chain, "optimal", memory=budget, grads_exist=kept)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from edgetrain.cache import measured_text
 from edgetrain.core.chain import Chain
 from edgetrain.core.graph_merge import graph_runs
 from edgetrain.core.schedule import Op
@@ -142,15 +143,17 @@ def test_the_calibration_measures_and_the_cache_is_checked(tmp_path):
     seconds = measure_stage_seconds(stages=4, rounds=3)
     assert 0.0 <= seconds < 0.1
     path = tmp_path / "stage_seconds.json"
-    path.write_text(json.dumps({"machine": _machine(), "stage_seconds": 7e-5}))
+    path.write_text(measured_text(_machine(), {"stage_seconds": 7e-5}))
     assert _read(path) == 7e-5
-    path.write_text(json.dumps({"machine": "another", "stage_seconds": 7e-5}))
+    path.write_text(measured_text("another", {"stage_seconds": 7e-5}))
+    assert _read(path) is None
+    damaged = json.loads(measured_text(_machine(), {"stage_seconds": 7e-5}))
+    damaged["values"]["stage_seconds"] = 8e-5  # the checksum no longer matches
+    path.write_text(json.dumps(damaged))
     assert _read(path) is None
     path.write_text("{not json")
     assert _read(path) is None
-    path.write_text(
-        json.dumps({"machine": _machine(), "stage_seconds": 7e-5, "rebuild_seconds": 2e-4})
-    )
+    path.write_text(measured_text(_machine(), {"stage_seconds": 7e-5, "rebuild_seconds": 2e-4}))
     assert (_read(path), _read(path, "rebuild_seconds")) == (7e-5, 2e-4)
     unit, stage = measure_rebuild_seconds(blocks=6, rounds=3)
     assert 0.0 <= unit < 0.1 and 0.0 <= stage < 0.1

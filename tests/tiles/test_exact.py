@@ -147,6 +147,12 @@ def _runs(grid: str):
 PARAMS = [(grid, i) for grid in CASES for i in range(len(CASES[grid]))]
 
 
+def _on_its_grids_worker(grid: str, *values: object):
+    """The parameters, marked to run on one xdist worker per grid: another worker would launch
+    the grid's process group again."""
+    return pytest.param(grid, *values, marks=pytest.mark.xdist_group(f"tiles-exact-{grid}"))
+
+
 def _name(grid: str, case: tuple[str, int | tuple[int, int], int, str, str]) -> str:
     model, image, batch, groups, dtype = case
     size = "x".join(map(str, image)) if isinstance(image, tuple) else str(image)
@@ -155,7 +161,7 @@ def _name(grid: str, case: tuple[str, int | tuple[int, int], int, str, str]) -> 
 
 @pytest.mark.parametrize(
     "grid, index",
-    PARAMS,
+    [_on_its_grids_worker(g, i) for g, i in PARAMS],
     ids=[_name(g, CASES[g][i]) for g, i in PARAMS],
 )
 def test_tiled_training_equals_one_process(grid, index):
@@ -170,7 +176,7 @@ def test_tiled_training_equals_one_process(grid, index):
     assert sum(k.startswith("grad:") for k in diffs) == len(list(job.model.parameters()))
 
 
-@pytest.mark.parametrize("grid", list(CASES))
+@pytest.mark.parametrize("grid", [_on_its_grids_worker(grid) for grid in CASES])
 def test_measured_halo_bytes_equal_the_geometry(grid):
     jobs, results = _runs(grid)
     for job, ranks in zip(jobs, results, strict=True):
@@ -181,7 +187,7 @@ def test_measured_halo_bytes_equal_the_geometry(grid):
             assert r.halo_messages == job.steps * tiles.messages(r.rank)
 
 
-@pytest.mark.parametrize("grid", list(CASES))
+@pytest.mark.parametrize("grid", [_on_its_grids_worker(grid) for grid in CASES])
 def test_each_rank_waits_as_often_as_the_cost_model_counts(grid):
     jobs, results = _runs(grid)
     for job, ranks in zip(jobs, results, strict=True):
@@ -191,7 +197,7 @@ def test_each_rank_waits_as_often_as_the_cost_model_counts(grid):
             assert r.sync_points == job.steps * expected, (job.grouping, r.rank)
 
 
-@pytest.mark.parametrize("grid", list(CASES))
+@pytest.mark.parametrize("grid", [_on_its_grids_worker(grid) for grid in CASES])
 def test_workers_listen_only_on_loopback(grid):
     _, results = _runs(grid)
     addresses = [a for ranks in results for r in ranks for a in r.listening]
@@ -199,6 +205,7 @@ def test_workers_listen_only_on_loopback(grid):
     assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
 
 
+@pytest.mark.xdist_group("tiles-exact-1x2")
 def test_a_wrong_model_would_be_caught():
     """The comparison can fail: a tiled run of different weights is far off."""
     jobs, results = _runs("1x2")

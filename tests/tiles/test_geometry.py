@@ -7,8 +7,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from edgetrain.errors import InvalidInput
-from edgetrain.tiles.grid import Grid, format_grouping, parse_grid, parse_groups
-from edgetrain.tiles.tiling import Layer, Network, Region, Window, plan, smallest_image, split
+from edgetrain.tiles.grid import Grid, format_grouping, parse_grid, parse_groups, split
+from edgetrain.tiles.tiling import Layer, Network, Region, Window, plan, smallest_image
 
 
 def conv(k: int = 3, s: int = 1, p: int | None = None, d: int = 1, cin: int = 4, cout: int = 4):

@@ -100,7 +100,13 @@ def _runs(grid: str) -> tuple[list[TileJob], list]:
 
 
 @pytest.mark.parametrize(
-    ("grid", "index"), [(g, i) for g, cases in CASES.items() for i in range(len(cases))]
+    ("grid", "index"),
+    [
+        # one xdist worker per grid: another would launch the grid's process group again
+        pytest.param(g, i, marks=pytest.mark.xdist_group(f"tiles-graph-{g}"))
+        for g, cases in CASES.items()
+        for i in range(len(cases))
+    ],
 )
 def test_graph_model_tiled_equals_one_process(grid: str, index: int) -> None:
     jobs, results = _runs(grid)

@@ -450,7 +450,7 @@ def _chain_nodes(chain: Chain, device: EnergyProfile, chain_flops_per_second: fl
             s.forward_seconds,
             s.output_bytes + s.saved_bytes,
             k,
-            s.forward_grad_peak_bytes,
+            s.forward_grad_peak_bytes + s.forward_scratch_bytes,
             paged=s.output_bytes,
         )
         for k, s in enumerate(chain.stages)
@@ -465,7 +465,7 @@ def _chain_nodes(chain: Chain, device: EnergyProfile, chain_flops_per_second: fl
                 s.backward_seconds,
                 chain.gradient_of_activation_bytes(k),
                 k,
-                s.backward_peak_bytes,
+                s.backward_peak_bytes + s.backward_scratch_bytes,
             )
         )
     return nodes

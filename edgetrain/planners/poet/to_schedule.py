@@ -406,7 +406,8 @@ def check_against(
     ):
         if not math.isclose(ours, theirs, rel_tol=TOLERANCE, abs_tol=1e-15):
             raise _refuse(f"its {name} as a schedule is {ours:.9g}, the MILP's is {theirs:.9g}")
-    if memory is not None and cost.peak_bytes > memory:
+    if memory is not None and cost.heap_peak_bytes > memory:
         raise _refuse(
-            f"as a schedule it peaks at {cost.peak_bytes} bytes, over the {memory:.0f}-byte budget"
+            f"as a schedule it peaks at {cost.heap_peak_bytes} bytes, "
+            f"over the {memory:.0f}-byte budget"
         )
