@@ -281,7 +281,7 @@ def _graph_setup(
     import torch
 
     from edgetrain.tiles.front import front_cost, halo_bytes_sent
-    from edgetrain.tiles.graph import analyse, choose_cut, front_ops, place
+    from edgetrain.tiles.graph import analyse, choose_cut, front_ops, gradient_bytes, place
     from edgetrain.tiles.worker import DTYPES, TileJob
 
     channels = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d)).in_channels
@@ -293,8 +293,7 @@ def _graph_setup(
         index = len(infos) if cut == "last" else _index(cut, len(infos))
         placement = place(graph, infos, grid, index)
     ops = front_ops(infos, placement)
-    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    cost = front_cost(placement.cut, ops, parameter_bytes, grid, cluster)
+    cost = front_cost(placement.cut, ops, gradient_bytes(model), grid, cluster)
     total = sum(op.macs for op in ops) or 1
     job = TileJob(model, image, batch, grid, (), dtype=dtype, cut=placement.cut)
     return job, {

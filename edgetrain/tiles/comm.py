@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,11 @@ class Traffic:
     halo_messages: int = 0
     collective_bytes: int = 0
     collectives: int = 0
+    sync_points: int = 0
+    """Times this rank waited for its peers: every exchange, small gather and blocking
+    collective, and each wait for collectives started earlier."""
+    wait_seconds: float = 0.0
+    """Wall time spent in those waits."""
 
     @property
     def bytes_sent(self) -> int:
@@ -43,6 +49,13 @@ class Traffic:
 
 GATHER_TAG = 1 << 20
 """Message tag of :meth:`Comm.gather_small` (halo exchanges use small tags: 2 x group + 0/1)."""
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for size in shape:
+        total *= size
+    return total
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -129,8 +142,17 @@ class Comm:
             return
         works = [self.backend.recv([buf], peer, tag) for peer, buf in receives]
         works += [self.backend.send([t.contiguous()], peer, tag) for peer, t in sends]
+        if works:  # nothing to exchange (an aligned window) waits for no one
+            self.wait_all(works)
+
+    def wait_all(self, works: Sequence[Any]) -> None:
+        """Wait for ``works`` (started operations): one synchronisation point."""
+        began = time.perf_counter()
         for work in works:
-            work.wait()
+            if work is not None:
+                work.wait()
+        self.traffic.wait_seconds += time.perf_counter() - began
+        self.traffic.sync_points += 1
 
     def gather_small(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` in rank order, sent directly to every peer.
@@ -149,10 +171,53 @@ class Comm:
         parts[self.rank] = tensor
         return [parts[r] for r in range(self.size)]
 
+    def exchange_with_small(
+        self,
+        small: torch.Tensor,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        receives: Sequence[tuple[int, tuple[int, ...]]],
+        tag: int,
+    ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+        """A halo exchange and :meth:`gather_small` in one round of messages.
+
+        Every peer gets ``small`` (a few hundred bytes), with the halo ``sends`` holds for it
+        appended to the same message; ``receives`` gives the shape of the halo each peer sends
+        here. Returns every rank's ``small`` in rank order and the received halos by peer.
+        """
+        if self.size == 1:
+            return [small], {}
+        halos = dict(sends)
+        shapes = dict(receives)
+        flat = small.reshape(-1)
+        n = flat.numel()
+        outgoing, incoming = [], []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            halo = halos.get(peer)
+            outgoing.append((peer, flat if halo is None else torch.cat([flat, halo.reshape(-1)])))
+            size = n + (_numel(shapes[peer]) if peer in shapes else 0)
+            incoming.append((peer, small.new_empty(size)))
+        self._p2p(outgoing, incoming, tag)
+        self.traffic.halo_bytes += sum(_nbytes(t) for _, t in sends)
+        self.traffic.halo_messages += len(sends)
+        self.traffic.collective_bytes += _nbytes(small) * (self.size - 1)
+        self.traffic.collectives += 1
+        parts, received = [], {}
+        by_peer = dict(incoming)
+        for peer in range(self.size):
+            if peer == self.rank:
+                parts.append(small)
+                continue
+            parts.append(by_peer[peer][:n].view_as(small))
+            if peer in shapes:
+                received[peer] = by_peer[peer][n:].view(shapes[peer])
+        return parts, received
+
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over all ranks, in place (it must be contiguous)."""
         if self.backend is not None:
-            self.backend.allreduce([tensor]).wait()
+            self.wait_all([self.backend.allreduce([tensor])])
             self.traffic.collective_bytes += _nbytes(tensor)
             self.traffic.collectives += 1
         return tensor

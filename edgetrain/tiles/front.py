@@ -17,11 +17,17 @@ and keeps the cheapest.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edgetrain.devices.cluster import Cluster
 from edgetrain.tiles.grid import Grid
-from edgetrain.tiles.grouping import allreduce_seconds, exchange_seconds, small_collective_seconds
+from edgetrain.tiles.grouping import (
+    allreduce_seconds,
+    exchange_seconds,
+    small_collective_seconds,
+    weight_sync_seconds,
+)
 from edgetrain.tiles.tiling import Region, Span, Transfer, Window
 
 
@@ -111,12 +117,17 @@ class FrontCost:
 
 
 def front_cost(
-    cut: int, ops: tuple[FrontOp, ...], parameter_bytes: int, grid: Grid, cluster: Cluster
+    cut: int,
+    ops: tuple[FrontOp, ...],
+    gradient_bytes: Sequence[int],
+    grid: Grid,
+    cluster: Cluster,
 ) -> FrontCost:
     """The cost of running ``ops`` (placed for ``cut``) on ``grid``: the slowest rank's compute
     (tiles share the front, every rank computes the tail), halos forward and back, all-gathers
     forward with an all-reduce of their gradient back, sums over tiles, batch-norm statistics
-    (two small collectives per layer) and the weight-gradient all-reduce."""
+    (two small collectives per layer) and the weight-gradient all-reduce in buckets
+    (``gradient_bytes``: each parameter's, the last registered first)."""
     link, ranks = cluster.link, grid.size
     compute = max(rank_compute_seconds(ops, cluster, rank) for rank in range(ranks))
     halo = sum(2 * exchange_seconds(op.transfers, list(op.transfer_bytes), link) for op in ops)
@@ -139,7 +150,7 @@ def front_cost(
         halo,
         gather,
         collective,
-        allreduce_seconds(parameter_bytes, ranks, link),
+        weight_sync_seconds(gradient_bytes, ranks, link),
         2 * sum(sum(op.transfer_bytes) for op in ops),
         sum(op.gathered_bytes for op in ops),
     )

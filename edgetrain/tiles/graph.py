@@ -380,12 +380,19 @@ def _bytes(info: NodeInfo) -> int:
     return total
 
 
+def gradient_bytes(model: nn.Module) -> tuple[int, ...]:
+    """Bytes of each trainable parameter's gradient, the last registered first: the units the
+    weight-gradient all-reduce buckets for a captured model."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    return tuple(p.numel() * p.element_size() for p in reversed(parameters))
+
+
 def choose_cut(
     graph: fx.GraphModule, infos: tuple[NodeInfo, ...], grid: Grid, cluster: Cluster
 ) -> tuple[Placement, FrontCost]:
     """The cheapest cut on ``grid`` by :func:`~edgetrain.tiles.front.front_cost`, among cuts
     whose front holds at least one window; InvalidInput when no window fits the grid."""
-    parameter_bytes = sum(p.numel() * p.element_size() for p in graph.parameters())
+    parameter_bytes = gradient_bytes(graph)
     best: tuple[Placement, FrontCost] | None = None
     for cut in range(1, len(infos) + 1):
         placement = place(graph, infos, grid, cut)

@@ -20,6 +20,7 @@ from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.graph import TILED, analyse, place
 from edgetrain.tiles.graphrun import TiledGraph, tile_region
 from edgetrain.tiles.grid import Grid
+from edgetrain.tiles.sync import LossTotal
 from edgetrain.tiles.tiling import Region
 
 
@@ -68,7 +69,7 @@ class GraphStep:
         torch.manual_seed(seed)
         return self.model(x)  # type: ignore[no-any-return]
 
-    def loss(self, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, LossTotal]:
         """The loss to back-propagate on this rank, and the batch's loss."""
         if len(self.out_shape) == 2:
             value = functional.cross_entropy(out, target.argmax(dim=1))
@@ -76,12 +77,11 @@ class GraphStep:
             r = self.output_region
             share = (out - target[:, :, r.top : r.bottom, r.left : r.right]).square().sum()
             share = share / target.numel()
-            total = self.comm.all_reduce_(share.detach().reshape(1).clone())
-            return share, float(total.item())
+            return share, LossTotal.summed(share, self.comm)
         else:
             value = (out - target).square().sum() / target.numel()
         counted = value if self.reference or self.comm.rank == 0 else value * 0.0
-        return counted, float(value.item())
+        return counted, LossTotal(value.detach())
 
 
 def load_file_model(spec: str, state: dict[str, torch.Tensor]) -> nn.Module:

@@ -11,10 +11,13 @@ The cost model prices a group as
   the bandwidth; on a shared medium (Wi-Fi) all transfers queue on one channel. Each message adds
   the link latency;
 * batch norm: two small collectives per batch-norm layer (statistics forward, gradient sums
-  backward), each ``ceil(log2 P)`` latencies plus its bytes.
+  backward), each ``ceil(log2 P)`` latencies plus its bytes. A group's last layer's batch norm
+  travels with the next group's halo exchange (:mod:`edgetrain.tiles.halonorm`): only its bytes
+  count, not its latencies.
 
-The step adds one all-reduce of the weight gradients (ring: ``2 (P-1)/P`` of the gradient bytes
-per device) which does not depend on the grouping. Because a group's cost depends only on its
+The step adds the all-reduce of the weight gradients (ring: ``2 (P-1)/P`` of the gradient bytes
+per device, ``2 (P-1)`` latencies per bucket of :func:`gradient_buckets`), which does not depend
+on the grouping. Because a group's cost depends only on its
 own first and last layer (its input is always cut by the same grid), the total is a sum over
 groups and a dynamic program over group boundaries finds the cheapest grouping in ``O(L^2)``
 group evaluations.
@@ -22,6 +25,7 @@ group evaluations.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import ceil, log2
 
@@ -117,13 +121,64 @@ def allreduce_seconds(size_bytes: int, ranks: int, link: Link) -> float:
     return wire / link.bandwidth_bytes_per_second + 2 * (ranks - 1) * link.latency_seconds
 
 
-def small_collective_seconds(size_bytes: int, ranks: int, link: Link) -> float:
-    """A latency-bound collective (tree): ``ceil(log2 P)`` rounds of ``size_bytes``."""
+GRADIENT_BUCKET_BYTES = 1 << 20
+"""Consecutive gradients are summed together in one all-reduce (a bucket) of at most this many
+bytes: each collective costs latencies, and a bucket starts as soon as its last gradient is
+ready, so it still overlaps the backward pass of the earlier layers. A larger gradient is a
+bucket of its own, summed where it lies (a bucket of several is copied into one buffer)."""
+
+
+def gradient_buckets(
+    unit_bytes: Sequence[int], cap_bytes: int = GRADIENT_BUCKET_BYTES
+) -> tuple[tuple[int, ...], ...]:
+    """Indices of ``unit_bytes`` (gradients in the order backward produces them: the last
+    registered first) in consecutive buckets of at most ``cap_bytes``; a larger one is a bucket
+    of its own; empty ones belong to no bucket."""
+    buckets: list[tuple[int, ...]] = []
+    current: list[int] = []
+    size = 0
+    for index, nbytes in enumerate(unit_bytes):
+        if nbytes <= 0:
+            continue
+        if current and size + nbytes > cap_bytes:
+            buckets.append(tuple(current))
+            current, size = [], 0
+        current.append(index)
+        size += nbytes
+    if current:
+        buckets.append(tuple(current))
+    return tuple(buckets)
+
+
+def weight_sync_seconds(unit_bytes: Sequence[int], ranks: int, link: Link) -> float:
+    """The weight-gradient all-reduce: one ring all-reduce per bucket of
+    :func:`gradient_buckets`."""
+    return sum(
+        allreduce_seconds(sum(unit_bytes[i] for i in bucket), ranks, link)
+        for bucket in gradient_buckets(unit_bytes)
+    )
+
+
+def gradient_bytes(net: Network, element_bytes: int) -> tuple[int, ...]:
+    """Bytes of each trainable tensor's gradient, the last registered first (the order backward
+    produces them): what :class:`~edgetrain.tiles.sync.GradientSync` buckets."""
+    sizes = []
+    for layer in reversed(net.layers):
+        tensors = layer.parameter_tensors or ((layer.parameters,) if layer.parameters else ())
+        sizes += [n * element_bytes for n in reversed(tensors)]
+    return tuple(sizes)
+
+
+def small_collective_seconds(
+    size_bytes: int, ranks: int, link: Link, latency: bool = True
+) -> float:
+    """A latency-bound collective (tree): ``ceil(log2 P)`` rounds of ``size_bytes``; without
+    ``latency`` only the bytes (they ride on messages that are sent anyway)."""
     if ranks <= 1:
         return 0.0
     rounds = ceil(log2(ranks))
     wire = size_bytes * (ranks if link.shared_medium else 1)
-    return rounds * (link.latency_seconds + wire / link.bandwidth_bytes_per_second)
+    return rounds * (latency * link.latency_seconds + wire / link.bandwidth_bytes_per_second)
 
 
 def group_cost(
@@ -132,8 +187,10 @@ def group_cost(
     cluster: Cluster,
     batch: int,
     element_bytes: int,
+    followed: bool = False,
 ) -> GroupCost:
-    """Predicted cost of one group (see the module docstring)."""
+    """Predicted cost of one group (see the module docstring); ``followed``: another group comes
+    after it, whose halo exchange carries this group's last batch norm's messages."""
     ranks = group.grid.size
     device, link = cluster.device, cluster.link
     per_rank = [
@@ -151,17 +208,18 @@ def group_cost(
     channels = net.layers[group.first].in_channels
     sizes = [t.region.area * channels * batch * element_bytes for t in transfers]
     halo = 2 * exchange_seconds(transfers, sizes, link)
+    if group.first > 0 and net.layers[group.first - 1].batchnorm:
+        # The previous layer's batch-norm rounds carry this exchange: at least their latencies.
+        halo = max(halo, 2 * small_collective_seconds(0, ranks, link))
     batchnorm = 0.0
     for index in group.layers:
         layer = net.layers[index]
         if layer.batchnorm:
+            alone = not (followed and index == group.last)
             # forward: all-gather of count, mean, M2; backward: all-reduce of two sums.
-            batchnorm += small_collective_seconds(
-                3 * layer.out_channels * element_bytes, ranks, link
-            )
-            batchnorm += small_collective_seconds(
-                2 * layer.out_channels * element_bytes, ranks, link
-            )
+            for values in (3, 2):
+                size = values * layer.out_channels * element_bytes
+                batchnorm += small_collective_seconds(size, ranks, link, latency=alone)
     return GroupCost(
         group.first, group.last, compute, halo, batchnorm, 2 * sum(sizes), sum(per_rank)
     )
@@ -178,15 +236,35 @@ def step_cost(
     """Predicted cost of one training step of ``grouping`` (``grid.size`` devices)."""
     check_grouping(grouping, len(net.layers))
     groups = tuple(
-        group_cost(net, plan_group(net, grid, a, b), cluster, batch, element_bytes)
+        group_cost(
+            net, plan_group(net, grid, a, b), cluster, batch, element_bytes, b < len(net.layers) - 1
+        )
         for a, b in grouping
     )
     return StepCost(
         grouping,
         groups,
-        allreduce_seconds(net.parameters * element_bytes, grid.size, cluster.link),
+        weight_sync_seconds(gradient_bytes(net, element_bytes), grid.size, cluster.link),
         net.macs() * batch,
     )
+
+
+def sync_points(net: Network, grid: Grid, grouping: Grouping, rank: int) -> int:
+    """How often ``rank`` waits for its peers in one training step of a chain: two rounds per
+    batch-norm layer (its statistics forward, its gradient sums backward), which also carry the
+    next group's halos when the layer ends a group; two per other group boundary at which the
+    rank sends or receives a halo (forward halo, gradient halo); and one at the end for the
+    weight gradients and the loss."""
+    if grid.size <= 1:
+        return 0
+    rounds = 2 * sum(layer.batchnorm for layer in net.layers) + 1
+    for first, last in grouping[1:]:
+        if net.layers[first - 1].batchnorm:
+            continue
+        transfers = plan_group(net, grid, first, last).transfers()
+        if any(rank in (t.src, t.dst) for t in transfers):
+            rounds += 2
+    return rounds
 
 
 def plan_cost(plan: TilePlan, cluster: Cluster, batch: int = 1, element_bytes: int = 4) -> StepCost:
@@ -223,7 +301,7 @@ def optimise(
             key = (i, j - 1)
             if key not in cost:
                 cost[key] = group_cost(
-                    net, plan_group(net, grid, i, j - 1), cluster, batch, element_bytes
+                    net, plan_group(net, grid, i, j - 1), cluster, batch, element_bytes, j < n
                 )
             seconds, count, groups = best[i]
             options.append((seconds + cost[key].seconds, count + 1, (*groups, key)))
@@ -234,7 +312,7 @@ def optimise(
     return StepCost(
         grouping,
         tuple(cost[g] for g in grouping),
-        allreduce_seconds(net.parameters * element_bytes, grid.size, cluster.link),
+        weight_sync_seconds(gradient_bytes(net, element_bytes), grid.size, cluster.link),
         net.macs() * batch,
     )
 

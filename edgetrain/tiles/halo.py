@@ -57,9 +57,13 @@ class HaloSpec:
     tag: int
 
     @staticmethod
-    def of(group: GroupPlan, rank: int, index: int, fill: float = 0.0) -> HaloSpec:
+    def of(
+        group: GroupPlan, rank: int, index: int, fill: float = 0.0, padded: bool = True
+    ) -> HaloSpec:
+        """The exchange at ``group``'s input; without ``padded`` the region holds no border
+        padding (it is added after the element-wise work that follows a merged batch norm)."""
         need, tile = group.input(rank), group.owned(0, rank)
-        left, right, top, bottom = group.pads(0, rank)
+        left, right, top, bottom = group.pads(0, rank) if padded else (0, 0, 0, 0)
         height, width = need.height + top + bottom, need.width + left + right
         padded = Region(need.top - top, need.bottom + bottom, need.left - left, need.right + right)
         keep = need.intersect(tile)

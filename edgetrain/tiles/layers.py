@@ -150,7 +150,7 @@ def describe(model: nn.Sequential, channels: int, height: int, width: int) -> Ne
     image_channels = channels
     for index, (name, child) in enumerate(model.named_children()):
         layer, channels = _describe(split_layer(child, index), name, index, channels)
-        parameters = sum(p.numel() for p in child.parameters() if p.requires_grad)
+        tensors = tuple(p.numel() for p in child.parameters() if p.requires_grad)
         layers.append(
             Layer(
                 layer.name,
@@ -161,7 +161,8 @@ def describe(model: nn.Sequential, channels: int, height: int, width: int) -> Ne
                 layer.cols,
                 layer.macs_per_pixel,
                 layer.batchnorm,
-                parameters,
+                sum(tensors),
+                tensors,
             )
         )
     return Network(tuple(layers), image_channels, height, width)

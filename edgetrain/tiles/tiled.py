@@ -19,9 +19,10 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from edgetrain.tiles.batchnorm import global_batch_norm
+from edgetrain.tiles.batchnorm import global_batch_norm, global_statistics
 from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.halo import HaloSpec, exchange_halo
+from edgetrain.tiles.halonorm import halo_batch_norm
 from edgetrain.tiles.layers import model_ops
 from edgetrain.tiles.recompute import batch_norms, recomputed
 from edgetrain.tiles.tiling import GroupPlan, Region, TilePlan
@@ -69,6 +70,9 @@ class TiledNetwork:
         self.halos = tuple(
             HaloSpec.of(g, self.rank, i, self._fill(g.first)) for i, g in enumerate(plan.groups)
         )
+        self.bare_halos = tuple(
+            HaloSpec.of(g, self.rank, i, padded=False) for i, g in enumerate(plan.groups)
+        )
 
     def _fill(self, layer: int) -> float:
         """The padding value of ``layer``'s window: -inf for max pooling, else 0."""
@@ -86,22 +90,56 @@ class TiledNetwork:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` is the image over :attr:`input_region`; returns the tile :attr:`output_region`."""
-        for index, group in enumerate(self.plan.groups):
-            if index > 0:
+        groups = self.plan.groups
+        assembled = False  # the region the group reads came with the last batch norm
+        for index, group in enumerate(groups):
+            if index > 0 and not assembled:
                 x = exchange_halo(x, self.halos[index], self.comm)
             for step, layer in enumerate(group.layers):
                 padded = index > 0 and step == 0
-                if layer in self.recompute:
-                    x = recomputed(self._layer, x, group, step, layer, padded, norms=self.norms)
+                last = step == len(group.layers) - 1 and index + 1 < len(groups)
+                following = index + 1 if last else None
+                # A batch norm that carries the next group's halo exchanges with the other
+                # ranks: its layer runs once, never recomputed.
+                carries = following is not None and self._merged(layer) is not None
+                if layer in self.recompute and not carries:
+                    x = recomputed(
+                        self._recomputed_layer, x, group, step, layer, padded, norms=self.norms
+                    )
+                    assembled = False
                 else:
-                    x = self._layer(x, group, step, layer, padded)
+                    x, assembled = self._layer(x, group, step, layer, padded, following)
         return x
 
     __call__ = forward
 
-    def _layer(
+    def _recomputed_layer(
         self, x: torch.Tensor, group: GroupPlan, step: int, layer: int, padded: bool
     ) -> torch.Tensor:
+        """:meth:`_layer` for a layer a rank recomputes (it exchanges no halo)."""
+        return self._layer(x, group, step, layer, padded, None)[0]
+
+    def _merged(self, layer: int) -> int | None:
+        """Which of ``layer``'s element-wise ops is the batch norm whose statistics travel with
+        the next group's halo (its last one with batch statistics), if any."""
+        found = None
+        for position, op in enumerate(self.ops[layer].after):
+            if isinstance(op, nn.BatchNorm2d) and global_statistics(op):
+                found = position
+        return found
+
+    def _layer(
+        self,
+        x: torch.Tensor,
+        group: GroupPlan,
+        step: int,
+        layer: int,
+        padded: bool,
+        following: int | None,
+    ) -> tuple[torch.Tensor, bool]:
+        """One layer on the local region; at a group's end (``following``: the next group's
+        index) its last batch norm exchanges the next group's halo, and the result is that
+        group's padded input region (then True)."""
         ops = self.ops[layer]
         if ops.window is not None:
             held, read = group.computed(step, self.rank), group.needed(step, self.rank)
@@ -112,10 +150,20 @@ class TiledNetwork:
                 x = functional.pad(x, pads, value=self._fill(layer))
             x = unpadded_window(ops.window, x)
         owned = group.owned(step + 1, self.rank).relative_to(group.computed(step + 1, self.rank))
-        owned_slices = region_slices(owned)[2:]
-        for op in ops.after:
-            if isinstance(op, nn.BatchNorm2d):
-                x = global_batch_norm(x, op, (owned_slices[0], owned_slices[1]), self.comm)
+        rows, cols = region_slices(owned)[2:]
+        merged = self._merged(layer) if following is not None else None
+        for position, op in enumerate(ops.after):
+            if position == merged:
+                assert following is not None
+                x = halo_batch_norm(x, op, (rows, cols), self.bare_halos[following], self.comm)
+            elif isinstance(op, nn.BatchNorm2d):
+                x = global_batch_norm(x, op, (rows, cols), self.comm)
             else:
                 x = op(x)
-        return x
+        if merged is None or following is None:
+            return x, False
+        nxt = self.plan.groups[following]
+        pads = nxt.pads(0, self.rank)
+        if any(pads):
+            x = functional.pad(x, pads, value=self._fill(nxt.first))
+        return x, True

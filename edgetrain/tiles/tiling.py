@@ -70,6 +70,8 @@ class Layer:
             pixel over all output channels, window and element-wise work included.
         batchnorm: whether the layer normalises its output with batch statistics.
         parameters: trainable parameter elements (their gradients are all-reduced).
+        parameter_tensors: the elements of each trainable tensor, in registration order (the
+            weight-gradient buckets follow them); empty: one tensor of ``parameters``.
     """
 
     name: str
@@ -81,6 +83,7 @@ class Layer:
     macs_per_pixel: int = 0
     batchnorm: bool = False
     parameters: int = 0
+    parameter_tensors: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """``conv 3x3/1`` style label for messages."""

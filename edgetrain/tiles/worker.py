@@ -43,6 +43,7 @@ from edgetrain.tiles.comm import Comm, listening_addresses
 from edgetrain.tiles.grid import Grid, Grouping
 from edgetrain.tiles.layers import describe
 from edgetrain.tiles.lifeline import die_with_parent
+from edgetrain.tiles.sync import GradientSync, LossTotal
 from edgetrain.tiles.tiled import TiledNetwork, region_slices
 from edgetrain.tiles.tiling import Network, Region, TilePlan, plan
 
@@ -133,6 +134,8 @@ class RankResult:
     halo_bytes: int
     halo_messages: int
     collective_bytes: int
+    sync_points: int
+    wait_seconds: float
     losses: list[float]
     listening: list[str]
     output_region: Region
@@ -188,44 +191,6 @@ def squared_error(out: torch.Tensor, target: torch.Tensor, count: int) -> torch.
     return (out - target).square().sum() / count
 
 
-class GradientSync:
-    """Sum every parameter's gradient over the ranks while backward is still running.
-
-    A hook on each parameter starts an asynchronous all-reduce of its gradient as soon as
-    autograd has accumulated it (the last layers' first), so the transfer overlaps with the
-    backward pass of the earlier layers; :meth:`wait` finishes them all. Every rank runs the same
-    graph, so the hooks fire, and the collectives start, in the same order everywhere.
-    """
-
-    def __init__(self, parameters: list[nn.Parameter], comm: Comm) -> None:
-        self.comm = comm
-        self.parameters = parameters
-        self.pending: list[Any] = []
-        self.handles = [p.register_post_accumulate_grad_hook(self._start) for p in parameters]
-
-    def _start(self, parameter: torch.Tensor) -> None:
-        assert parameter.grad is not None
-        work = self.comm.all_reduce_start(parameter.grad)
-        if work is not None:
-            self.pending.append(work)
-
-    def wait(self) -> None:
-        """Block until every gradient started so far is summed."""
-        for work in self.pending:
-            work.wait()
-        self.pending.clear()
-
-    def close(self) -> None:
-        self.wait()
-        self.remove()
-
-    def remove(self) -> None:
-        """Take the hooks off the parameters (idempotent)."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-
 def sgd_step(parameters: list[nn.Parameter], lr: float) -> None:
     """Plain SGD, ``p -= lr * grad``: the same arithmetic on every rank and in the reference."""
     with torch.no_grad():
@@ -271,10 +236,9 @@ class ChainStep:
     def forward(self, x: torch.Tensor, seed: int) -> torch.Tensor:
         return self.model(x)  # type: ignore[no-any-return]
 
-    def loss(self, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def loss(self, out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, LossTotal]:
         share = squared_error(out, target[region_slices(self.output_region)], target.numel())
-        total = self.comm.all_reduce_(share.detach().reshape(1).clone())
-        return share, float(total.item())
+        return share, LossTotal.summed(share, self.comm)
 
 
 def _step_for(job: TileJob, model: nn.Module, comm: Comm, dtype: torch.dtype) -> Any:
@@ -306,8 +270,7 @@ def run_job(
         comm = Comm.solo()  # every rank trains the whole model alone
     runner = _step_for(job, model, comm, dtype)
     in_region, out_region = runner.input_region, runner.output_region
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    sync = GradientSync(parameters, comm)
+    sync = GradientSync(list(model.parameters()), comm)
     try:
         regions = (in_region, out_region)
         return _train(job, comm, clock, model, runner, sync, regions, progress)
@@ -328,7 +291,7 @@ def _train(
     dtype = DTYPES[job.dtype]
     in_region, out_region = regions
     parameters = sync.parameters
-    start = comm.traffic.halo_bytes, comm.traffic.halo_messages, comm.traffic.collective_bytes
+    before = copy.copy(comm.traffic)
     times: list[float] = []
     losses: list[float] = []
     peak = 0
@@ -349,13 +312,14 @@ def _train(
                 x.requires_grad_()
             out = runner.forward(x, job.seed * 1_000_003 + step)
             loss, total = runner.loss(out, target)
+            sync.add(total.work)  # the loss's all-reduce runs during backward too
             loss.backward()
             sync.wait()  # the weight-gradient all-reduce, started during backward
             sgd_step(parameters, job.lr)
         times.append(time.perf_counter() - began)
         if isinstance(meter, StorageCounter):
             peak = max(peak, meter.peak_bytes)
-        losses.append(total)
+        losses.append(float(total))
         if job.collect and step == job.steps - 1:
             output, input_grad = _numpy(out), _numpy(x.grad) if x.grad is not None else None
         del out, loss, x
@@ -366,9 +330,11 @@ def _train(
         rank=clock.rank,
         step_seconds=times,
         peak_bytes=peak,
-        halo_bytes=comm.traffic.halo_bytes - start[0],
-        halo_messages=comm.traffic.halo_messages - start[1],
-        collective_bytes=comm.traffic.collective_bytes - start[2],
+        halo_bytes=comm.traffic.halo_bytes - before.halo_bytes,
+        halo_messages=comm.traffic.halo_messages - before.halo_messages,
+        collective_bytes=comm.traffic.collective_bytes - before.collective_bytes,
+        sync_points=comm.traffic.sync_points - before.sync_points,
+        wait_seconds=comm.traffic.wait_seconds - before.wait_seconds,
         losses=losses,
         listening=listening_addresses(),
         output_region=out_region,

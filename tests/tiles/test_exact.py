@@ -30,6 +30,7 @@ from edgetrain.models import build
 from edgetrain.models.yolov2 import YOLOV2_16, conv_bn_leaky
 from edgetrain.tiles.check import differences, reference
 from edgetrain.tiles.grid import Grid, parse_groups
+from edgetrain.tiles.grouping import sync_points
 from edgetrain.tiles.launch import run_local
 from edgetrain.tiles.worker import TileJob
 
@@ -184,6 +185,16 @@ def test_measured_halo_bytes_equal_the_geometry(grid):
         for r in ranks:
             assert r.halo_bytes == job.steps * tiles.halo_bytes_sent(r.rank, job.batch, element)
             assert r.halo_messages == job.steps * tiles.messages(r.rank)
+
+
+@pytest.mark.parametrize("grid", [_on_its_grids_worker(grid) for grid in CASES])
+def test_each_rank_waits_as_often_as_the_cost_model_counts(grid):
+    jobs, results = _runs(grid)
+    for job, ranks in zip(jobs, results, strict=True):
+        net = job.network()
+        for r in ranks:
+            expected = sync_points(net, job.grid, job.grouping, r.rank)
+            assert r.sync_points == job.steps * expected, (job.grouping, r.rank)
 
 
 @pytest.mark.parametrize("grid", [_on_its_grids_worker(grid) for grid in CASES])

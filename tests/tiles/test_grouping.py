@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from edgetrain.devices import CLUSTERS, Cluster, Link, load
 from edgetrain.errors import InvalidInput
 from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.grouping import (
+    GRADIENT_BUCKET_BYTES,
     allreduce_seconds,
     exchange_seconds,
+    gradient_buckets,
     grid_for,
     optimise,
     single_core_seconds,
     step_cost,
+    sync_points,
+    weight_sync_seconds,
 )
 from edgetrain.tiles.tiling import Layer, Network, Region, Transfer, Window
 
@@ -131,3 +138,53 @@ def test_a_profile_loads_from_json(tmp_path):
 def test_an_unknown_profile_is_an_error_listing_the_choices():
     with pytest.raises(InvalidInput, match="pi3-ethernet"):
         load("pi4-5g")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 3000), max_size=30),
+    cap=st.integers(1, 4000),
+)
+def test_gradient_buckets_keep_the_order_and_the_cap(sizes, cap):
+    buckets = gradient_buckets(sizes, cap)
+    flat = [i for bucket in buckets for i in bucket]
+    assert flat == [i for i, size in enumerate(sizes) if size > 0]  # each once, in order
+    for bucket in buckets:
+        assert len(bucket) == 1 or sum(sizes[i] for i in bucket) <= cap
+    for before, after in itertools.pairwise(buckets):
+        # a bucket closes only when the next unit would not fit
+        assert sum(sizes[i] for i in before) + sizes[after[0]] > cap
+
+
+def test_the_weight_sync_pays_the_latencies_of_each_bucket():
+    link = Link("l", 100.0, 0.01, False)
+    small, large = 1000, 3 * GRADIENT_BUCKET_BYTES
+    one = weight_sync_seconds([small, small, small], 2, link)
+    assert one == pytest.approx(allreduce_seconds(3 * small, 2, link))
+    two = weight_sync_seconds([small, large, small], 2, link)
+    assert two == pytest.approx(sum(allreduce_seconds(b, 2, link) for b in (small, large, small)))
+
+
+def test_a_batch_norm_ending_a_group_rides_on_the_next_halo_exchange():
+    net, grid = _net(), Grid(1, 2)
+    cluster = replace(CLUSTERS["pi3-ethernet"], link=Link("slow", 1e12, 1.0, False))
+    # layer 2 (a 3x3 conv with batch norm) ends the first group in both groupings; layer 3 is
+    # a 1x1 conv (no halo), so both boundaries are rounds of batch-norm statistics only
+    split = step_cost(net, grid, ((0, 2), (3, 6)), cluster)
+    whole = step_cost(net, grid, ((0, 6),), cluster)
+    assert split.groups[0].batchnorm_seconds == pytest.approx(2.0, abs=0.01)  # layer 0 only
+    assert split.groups[1].halo_seconds == pytest.approx(2.0, abs=0.01)  # the merged round
+    # the same number of rounds either way: splitting after a batch norm costs no latency
+    assert split.seconds - split.compute_seconds == pytest.approx(
+        whole.seconds - whole.compute_seconds, abs=0.01
+    )
+
+
+def test_synchronisation_points_count_batch_norms_and_bare_halo_rounds():
+    net, grid = _net(), Grid(1, 2)
+    norms = sum(layer.batchnorm for layer in net.layers)  # 5 convolutions with batch norm
+    assert sync_points(net, grid, ((0, 6),), 0) == 2 * norms + 1
+    # after the pool (layer 1) the 3x3 conv's halo is a round of its own; after layer 2's
+    # batch norm it travels with the statistics
+    assert sync_points(net, grid, ((0, 1), (2, 2), (3, 6)), 0) == 2 * norms + 1 + 2
+    assert sync_points(net, Grid(1, 1), ((0, 6),), 0) == 0
