@@ -44,7 +44,7 @@ def test_the_hook_moves_the_heavy_files_first_in_their_order():
     ]
 
 
-def test_this_sessions_heavy_files_come_first(request: pytest.FixtureRequest):
+def test_the_heavy_files_of_a_run_come_first(request: pytest.FixtureRequest):
     files = [item.nodeid.split("::")[0] for item in request.session.items]
     start = 0
     for path in (path for path in HEAVY_FIRST if path in files):
