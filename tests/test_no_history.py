@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HISTORY = re.compile(
-    r"\bissue\s*#?\d+|#(?:2[89]|3[01])\b|(?<!profiler )(?<!profiler's )\bsession\b"
+    r"\bissue\s*#?\d+|#(?:2[89]|3[01])\b|(?<!profiler )(?<!profiler's )(?<!\.)\bsession\b"
     r"|\breview(?:s|ed|er|ers)?\b(?!-)"
     r"|\.\./shared|\bpreviously\b|\bused to be\b|\bformerly\b|\bwas fixed\b|\bfixed in\b"
     r"|\bfound by (?:a|an|the) (?:run|session|review)",

@@ -163,10 +163,10 @@ def test_tiles_memory_below_storing_everything_trains_with_recomputation():
 
     done = CliRunner().invoke(
         cli,
-        ["tiles", "--grid", "1x2", "--image", "96", "--steps", "2", "--memory", "30MB", "--json"],
+        ["tiles", "--grid", "1x2", "--image", "96", "--steps", "2", "--memory", "31MB", "--json"],
     )
     assert done.exit_code == 0, done.output
     doc = json.loads(done.stdout)
     assert all(doc["memory"]["recompute"])  # every rank recomputes some of its layers
     for rank in doc["ranks"]:
-        assert rank["board_peak_bytes"] == rank["predicted_board_peak_bytes"] <= 30_000_000
+        assert rank["board_peak_bytes"] == rank["predicted_board_peak_bytes"] <= 31_000_000
