@@ -164,32 +164,7 @@ def _replay(
             f"schedule is for a chain of {schedule.length} stages, this chain has {n}; re-plan it"
         )
     stages = chain.stages
-    grad = [chain.gradient_of_activation_bytes(k) for k in range(n + 1)]
-    # An activation is one tensor or several (a cut inside a residual block carries the trunk
-    # and the skip); each tensor's storage is a *piece*, and a tensor passed through a stage
-    # unchanged is the same piece in its input and its output. Piece 0: the input, which the
-    # caller holds (never counted).
-    sizes = [0]
-    pieces: list[list[int]] = [[0]]
-    for stage in stages:
-        previous = pieces[-1]
-        carried = dict(stage.carried)
-        shared = dict(stage.shared_leaves)
-        own: list[int] = []
-        for leaf in range(stage.output_leaves):
-            if leaf in carried:
-                j = carried[leaf]
-                own.append(previous[j] if j < len(previous) else 0)
-            elif shared.get(leaf, leaf) < leaf:
-                own.append(own[shared[leaf]])  # a view of an earlier tensor of this output
-            else:
-                sizes.append(stage.leaf_bytes[leaf] if stage.leaf_bytes else stage.output_bytes)
-                own.append(len(sizes) - 1)
-        pieces.append(own)
-    saved_in = [_held(st.saved_inputs, st.saves_input, pieces[k]) for k, st in enumerate(stages)]
-    saved_out = [
-        _held(st.saved_outputs, st.saves_output, pieces[k + 1]) for k, st in enumerate(stages)
-    ]
+    grad, sizes, pieces, saved_in, saved_out = _layout(chain)
     refs = [0] * len(sizes)
     plain = [False] * (n + 1)
     graph = [False] * n
@@ -424,6 +399,50 @@ def _scratch(stages: tuple[Stage, ...], kind: Op, k: int) -> int:
     if kind.is_forward:
         return stages[k].forward_scratch_bytes
     return 0
+
+
+_Layout = tuple[list[int], list[int], list[list[int]], list[list[int]], list[list[int]]]
+
+
+def _layout(chain: Chain) -> _Layout:
+    """What a replay of any plan on ``chain`` starts from, which depends on the chain alone
+    (kept on it: a planner replays hundreds of plans on one chain): per activation, its
+    gradient's bytes; each storage's ("piece's") bytes; each activation's pieces; and the
+    pieces each stage's graph saves of its input and of its output. Read, never changed."""
+    known: _Layout | None = chain.__dict__.get("_replay_layout_memo")
+    if known is not None:
+        return known
+    n = chain.length
+    stages = chain.stages
+    grad = [chain.gradient_of_activation_bytes(k) for k in range(n + 1)]
+    # An activation is one tensor or several (a cut inside a residual block carries the trunk
+    # and the skip); each tensor's storage is a *piece*, and a tensor passed through a stage
+    # unchanged is the same piece in its input and its output. Piece 0: the input, which the
+    # caller holds (never counted).
+    sizes = [0]
+    pieces: list[list[int]] = [[0]]
+    for stage in stages:
+        previous = pieces[-1]
+        carried = dict(stage.carried)
+        shared = dict(stage.shared_leaves)
+        own: list[int] = []
+        for leaf in range(stage.output_leaves):
+            if leaf in carried:
+                j = carried[leaf]
+                own.append(previous[j] if j < len(previous) else 0)
+            elif shared.get(leaf, leaf) < leaf:
+                own.append(own[shared[leaf]])  # a view of an earlier tensor of this output
+            else:
+                sizes.append(stage.leaf_bytes[leaf] if stage.leaf_bytes else stage.output_bytes)
+                own.append(len(sizes) - 1)
+        pieces.append(own)
+    saved_in = [_held(st.saved_inputs, st.saves_input, pieces[k]) for k, st in enumerate(stages)]
+    saved_out = [
+        _held(st.saved_outputs, st.saves_output, pieces[k + 1]) for k, st in enumerate(stages)
+    ]
+    result = (grad, sizes, pieces, saved_in, saved_out)
+    object.__setattr__(chain, "_replay_layout_memo", result)
+    return result
 
 
 def _held(which: tuple[int, ...] | None, whole: bool, ids: list[int]) -> list[int]:

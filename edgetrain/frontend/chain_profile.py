@@ -6,7 +6,7 @@ turned into the :class:`~edgetrain.core.chain.Stage` records of a chain.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,25 @@ NOMINAL_FLOPS = 1e9
 """Speed (floating-point operations per second) that turns analytic op counts into seconds."""
 
 
+@dataclass
+class StageMemo:
+    """Stages sized on meta tensors, kept across :func:`profile_stages` calls on stages of one
+    model at one sample (the runs of stages a plan may merge are sized over the whole model
+    once per kind of candidate, see :func:`~edgetrain.frontend.profiling.merged_chain`): on
+    meta tensors a stage's costs follow from what it computes, its input's shapes and how it
+    is timed, so a stage sized in one call is not sized again in the next. ``measures``: a
+    stage's measures, output and operator calls; ``held``: its held backward peaks (see
+    :func:`~edgetrain.frontend.stage_measure.measure_held`); ``copies``: the meta copies made
+    of the model's modules and tensors (see :func:`~edgetrain.frontend.meta_copies.meta_copy`),
+    each copied once."""
+
+    copies: dict[int, Any] = field(default_factory=dict)
+    measures: dict[tuple[Any, ...], tuple[Measured, Any, OpScratch | None]] = field(
+        default_factory=dict
+    )
+    held: dict[tuple[Any, ...], tuple[int, int]] = field(default_factory=dict)
+
+
 def profile_stages(
     model: nn.Module,
     sample_input: Any,
@@ -39,15 +58,16 @@ def profile_stages(
     plain_step: bool = True,
     speed: DeviceSpeed | None = None,
     scratch: bool = False,
+    memo: StageMemo | None = None,
 ) -> Chain:
     """The chain of ``model``'s stages; ``scratch``: with each stage's kernel scratch (see
-    :mod:`edgetrain.frontend.scratch`), else none."""
+    :mod:`edgetrain.frontend.scratch`), else none; ``memo``: see :class:`StageMemo`."""
     check_sequential(model)
     assert isinstance(model, nn.Sequential)
     measured: list[tuple[str, nn.Module, int, Measured]] = []
-    # On meta tensors a stage's costs follow from its structure and input shape alone, so
-    # identical stages (the repeated blocks of a ResNet) are profiled once.
-    memo: dict[tuple[str, str, bool, bool], tuple[Measured, Any, OpScratch | None]] = {}
+    # Identical stages on meta tensors (a ResNet's repeated blocks) are sized once: StageMemo.
+    memo = memo if memo is not None and timer is None else StageMemo()
+    timing = (flops_per_second if flops else 0.0, None if speed is None else id(speed), scratch)
     calls: list[OpScratch | None] = []  # each stage's kinds of operator call
     index_of = {id(p): i for i, p in enumerate(model.parameters())}
     what = f"{'measuring' if timer is not None else 'sizing'} the stages of {type(model).__name__}"
@@ -60,14 +80,13 @@ def profile_stages(
         # Stages with two or more output gradients, until it is known whether the step gives
         # two of them one storage (see _gradients_shared): what their held passes need then.
         pending: dict[int, tuple[Any, bool, tuple[Any, ...] | None]] = {}
-        held_memo: dict[tuple[Any, ...], tuple[int, int]] = {}
         for index, (name, module, span) in enumerate(groups):
             done(detail=name)
             last = index == len(groups) - 1
-            key = (module_key(module), signature(x), needs_grad, last)
+            key = (module_key(module), signature(x), needs_grad, last, timing)
             stage_input, stage_needs = x, needs_grad
-            if timer is None and key in memo and not _shares_parameters(module, measured):
-                known, out, ops = memo[key]
+            if timer is None and key in memo.measures and not _shares_parameters(module, measured):
+                known, out, ops = memo.measures[key]
                 # The twin's parameters all got gradients, or none did: so do this one's.
                 trainable = {id(p) for p in module.parameters() if p.requires_grad}
                 result = replace(known, param_grad_ids=trainable if known.param_grad_ids else set())
@@ -88,7 +107,7 @@ def profile_stages(
                     ops,
                 )
                 if timer is None:
-                    memo[key] = (result, x, ops)
+                    memo.measures[key] = (result, x, ops)
             measured.append((name, module, span, result))
             calls.append(ops)
             needs_grad = result.output_requires_grad
@@ -97,7 +116,7 @@ def profile_stages(
                 twin = timer is None and not _shares_parameters(module, measured[:-1])
                 pending[index] = (stage_input, stage_needs, key if twin else None)
             del stage_input
-            measure_held(measured, pending, held_memo, index_of, complete=last)
+            measure_held(measured, pending, memo.held, index_of, complete=last)
         done(detail="one step of plain autograd")
         autograd_peaks = plain_step_peaks(model, sample_input) if plain_step else None
         if scratch:

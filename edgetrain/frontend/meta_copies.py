@@ -25,34 +25,49 @@ def any_meta(sample_input: Any) -> bool:
     return any(t.device.type == "meta" for t in leaves(sample_input))
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
+def meta_copy(model: nn.Module, copies: dict[int, Any] | None = None) -> nn.Module:
     """The model with every parameter and buffer on the meta device, without copying data; a
     tensor shared by several modules (a tied weight) stays one tensor. An integer scalar buffer
     (a counter such as ``num_batches_tracked``) is copied as it is: a forward may read its value
-    (``1 / float(self.num_batches_tracked)``), which a meta tensor has not."""
+    (``1 / float(self.num_batches_tracked)``), which a meta tensor has not. ``copies``: what
+    earlier copies made, by the original's ``id`` (:func:`copy.deepcopy`'s memo, which keeps
+    the originals alive): a module or tensor copied before is that copy again, so copies of
+    models that share modules (the stages a plan may merge, see
+    :func:`~edgetrain.frontend.profiling.merged_chain`) copy each once and keep the ties."""
 
     def meta_unless_counter(t: torch.Tensor) -> torch.Tensor:
         counter = t.dim() == 0 and not t.is_floating_point() and not t.is_complex()
         return t.detach().clone() if counter else _meta_like(t)
 
-    return copy_on(model, meta_unless_counter)
+    return copy_on(model, meta_unless_counter, copies)
 
 
-def copy_on(model: nn.Module, tensor: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+def copy_on(
+    model: nn.Module,
+    tensor: Callable[[torch.Tensor], torch.Tensor],
+    copies: dict[int, Any] | None = None,
+) -> nn.Module:
     """A deep copy of the model whose parameters are new ``nn.Parameter`` s over
     ``tensor(p.detach())`` (none of the originals' hooks) and whose buffers are ``tensor(b)``;
-    a tensor shared by several modules (a tied weight) stays one tensor."""
-    memo: dict[int, Any] = {}
+    a tensor shared by several modules (a tied weight) stays one tensor. ``copies``: the memo
+    of earlier copies to reuse and extend (see :func:`meta_copy`)."""
+    memo: dict[int, Any] = {} if copies is None else copies
+    originals = memo.setdefault(id(memo), [])  # deepcopy's own: its keys' objects stay alive
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(tensor(p.detach()), requires_grad=p.requires_grad)
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(tensor(p.detach()), requires_grad=p.requires_grad)
+            originals.append(p)
     for b in model.buffers():
-        memo[id(b)] = tensor(b)
+        if id(b) not in memo:
+            memo[id(b)] = tensor(b)
+            originals.append(b)
     # A tensor a module keeps as a plain attribute: the older weight_norm and spectral_norm
     # hooks set the weight they compute, which (not a leaf) deepcopy refuses.
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, torch.Tensor) and id(value) not in memo:
                 memo[id(value)] = tensor(value.detach())
+                originals.append(value)
     return copy.deepcopy(model, memo)
 
 

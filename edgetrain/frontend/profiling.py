@@ -37,7 +37,7 @@ from edgetrain.autograd.meta_memo import MetaMemo
 from edgetrain.autograd.replay import AutocastState, autocast_label, autocasting
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.errors import InvalidInput
-from edgetrain.frontend.chain_profile import NOMINAL_FLOPS, profile_stages
+from edgetrain.frontend.chain_profile import NOMINAL_FLOPS, StageMemo, profile_stages
 from edgetrain.frontend.cuts import as_stages, on_stage_input, stage_input
 from edgetrain.frontend.device_speed import device_speed
 from edgetrain.frontend.meta_copies import any_meta, meta_copy, on_meta, to_meta
@@ -46,6 +46,7 @@ from edgetrain.frontend.step_peaks import graph_step_peaks, plain_step_peaks, wi
 
 __all__ = [
     "NOMINAL_FLOPS",
+    "StageMemo",
     "analytic_chain",
     "graph_step_peaks",
     "merged_chain",
@@ -211,7 +212,11 @@ def _analytic(
 
 
 def merged_chain(
-    chain: Chain, modules: list[nn.Module], first: list[int], sample_input: Any
+    chain: Chain,
+    modules: list[nn.Module],
+    first: list[int],
+    sample_input: Any,
+    memo: StageMemo | None = None,
 ) -> Chain | None:
     """``chain`` with some runs of its stages merged: ``modules`` are the stages as they will run
     (a merged run one ``nn.Sequential`` of its stages), ``first[c]`` the stage of ``chain`` that
@@ -224,12 +229,14 @@ def merged_chain(
 
     Sized on meta tensors, with the kernels the CPU picks (:func:`cpu_kernels`), when that sizes
     them as the device would; else (autocast, which meta tensors do not follow, or a layer
-    sized unlike the CPU) on the sample's own device, as the executor will run them."""
+    sized unlike the CPU) on the sample's own device, as the executor will run them. ``memo``:
+    stages sized on meta tensors by earlier calls for the same chain and sample (the stages
+    no run merges are sized once, not once per call; see :class:`StageMemo`)."""
     bounds = [*first, chain.length]
     # Its own stages only: the chain's plain step does not apply to it (set to None below).
     # Its kernels' scratch as the chain has it: measured, or none (a chain from shapes).
     scratch = any(s.forward_scratch_bytes or s.backward_scratch_bytes for s in chain.stages)
-    sized = _sized_on_meta(nn.Sequential(*modules), sample_input, scratch=scratch)
+    sized = _sized_on_meta(nn.Sequential(*modules), sample_input, scratch=scratch, memo=memo)
     if sized is None:
         sized = profile_stages(
             nn.Sequential(*modules),
@@ -259,13 +266,15 @@ def merged_chain(
     return replace(chain, stages=tuple(stages), autograd_peak_bytes=None)
 
 
-def _sized_on_meta(model: nn.Module, sample_input: Any, *, scratch: bool) -> Chain | None:
+def _sized_on_meta(
+    model: nn.Module, sample_input: Any, *, scratch: bool, memo: StageMemo | None = None
+) -> Chain | None:
     """``model``'s stages sized (not timed) on meta tensors; None where meta tensors would not
     size them as the sample's device runs them (see :func:`merged_chain`)."""
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         return None
     try:
-        twin = meta_copy(model)
+        twin = meta_copy(model, None if memo is None else memo.copies)
         with cpu_kernels() as unlike_cpu, MetaMemo():
             sized = profile_stages(
                 twin,
@@ -274,6 +283,7 @@ def _sized_on_meta(model: nn.Module, sample_input: Any, *, scratch: bool) -> Cha
                 flops=False,
                 plain_step=False,
                 scratch=scratch,
+                memo=memo,
             )
     except (TypeError, NotImplementedError, RuntimeError, InvalidInput, copy.Error):
         return None

@@ -25,6 +25,7 @@ from edgetrain.core.simulator import Cost, simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
 from edgetrain.frontend.cuts import on_stage_input
 from edgetrain.frontend.profiling import (
+    StageMemo,
     graph_step_peaks,
     merged_chain,
     profile_chain,
@@ -64,6 +65,7 @@ class PreparedPlan:
     signature: str  # the input's shapes and dtypes, in words
     key: tuple[Any, ...]  # the state planned for
     sized: dict[GraphRun, Stage]  # each graph run's stage, sized as it runs
+    stage_memo: StageMemo  # the stages sized on meta tensors for it (see merged_chain)
     costs: dict[bool, Cost]  # the plan's cost as it runs, per training loop
     stages: list[nn.Module]  # the chain's stages as modules
     stores_everything: bool  # plain autograd on the module
@@ -105,6 +107,7 @@ class Preparing:
             signature=self._signature,
             key=self._key,
             sized=self._sized,
+            stage_memo=self._stage_memo,
             costs=self._costs,
             stages=self._stages,
             stores_everything=self._stores_everything,
@@ -138,6 +141,7 @@ class Preparing:
         self._signature = plan.signature
         self._key = plan.key
         self._sized = plan.sized
+        self._stage_memo = plan.stage_memo
         self._costs = plan.costs
         self._stages = plan.stages
         self._stores_everything = plan.stores_everything
@@ -184,8 +188,11 @@ class Preparing:
             self._key = (*self._key[:-1], loop)
         self._grads_exist = self._key[-1]  # plan for the loop the step starts in
         # A run's merged stage depends on its stages and the sample only: sized once for every
-        # plan tried here (see the tighter plan below).
-        self._sized: dict[GraphRun, Stage] = {}
+        # plan tried here (see the tighter plan below) and, on the same chain (``as_is``), for
+        # the other training loop's plan too (most of its runs are this one's).
+        if not as_is:
+            self._sized: dict[GraphRun, Stage] = {}
+            self._stage_memo = StageMemo()  # the stages no run merges, sized once
         if schedule is not None:
             check_made_for(schedule, self.chain)
             self._adopt(schedule, sample)
@@ -409,7 +416,7 @@ class Preparing:
         first, _ = merged_schedule(schedule, candidates)
         modules = modules_as_run(self._stages, candidates, self._snapshotted)
         with autocasting(autocast_state()):  # as the step runs them (see autocasting)
-            sized = merged_chain(self.chain, modules, first, sample)
+            sized = merged_chain(self.chain, modules, first, sample, self._stage_memo)
         if sized is not None:
             by_first = dict(zip(first, sized.stages, strict=True))
             as_one.update({run: by_first[run.first] for run in candidates})
