@@ -274,7 +274,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "tiles-split-drops-remainder",
-        "edgetrain/tiles/tiling.py",
+        "edgetrain/tiles/grid.py",
         "size if i == parts - 1 else (i + 1) * step",
         "(i + 1) * step",
         TILE_TESTS,
