@@ -31,22 +31,13 @@ from edgetrain.tiles.halo import HaloSpec, exchange_halo
 from edgetrain.tiles.rankplan import Stretch
 from edgetrain.tiles.recompute import batch_norms, recomputed
 from edgetrain.tiles.tiled import unpadded_window
-from edgetrain.tiles.tiling import Region, Span
+from edgetrain.tiles.tiling import Region, Span, region_slices
 
 
 def tile_region(grid: Grid, rank: int, size: tuple[int, int]) -> Region:
     """``rank``'s tile of a map of ``size`` (height, width)."""
     i, j = grid.position(rank)
     return Region.of(grid.row_spans(size[0])[i], grid.col_spans(size[1])[j])
-
-
-def _slices(region: Region) -> tuple[slice, slice, slice, slice]:
-    return (
-        slice(None),
-        slice(None),
-        slice(region.top, region.bottom),
-        slice(region.left, region.right),
-    )
 
 
 class _Gather(torch.autograd.Function):
@@ -61,14 +52,14 @@ class _Gather(torch.autograd.Function):
         whole = tile.new_empty(*tile.shape[:2], *size)
         for rank, part in enumerate(comm.gather_small(padded)):
             region = tile_region(grid, rank, size)
-            whole[_slices(region)] = part[:, :, : region.height, : region.width]
+            whole[region_slices(region)] = part[:, :, : region.height, : region.width]
         ctx.region, ctx.comm = tile_region(grid, comm.rank, size), comm
         return whole
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         total = ctx.comm.all_reduce_(grad.contiguous().clone())
-        return total[_slices(ctx.region)].contiguous(), None, None, None
+        return total[region_slices(ctx.region)].contiguous(), None, None, None
 
 
 class _Sum(torch.autograd.Function):

@@ -16,16 +16,7 @@ from typing import Any
 import torch
 
 from edgetrain.tiles.comm import Comm
-from edgetrain.tiles.tiling import GroupPlan, Region
-
-
-def _slices(region: Region) -> tuple[slice, slice, slice, slice]:
-    return (
-        slice(None),
-        slice(None),
-        slice(region.top, region.bottom),
-        slice(region.left, region.right),
-    )
+from edgetrain.tiles.tiling import GroupPlan, Region, region_slices
 
 
 @dataclass(frozen=True)
@@ -94,15 +85,15 @@ class _Halo(torch.autograd.Function):
     def forward(ctx: Any, tile: torch.Tensor, spec: HaloSpec, comm: Comm) -> torch.Tensor:  # type: ignore[override]
         n, c = tile.shape[:2]
         buffers = [(peer, tile.new_empty(n, c, r.height, r.width)) for peer, r in spec.receives]
-        sends = [(peer, tile[_slices(r)]) for peer, r in spec.sends]
+        sends = [(peer, tile[region_slices(r)]) for peer, r in spec.sends]
         out = tile.new_empty(n, c, *spec.shape)
         for strip in spec.borders:
-            out[_slices(strip)] = spec.fill
+            out[region_slices(strip)] = spec.fill
         if not spec.keep_to.empty:
-            out[_slices(spec.keep_to)] = tile[_slices(spec.keep_from)]
+            out[region_slices(spec.keep_to)] = tile[region_slices(spec.keep_from)]
         comm.exchange(sends, buffers, 2 * spec.tag)
         for (_, region), (_, buffer) in zip(spec.receives, buffers, strict=True):
-            out[_slices(region)] = buffer
+            out[region_slices(region)] = buffer
         ctx.spec, ctx.comm = spec, comm
         return out
 
@@ -111,16 +102,16 @@ class _Halo(torch.autograd.Function):
         spec: HaloSpec = ctx.spec
         n, c = grad.shape[:2]
         buffers = [(peer, grad.new_empty(n, c, r.height, r.width)) for peer, r in spec.sends]
-        sends = [(peer, grad[_slices(r)]) for peer, r in spec.receives]
+        sends = [(peer, grad[region_slices(r)]) for peer, r in spec.receives]
         if spec.keep_from.height * spec.keep_from.width == spec.tile_shape[0] * spec.tile_shape[1]:
             out = grad.new_empty(n, c, *spec.tile_shape)  # the kept part covers the whole tile
         else:
             out = grad.new_zeros(n, c, *spec.tile_shape)
         if not spec.keep_to.empty:
-            out[_slices(spec.keep_from)] = grad[_slices(spec.keep_to)]
+            out[region_slices(spec.keep_from)] = grad[region_slices(spec.keep_to)]
         ctx.comm.exchange(sends, buffers, 2 * spec.tag + 1)
         for (_, region), (_, buffer) in zip(spec.sends, buffers, strict=True):
-            out[_slices(region)] += buffer
+            out[region_slices(region)] += buffer
         return out, None, None
 
 

@@ -33,20 +33,11 @@ from edgetrain.tiles.batchnorm import (
 )
 from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.halo import HaloSpec
-from edgetrain.tiles.tiling import Region
-
-
-def _at(region: Region) -> tuple[slice, slice, slice, slice]:
-    return (
-        slice(None),
-        slice(None),
-        slice(region.top, region.bottom),
-        slice(region.left, region.right),
-    )
+from edgetrain.tiles.tiling import Region, region_slices
 
 
 def _block(grad: torch.Tensor, region: Region) -> torch.Tensor:
-    return grad[_at(region)]
+    return grad[region_slices(region)]
 
 
 class _HaloBatchNorm(torch.autograd.Function):
@@ -62,7 +53,7 @@ class _HaloBatchNorm(torch.autograd.Function):
         comm: Comm,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, c = x.shape[:2]
-        sends = [(peer, x[_at(r)]) for peer, r in spec.sends]
+        sends = [(peer, x[region_slices(r)]) for peer, r in spec.sends]
         receives = [(peer, (n, c, r.height, r.width)) for peer, r in spec.receives]
         parts, halos = comm.exchange_with_small(
             local_statistics(x, owned), sends, receives, 2 * spec.tag
@@ -70,14 +61,16 @@ class _HaloBatchNorm(torch.autograd.Function):
         mean, var, unbiased, count = combine_statistics(parts)
         out = x.new_empty(n, c, *spec.shape)
         if not spec.keep_to.empty:
-            kept = x[_at(spec.keep_from)]
-            out[_at(spec.keep_to)] = functional.batch_norm(
+            kept = x[region_slices(spec.keep_from)]
+            out[region_slices(spec.keep_to)] = functional.batch_norm(
                 kept, mean, var, weight, bias, False, 0.0, eps
             )
         received = []
         for peer, region in spec.receives:
             halo = halos[peer]
-            out[_at(region)] = functional.batch_norm(halo, mean, var, weight, bias, False, 0.0, eps)
+            out[region_slices(region)] = functional.batch_norm(
+                halo, mean, var, weight, bias, False, 0.0, eps
+            )
             received.append(halo)
         ctx.save_for_backward(x, weight, mean, var, *received)
         ctx.owned, ctx.eps, ctx.comm, ctx.count, ctx.spec = owned, eps, comm, count, spec
@@ -94,10 +87,10 @@ class _HaloBatchNorm(torch.autograd.Function):
         eps = ctx.eps
         mask = [True, True, True]
         if spec.keep_from.height * spec.keep_from.width == x.shape[2] * x.shape[3]:
-            g_tile = grad[_at(spec.keep_to)]  # the kept part covers the whole tile
+            g_tile = grad[region_slices(spec.keep_to)]  # the kept part covers the whole tile
         else:
             g_tile = grad.new_zeros(x.shape)
-            g_tile[_at(spec.keep_from)] = grad[_at(spec.keep_to)]
+            g_tile[region_slices(spec.keep_from)] = grad[region_slices(spec.keep_to)]
         # The inference-mode backward kernel: the direct part of dx, Σ g·x̂ and Σ g, one pass.
         dx, sum_gx, sum_g = torch.ops.aten.native_batch_norm_backward(
             g_tile, x, weight, mean, var, None, None, False, eps, mask
@@ -115,7 +108,7 @@ class _HaloBatchNorm(torch.autograd.Function):
         parts, back = ctx.comm.exchange_with_small(local, sends, shapes, 2 * spec.tag + 1)
         dx = dx.contiguous()
         for peer, region in spec.sends:
-            dx[_at(region)] += back[peer]
+            dx[region_slices(region)] += back[peer]
         stats = (mean, var, eps, ctx.count)
         correct_owned(dx, x, weight, stats, sum_in_order(parts), ctx.owned)
         grad_weight = sum_gx if ctx.has_weight else None

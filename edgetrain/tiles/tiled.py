@@ -25,13 +25,7 @@ from edgetrain.tiles.halo import HaloSpec, exchange_halo
 from edgetrain.tiles.halonorm import halo_batch_norm
 from edgetrain.tiles.layers import model_ops
 from edgetrain.tiles.recompute import batch_norms, recomputed
-from edgetrain.tiles.tiling import GroupPlan, Region, TilePlan
-
-
-def region_slices(region: Region) -> tuple[slice, slice, slice, slice]:
-    """Index an ``N, C, H, W`` tensor by ``region``."""
-    rows, cols = slice(region.top, region.bottom), slice(region.left, region.right)
-    return (slice(None), slice(None), rows, cols)
+from edgetrain.tiles.tiling import GroupPlan, Region, TilePlan, region_slices
 
 
 def unpadded_window(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

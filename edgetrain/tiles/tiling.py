@@ -242,6 +242,12 @@ class Region:
         return Region(rows[0], rows[1], cols[0], cols[1])
 
 
+def region_slices(region: Region) -> tuple[slice, slice, slice, slice]:
+    """Index an ``N, C, H, W`` tensor by ``region``."""
+    rows, cols = slice(region.top, region.bottom), slice(region.left, region.right)
+    return (slice(None), slice(None), rows, cols)
+
+
 def _map_spans(spans: tuple[Span, ...], stride: int, size: int) -> tuple[Span, ...]:
     """Carry a partition of a layer's output back to its input of ``size`` pixels.
 

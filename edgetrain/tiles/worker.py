@@ -44,8 +44,8 @@ from edgetrain.tiles.grid import Grid, Grouping
 from edgetrain.tiles.layers import describe
 from edgetrain.tiles.lifeline import die_with_parent
 from edgetrain.tiles.sync import GradientSync, LossTotal
-from edgetrain.tiles.tiled import TiledNetwork, region_slices
-from edgetrain.tiles.tiling import Network, Region, TilePlan, plan
+from edgetrain.tiles.tiled import TiledNetwork
+from edgetrain.tiles.tiling import Network, Region, TilePlan, plan, region_slices
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
