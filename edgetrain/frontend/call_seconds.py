@@ -32,7 +32,7 @@ from torch.utils.flop_counter import flop_registry
 
 from edgetrain.autograd.meta_memo import call_key
 from edgetrain.autograd.storage_counter import tensors_in
-from edgetrain.frontend.op_calls import made, specs
+from edgetrain.frontend.op_calls import made, makes_new_outputs, specs
 
 __all__ = ["LARGEST_BYTES", "REPEATS", "call_seconds", "timed"]
 
@@ -52,9 +52,9 @@ def timed(func: Any) -> bool:
         return False
     if func._overloadpacket in flop_registry or func.is_view:
         return False
-    if torch.Tag.pointwise in func.tags or torch.Tag.nondeterministic_seeded in func.tags:
+    if torch.Tag.nondeterministic_seeded in func.tags:
         return func._overloadpacket in _SEEDED  # dropout's masks: timed, RNG restored
-    return all(r.alias_info is None for r in func._schema.returns)
+    return makes_new_outputs(func)
 
 
 _SEEDED = {torch.ops.aten.native_dropout, torch.ops.aten.bernoulli}

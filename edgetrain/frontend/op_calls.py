@@ -7,11 +7,12 @@ of zeros from them, as noted or in another layout (:data:`LAYOUTS`).
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
 
-__all__ = ["LAYOUTS", "Spec", "made", "specs", "strides"]
+__all__ = ["LAYOUTS", "Spec", "made", "makes_new_outputs", "specs", "strides"]
 
 LAYOUTS = ("as noted", "contiguous", "channels last")
 """The layouts a call is made again in: its tensors' strides as noted, contiguous, or
@@ -74,3 +75,15 @@ def made(value: Any, layout: str) -> Any:
     if isinstance(value, dict):
         return {k: made(v, layout) for k, v in value.items()}
     return value
+
+
+@cache
+def makes_new_outputs(func: Any) -> bool:
+    """Whether an operator's call may do more than write what it allocates: not an elementwise
+    one (its kernel writes the output it allocates), a view, or one that returns an input (in
+    place, ``out=``). The calls whose scratch and whose time are measured."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    if torch.Tag.pointwise in func.tags or func.is_view:
+        return False
+    return all(r.alias_info is None for r in func._schema.returns)

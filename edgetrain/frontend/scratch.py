@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
 import torch
@@ -39,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from edgetrain.autograd.meta_memo import call_key
 from edgetrain.autograd.storage_counter import tensors_in
-from edgetrain.frontend.op_calls import LAYOUTS, made, specs, strides
+from edgetrain.frontend.op_calls import LAYOUTS, made, makes_new_outputs, specs, strides
 
 __all__ = ["LAYOUTS", "REPEATS", "OpScratch", "allocator_peak", "measure_scratch", "scratch_of"]
 
@@ -80,7 +79,7 @@ class OpScratch(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if _may_take_scratch(func):
+        if makes_new_outputs(func):
             tensors = tensors_in((args, kwargs))
             if tensors and all(t.device.type in ("cpu", "meta") for t in tensors):
                 key = (*call_key(func, args, kwargs), torch.get_num_threads())
@@ -197,14 +196,3 @@ def allocator_peak(call: Callable[[], Any]) -> tuple[int | None, Any]:
         total += nbytes
         peak = max(peak, total)
     return peak, result[0]
-
-
-@cache
-def _may_take_scratch(func: Any) -> bool:
-    """Whether an operator may allocate beyond its outputs: not an elementwise one (its kernel
-    writes the output it allocates), a view, or one that returns an input (in place, ``out=``)."""
-    if not isinstance(func, torch._ops.OpOverload):
-        return False
-    if torch.Tag.pointwise in func.tags or func.is_view:
-        return False
-    return all(r.alias_info is None for r in func._schema.returns)
