@@ -33,6 +33,7 @@ import contextlib
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from edgetrain.cache import machine, measured_path, measured_text, read_measured
 from edgetrain.core.chain import Chain
@@ -57,15 +58,20 @@ def _machine() -> str:
     return machine(f"torch {torch.__version__}")
 
 
-def _read(path: os.PathLike[str] | str, key: str = "stage_seconds") -> float | None:
-    """The cached value of ``key`` for this machine, or None (missing, another machine,
-    damaged, out of range)."""
-    values = read_measured(path, _machine()) or {}
+def _value(stored: dict[str, Any], key: str) -> float | None:
+    """``key``'s value among a cache file's ``stored`` values, or None (missing, not a number,
+    out of range)."""
     try:
-        value = float(values[key])
+        value = float(stored[key])
     except (KeyError, TypeError, ValueError):
         return None
     return value if 0.0 <= value < 0.1 else None
+
+
+def _read(path: os.PathLike[str] | str, key: str = "stage_seconds") -> float | None:
+    """The cached value of ``key`` for this machine, or None (missing, another machine,
+    damaged, out of range)."""
+    return _value(read_measured(path, _machine()) or {}, key)
 
 
 def _cached(keys: tuple[str, ...], measure: Callable[[], tuple[float, ...]]) -> tuple[float, ...]:
@@ -76,15 +82,16 @@ def _cached(keys: tuple[str, ...], measure: Callable[[], tuple[float, ...]]) -> 
         return tuple(float(value) for value in given if value is not None)
     if all(key in _memo for key in keys):
         return tuple(_memo[key] for key in keys)
-    path = measured_path(CACHE_FILE, _machine())
-    values = tuple(_read(path, key) for key in keys)
+    machine_key = _machine()
+    path = measured_path(CACHE_FILE, machine_key)
+    stored = read_measured(path, machine_key) or {}  # the file read and checked once
+    values = tuple(_value(stored, key) for key in keys)
     if any(value is None for value in values):
         measured = measure()
-        known = {k: _read(path, k) for k in KEYS}
-        kept = {k: v for k, v in known.items() if v is not None}
+        kept = {k: v for k in KEYS if (v := _value(stored, k)) is not None}
         kept |= dict(zip(keys, measured, strict=True))
         with contextlib.suppress(OSError):  # unwritable: measured again by the next process
-            atomic_write_text(path, measured_text(_machine(), kept))
+            atomic_write_text(path, measured_text(machine_key, kept))
         values = measured
     _memo.update(zip(keys, values, strict=True))
     return tuple(v for v in values if v is not None)
