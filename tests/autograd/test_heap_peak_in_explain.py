@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -16,10 +17,17 @@ pytestmark = pytest.mark.skipif(heap_in_use() is None, reason="needs glibc's mal
 
 
 def test_the_heap_peak_sees_a_buffer_freed_inside_the_block():
-    with HeapPeak() as heap:
-        buffer = torch.empty(4 * 2**20, dtype=torch.uint8).fill_(1)
-        time.sleep(0.2)  # held a moment, as a kernel's workspace is: the sampler runs meanwhile
-        del buffer
+    # The peak is above the heap in use at the start: a garbage collection inside the block
+    # would free memory held before it and hide part of the buffer, so none runs there.
+    gc.collect()
+    gc.disable()
+    try:
+        with HeapPeak() as heap:
+            buffer = torch.empty(4 * 2**20, dtype=torch.uint8).fill_(1)
+            time.sleep(0.2)  # held a moment, as a kernel's workspace is: the sampler runs
+            del buffer
+    finally:
+        gc.enable()
     assert heap.peak_bytes is not None and heap.peak_bytes >= 4 * 2**20
 
 
