@@ -16,19 +16,32 @@ from edgetrain.runtime.checkpointed import Checkpointed
 pytestmark = pytest.mark.skipif(heap_in_use() is None, reason="needs glibc's mallinfo2")
 
 
-def test_the_heap_peak_sees_a_buffer_freed_inside_the_block():
-    # The peak is above the heap in use at the start: a garbage collection inside the block
-    # would free memory held before it and hide part of the buffer, so none runs there.
+def _peak_of_a_held_buffer(size_bytes: int) -> int | None:
     gc.collect()
-    gc.disable()
+    gc.disable()  # a collection inside the block would free memory held before it
     try:
         with HeapPeak() as heap:
-            buffer = torch.empty(4 * 2**20, dtype=torch.uint8).fill_(1)
+            buffer = torch.empty(size_bytes, dtype=torch.uint8).fill_(1)
             time.sleep(0.2)  # held a moment, as a kernel's workspace is: the sampler runs
             del buffer
     finally:
         gc.enable()
-    assert heap.peak_bytes is not None and heap.peak_bytes >= 4 * 2**20
+    return heap.peak_bytes
+
+
+def test_the_heap_peak_sees_a_buffer_freed_inside_the_block():
+    # The peak is measured above the heap in use at the start, so memory another thread of the
+    # process frees meanwhile (pytest-xdist's I/O thread releasing the last test's report) hides
+    # that much of the buffer: the best of three blocks must see all of it.
+    size = 4 * 2**20
+    best = 0
+    for _ in range(3):
+        peak = _peak_of_a_held_buffer(size)
+        assert peak is not None
+        best = max(best, peak)
+        if best >= size:
+            break
+    assert best >= size
 
 
 def test_explain_reports_the_heap_beside_the_tensors_of_a_depthwise_model():
