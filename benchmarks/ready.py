@@ -18,17 +18,26 @@ For each model (torchvision's, built from code, no weights), captured and cut on
   times (``rho_measured_plan``, ``rho_modelled_plan``): how much slower the plan made without
   timing runs, by the timings that the measured profile would have planned on.
 
+With ``--ready``, a second table: ``Checkpointed(model, x, memory_budget=...)`` timed from a new
+process (capture, profile, frontier and plan; this machine's timings cached first), for
+ResNet-50, ViT-B/16 and BERT-base (transformers' default config, ``--side`` tokens), at ``"min"``,
+half way from its predicted whole-step heap to plain autograd's, and ``"auto"``. Target: 10 s.
+
 The machine is shared: wall seconds stretch with other jobs (the load average is in the JSON).
 
     python benchmarks/ready.py --json > benchmarks/data/ready_resnet50_vit_b16_4x128.json
     python benchmarks/ready.py --models resnet50 --measured-rounds 0
+    python benchmarks/ready.py --ready --json > benchmarks/data/checkpointed_ready_4x128.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -47,13 +56,73 @@ from edgetrain.models import thirdparty
 from edgetrain.planners.search import plan
 
 MODELS = ("resnet50", "vit_b_16")
+READY_MODELS = ("resnet50", "vit_b_16", "bert-base")
 
 
-def _model(name: str, batch: int, side: int) -> tuple[torch.nn.Module, torch.Tensor]:
-    tv = thirdparty.torchvision()
+def _model(name: str, batch: int, side: int) -> tuple[torch.nn.Module, Any]:
+    """torchvision's ``name`` for images of ``side``², or ``bert-base``: transformers' BERT-base
+    (its default config, eager attention, 3 classes) on ``side`` tokens with an attention mask
+    and labels."""
     torch.manual_seed(0)
+    if name == "bert-base":
+        tr = thirdparty.transformers()
+        config = tr.BertConfig(num_labels=3, attn_implementation="eager")
+        ids = torch.randint(0, config.vocab_size, (batch, side))
+        mask = torch.ones(batch, side, dtype=torch.long)
+        mask[-1, -2:] = 0
+        inputs = {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (batch,))}
+        return tr.BertForSequenceClassification(config), inputs
+    tv = thirdparty.torchvision()
     kwargs = {"image_size": side} if name.startswith("vit") else {}
     return getattr(tv.models, name)(**kwargs), torch.randn(batch, 3, side, side)
+
+
+def ready_child(name: str, budget: str, batch: int, side: int) -> None:
+    """In a new process (the per-machine timings cached beforehand): the seconds
+    ``Checkpointed(model, x, memory_budget=budget)`` takes, printed as one JSON line."""
+    from edgetrain.runtime.checkpointed import Checkpointed
+
+    torch.set_num_threads(1)
+    model, x = _model(name, batch, side)
+    wall, cpu = time.perf_counter(), time.process_time()
+    memory: Any = int(budget) if budget.isdigit() else budget
+    net = Checkpointed(model, x, memory_budget=memory)
+    row = {
+        "ready_s": time.perf_counter() - wall,
+        "ready_cpu_s": time.process_time() - cpu,
+        "stages": net.chain.length,
+        "runs_as": net.runs_as,
+        # The whole step's heap (tensors and kernel scratch), as budgets count it.
+        "predicted_MB": (net.fixed_bytes + net.cost.heap_peak_bytes) / 1e6,
+        "plain_MB": (net.fixed_bytes + net.plain_cost.heap_peak_bytes) / 1e6,
+        "rho": net.predicted_recompute_factor,
+    }
+    print(json.dumps(row))
+
+
+def _ready_in_new_process(name: str, budget: str, args: argparse.Namespace) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--ready-child", name, budget]
+    command += ["--batch", str(args.batch), "--side", str(args.side)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    row: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return row
+
+
+def ready_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``Checkpointed`` ready, each in a new process: at ``"min"``, half way from its predicted
+    peak to plain autograd's (a budget in bytes; both whole-step heap peaks: tensors and kernel
+    scratch, what a budget holds) and at ``"auto"``."""
+    rows = []
+    for name in args.ready:
+        least = _ready_in_new_process(name, "min", args)
+        half = int(1e6 * (least["predicted_MB"] + least["plain_MB"]) / 2)
+        for label, budget in (("min", least), ("half way", None), ("auto", None)):
+            row = budget or _ready_in_new_process(
+                name, str(half) if label == "half way" else label, args
+            )
+            size = f"{args.side} tokens" if name == "bert-base" else f"{args.side}²"
+            rows.append({"model": f"{name} b{args.batch} {size}", "memory_budget": label, **row})
+    return rows
 
 
 def _timed(run: Any) -> tuple[float, Any]:
@@ -130,7 +199,28 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="*", default=[0.5])
     parser.add_argument("--save-chains", help="a directory to write both chains to")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--ready",
+        nargs="*",
+        default=None,
+        help=f"time Checkpointed ready (default models: "
+        f"{', '.join(READY_MODELS)}) instead of the profiles",
+    )
+    parser.add_argument("--ready-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ready_child:
+        ready_child(*args.ready_child, args.batch, args.side)
+        return
+    if args.ready is not None:
+        args.ready = args.ready or list(READY_MODELS)
+        device_speed()  # cached for this machine before any new process is timed
+        columns = ["model", "memory_budget", "stages", "runs_as", "predicted_MB", "plain_MB"]
+        columns += ["rho", "ready_s", "ready_cpu_s"]
+        extra = {"torch_threads": 1, "load_average": os.getloadavg(), "target_s": 10.0}
+        emit(
+            "Checkpointed ready, each in a new process", columns, ready_rows(args), args.json, extra
+        )
+        return
     calibrate_s, speed = _timed(device_speed)
     rows = [run_model(name, args) for name in args.models]
     columns = ["model", "stages", "capture_s", "modelled_s", "measured_s", "speedup"]

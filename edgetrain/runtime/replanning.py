@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from torch.utils._python_dispatch import _disable_current_modes
+
 from edgetrain.autograd.replay import autocast_state
 from edgetrain.autograd.stages import leaves, shapes, signature
 from edgetrain.core.chain import Chain
@@ -69,34 +71,19 @@ class Replanning:
         self, sample: Any, chain: Chain | None, schedule: Schedule | None, as_is: bool = False
     ) -> None:
         """Plan (or adopt ``schedule``) for ``sample``, and remember the plan for its state
-        (``as_is``: ``chain`` is this model's as profiled, nothing to measure again)."""
+        (``as_is``: ``chain`` is this model's as profiled, nothing to measure again). The other
+        training loop is planned for when a step first runs in it, on the same profile: most
+        loops never change, and planning a loop takes about as long as profiling the model."""
         self._make_plan(sample, chain, schedule, as_is)
         self._remember()
         if schedule is not None:  # a given plan runs in either loop
             other = (*self._key[:-1], not self._key[-1])
             self._plans[other] = replace(self._plans[self._key], key=other)
-        elif not as_is:
-            self._plan_other_loop(sample)
 
     def _remember(self) -> None:
         self._plans[self._key] = self._prepared()
         while len(self._plans) > KEPT_PLANS:  # the oldest first; the one just made stays
             del self._plans[next(iter(self._plans))]
-
-    def _plan_other_loop(self, sample: Any) -> None:
-        """Plan for the other training loop too (gradients kept between steps, or set to
-        None), now: a step that finds the loop changed then takes that plan as it is, with
-        nothing planned or measured inside it. A budget that loop cannot meet is planned for
-        (and refused) when it comes."""
-        key, exist = self._key, self._grads_exist
-        try:
-            self._make_plan(sample, self.chain, None, as_is=True, loop=not key[-1])
-            self._remember()
-        except InfeasibleBudget:
-            pass
-        finally:
-            self._use(self._plans[key])
-            self._grads_exist = exist
 
     def _state(self, x: Any) -> tuple[Any, ...]:
         """What a plan is made for besides the model: the input's shapes and dtypes, which
@@ -127,7 +114,7 @@ class Replanning:
         with ``on_new_shape="error"``)."""
         shapes_now = f"{signature(x)}, planned for an input of {self._signature}"
         known = self._plans.get(key)
-        if known is not None:  # a state planned for (the other loop's plan is made with each)
+        if known is not None:  # a state planned for before
             self._use(known)
             self._unplanned = False
             return
@@ -137,18 +124,24 @@ class Replanning:
                 f"({describe_change(self._key, key, shapes_now)}); plan for it (or pass "
                 "on_new_shape='replan')"
             )
-        # Only the loop changed: the same chain, planned for the other loop (nothing profiled
-        # or measured again inside the step).
-        loop_only = key[:-1] == self._key[:-1] and not self._unplanned
-        if self.model is not self.module and not loop_only:
+        planned, change = self._key, describe_change(self._key, key, shapes_now)
+        # A state planned for in the other training loop: the same chain, planned for this
+        # loop (nothing captured, profiled or measured again).
+        sibling = self._plans.get((*key[:-1], not key[-1]))
+        loop_only = sibling is not None
+        if sibling is not None:
+            self._use(sibling)
+        elif self.model is not self.module:
             self.model = as_stages(
                 self.module, x if given is None else given, leaf_modules=self.leaf_modules
             )
             self._params = list(self.model.parameters())
-        planned, change = self._key, describe_change(self._key, key, shapes_now)
         self._unplanned = True  # until this plan is made: half planned, every call plans
         try:
-            self._plan(x, self.chain if loop_only else None, None, as_is=loop_only)
+            # Planning is not the step's: a dispatch mode measuring the step (a tensor counter)
+            # does not see it.
+            with _disable_current_modes():
+                self._plan(x, self.chain if loop_only else None, None, as_is=loop_only)
         except InfeasibleBudget as exc:
             self._key = planned
             raise InfeasibleBudget(f"planning again for {change}: {exc}", exc.smallest) from exc
