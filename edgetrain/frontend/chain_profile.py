@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from edgetrain import progress
+from edgetrain.autograd.scratch import OpScratch, measure_scratch, scratch_of
 from edgetrain.autograd.stage_grouping import group_children
 from edgetrain.autograd.stage_state import buffer_copy_bytes, stage_params
 from edgetrain.autograd.stages import empty_like, leaves, module_key, signature
@@ -21,7 +22,6 @@ from edgetrain.core.chain import Chain, Stage
 from edgetrain.frontend.cuts import check_sequential
 from edgetrain.frontend.device_speed import DeviceSpeed
 from edgetrain.frontend.meta_copies import on_meta
-from edgetrain.frontend.scratch import OpScratch, measure_scratch, scratch_of
 from edgetrain.frontend.stage_measure import Measured, Timer, measure_held, profile_stage
 from edgetrain.frontend.step_peaks import plain_step_peaks, preserved
 
@@ -61,7 +61,7 @@ def profile_stages(
     memo: StageMemo | None = None,
 ) -> Chain:
     """The chain of ``model``'s stages; ``scratch``: with each stage's kernel scratch (see
-    :mod:`edgetrain.frontend.scratch`), else none; ``memo``: see :class:`StageMemo`."""
+    :mod:`edgetrain.autograd.scratch`), else none; ``memo``: see :class:`StageMemo`."""
     check_sequential(model)
     assert isinstance(model, nn.Sequential)
     measured: list[tuple[str, nn.Module, int, Measured]] = []
@@ -136,7 +136,7 @@ def _with_scratch(
     measured: list[tuple[str, nn.Module, int, Measured]], calls: list[OpScratch | None]
 ) -> list[tuple[str, nn.Module, int, Measured]]:
     """Each stage's measures with its kernel scratch: the most any kind of call of its forward,
-    and of its backward, takes (each kind measured once, see :mod:`edgetrain.frontend.scratch`)."""
+    and of its backward, takes (each kind measured once, see :mod:`edgetrain.autograd.scratch`)."""
     pending = {}
     for ops in calls:
         if ops is not None:

@@ -198,7 +198,7 @@ def profile_stage(
     calls: TorchDispatchMode | None = None,
 ) -> tuple[Measured, Any]:
     """One stage's measures and its output; ``calls`` (an
-    :class:`~edgetrain.frontend.scratch.OpScratch`) sees the operator calls of the passes that
+    :class:`~edgetrain.autograd.scratch.OpScratch`) sees the operator calls of the passes that
     size it (not those that time it)."""
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
