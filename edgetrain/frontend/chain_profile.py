@@ -226,6 +226,7 @@ def stage_records(measured: list[tuple[str, nn.Module, int, Measured]]) -> list[
             layer_output_bytes=r.layer_output_bytes,
             buffer_bytes=buffers[k],
             copied_buffer_bytes=buffer_copy_bytes(module),
+            saved_buffer_bytes=r.saved_buffer_bytes,
             span=span,
             output_requires_grad=r.output_requires_grad,
             leaf_bytes=r.leaf_bytes,
