@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.autograd.buffer_state import BufferFlow
-from edgetrain.autograd.stage_state import StageParams, stage_params
+from edgetrain.autograd.stage_state import StageParams, buffer_copy_bytes, stage_params
 from edgetrain.autograd.stages import leaves, run_backward, run_forward, run_forward_with_grad
 from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes, storage_key
 from edgetrain.errors import InvalidInput
@@ -116,6 +116,7 @@ class Measured:
     # the backward ends: measured (by profile_stages) only where two of them share one storage.
     backward_peaks_held: tuple[int, int] | None = None
     reads_updated_buffers: bool = False
+    saved_buffer_bytes: int | None = None
     retained_bytes: int = 0
     forward_scratch_bytes: int = 0
     backward_scratch_bytes: int = 0
@@ -244,6 +245,7 @@ def profile_stage(
         in_keys = [storage_key(t) for t in leaves(x)]
         out_keys = [storage_key(t) for t in leaves(y)]
         reads_updated = isinstance(flow, BufferFlow) and flow.reaches(saved | set(out_keys))
+        saved_buffer_bytes = buffer_copy_bytes(module, saved)
         # Output tensors passed through unchanged: the same storage as an input tensor.
         carried = tuple((i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys)
         # Output tensors sharing one storage (views of one result): one piece of memory.
@@ -348,6 +350,7 @@ def profile_stage(
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
         reads_updated_buffers=reads_updated,
+        saved_buffer_bytes=saved_buffer_bytes,
         retained_bytes=retained_bytes,
         caller_gradients=loss_leaves,
         layer_output_bytes=layer_outputs.bytes,
