@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import Op, Schedule, stores_everything
 from edgetrain.errors import InvalidSchedule
 
@@ -227,6 +227,8 @@ def _replay(
         checkpoints -= 1
         return drop(pieces[k])
 
+    forward_scratch = [stage.forward_scratch_bytes for stage in stages]
+    backward_scratch = [stage.backward_scratch_bytes for stage in stages]
     # The kinds as locals (an enum member's lookup costs more than the comparison).
     page_out, page_in, discard, backward = Op.PAGE_OUT, Op.PAGE_IN, Op.DISCARD, Op.BACKWARD
     forward_all_op, forward_release = Op.FORWARD_ALL, Op.FORWARD_RELEASE
@@ -363,11 +365,19 @@ def _replay(
         if forward:
             held += kept
         # The kernels' scratch sits on the transient peak and is freed before the op returns.
-        heap_peak = max(heap_peak, during + _scratch(stages, kind, k), held)
-        during = max(during, held)
+        top = during + (
+            forward_scratch[k] if forward else backward_scratch[k] if kind is backward else 0
+        )
+        if held > top:
+            top = held
+        if top > heap_peak:
+            heap_peak = top
+        if held > during:
+            during = held
         if forward and last_run[k] == i:
             held -= snapshot[k]  # the last run has made its copies of it
-        max_checkpoints = max(max_checkpoints, checkpoints)
+        if checkpoints > max_checkpoints:
+            max_checkpoints = checkpoints
         if during > peak:
             peak, peak_op = during, i
         held -= written
@@ -391,15 +401,6 @@ def _replay(
         paged_bytes=paged_bytes,
         heap_extra_bytes=max(0, heap_peak - peak),
     )
-
-
-def _scratch(stages: tuple[Stage, ...], kind: Op, k: int) -> int:
-    """The heap beyond its tensors the operation's kernels take while it runs."""
-    if kind is Op.BACKWARD:
-        return stages[k].backward_scratch_bytes
-    if kind.is_forward:
-        return stages[k].forward_scratch_bytes
-    return 0
 
 
 _Layout = tuple[list[int], list[int], list[list[int]], list[list[int]], list[list[int]]]
