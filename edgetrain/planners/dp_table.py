@@ -167,7 +167,7 @@ class OptimalTable:
     def _fill(self) -> None:
         """Every sub-chain's least times, one span at a time. Only the times are kept: the
         choice behind a cell is worked out again, from the same numbers, when a plan is read
-        (:meth:`_choice_at`), so the fill takes a minimum, not an argmin."""
+        (:meth:`_choice_row`), so the fill takes a minimum, not an argmin."""
         n = self.length
         size = self.slots + 1
         act = self._z.act
