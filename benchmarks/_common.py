@@ -21,8 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from edgetrain.autograd.heap import HeapPeak
+from edgetrain.autograd.scratch import allocator_peak
 from edgetrain.autograd.storage_counter import StorageCounter
-from edgetrain.frontend.scratch import allocator_peak
 
 
 def step_peak_bytes(step: Callable[[], object]) -> int:

@@ -5,7 +5,7 @@ For each model: ``Checkpointed(model, x, memory_budget=...)`` at the smallest bu
 (the frontier's first point), three training steps in PyTorch's default loop (gradients set to
 None), and of the last two the most the step took above its start, measured twice: torch's CPU
 allocator's running total from the profiler's record (``profile_memory=True``,
-:func:`edgetrain.frontend.scratch.allocator_peak`) and glibc's heap (``mallinfo2`` sampled by a
+:func:`edgetrain.autograd.scratch.allocator_peak`) and glibc's heap (``mallinfo2`` sampled by a
 thread, :class:`edgetrain.autograd.heap.HeapPeak`, a lower bound). The step's tensors
 (``StorageCounter``) are checked against the prediction too.
 
@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from edgetrain.autograd.heap import HeapPeak
+from edgetrain.autograd.scratch import allocator_peak
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.core.accounting import fixed_training_bytes
 from edgetrain.core.chain import Chain
-from edgetrain.frontend.scratch import allocator_peak
 from edgetrain.models import thirdparty
 from edgetrain.runtime.checkpointed import Checkpointed
 from edgetrain.runtime.frontier import frontier

@@ -4,8 +4,10 @@ YOLOv2-16 at 416 px, batch 1, float32. One board: ``edgetrain train --memory B``
 with the optimal recomputation) for each budget. Four boards: ``edgetrain tiles --grid 2x2
 --memory B`` for each budget: the choice (grid, groups, the layers each rank recomputes), every
 rank's measured peak against its prediction and the budget, or the refusal line and its exit
-status. Targets: every measured peak equals its prediction and stays within the budget; a budget
-one board refuses trains on four.
+status. Per rank: the tensors measured and predicted (equal), and the process heap (tensors,
+kernel scratch and what neither holds; ``mallinfo2``, sampled) against the prediction that counts
+the kernels' scratch. Targets: every measured peak equals its prediction and stays within the
+budget; a budget one board refuses trains on four.
 
 Usage: ``python benchmarks/tiles_budget.py [--budgets 100MB,60MB,45MB] [--steps 2] [--json]``.
 """
@@ -55,15 +57,22 @@ def four_boards(budget: str, steps: int) -> dict[str, Any]:
     ranks = doc["ranks"]
     measured = [r["board_peak_bytes"] for r in ranks]
     predicted = [r["predicted_board_peak_bytes"] for r in ranks]
+    heaps = [r["board_heap_peak_bytes"] for r in ranks]
+    heap = max((h for h in heaps if h is not None), default=None)
     return {
         **row,
         "result": memory["chosen"],
         "recompute": memory["recompute"],
         "measured_peak_bytes": measured,
         "predicted_peak_bytes": predicted,
+        "kernel_scratch_bytes": [r["kernel_scratch_bytes"] for r in ranks],
+        "predicted_heap_bytes": [r["predicted_board_heap_bytes"] for r in ranks],
+        "measured_heap_bytes": heaps,
         "measured_peak_mib": round(max(measured) / 2**20, 2),
+        "predicted_heap_mib": round(memory["predicted_peak_bytes"] / 2**20, 2),
+        "measured_heap_mib": None if heap is None else round(heap / 2**20, 2),
         "measured_equals_predicted": measured == predicted,
-        "within_budget": max(measured) <= memory["budget_bytes"],
+        "within_budget": max(*measured, heap or 0) <= memory["budget_bytes"],
         "predicted_step_seconds": memory["predicted_step_seconds"],
         "step_seconds_here": [r["step_seconds"] for r in ranks],
     }
@@ -80,7 +89,7 @@ def main() -> None:
         rows.append(one_board(budget))
         rows.append(four_boards(budget, args.steps))
     columns = ["boards", "budget", "exit", "measured_peak_mib", "measured_equals_predicted"]
-    columns += ["within_budget", "result"]
+    columns += ["predicted_heap_mib", "measured_heap_mib", "within_budget", "result"]
     title = "YOLOv2-16, 416 px, batch 1, float32: one board against four of the same budget"
     emit(title, columns, rows, args.json, {"measured_on": measured_on()})
 

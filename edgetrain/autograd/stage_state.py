@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from edgetrain.autograd.storage_counter import storage_key
+
 
 @dataclass(frozen=True)
 class StageParams:
@@ -61,8 +63,15 @@ def stage_buffers(modules: Iterable[nn.Module]) -> list[BufferPlace]:
     ]
 
 
-def buffer_copy_bytes(module: nn.Module) -> int:
+def buffer_copy_bytes(module: nn.Module, saved: set[int] | None = None) -> int:
     """Bytes of the copies of :func:`stage_buffers` a recomputation of the stage ``module``
-    makes: each distinct buffer once, its elements times their size (what ``clone`` holds)."""
+    makes: each distinct buffer once, its elements times their size (what ``clone`` holds).
+    With ``saved`` (the storage keys of what autograd saved in a forward of the stage), only
+    the copies its graph keeps: those of the buffers whose storage it saved (a view of one
+    included: it keeps the whole copy)."""
     distinct = {id(t): t for _, _, t in stage_buffers(module.modules())}
-    return sum(t.numel() * t.element_size() for t in distinct.values())
+    return sum(
+        t.numel() * t.element_size()
+        for t in distinct.values()
+        if saved is None or storage_key(t) in saved
+    )

@@ -135,6 +135,9 @@ def tiles(
     image = _image(image_text)
     grid = parse_grid(grid_text)
     check_local_workers(grid.size, str(grid))
+    import torch
+
+    torch.set_num_threads(threads)  # the workers': a kernel's scratch is measured at theirs
     name, network_model = _load_model(model, model_file, seed)
     cluster = load(profile)
     setup = _chain_setup if (chain := _is_chain(network_model, cut_text)) else _graph_setup
@@ -365,14 +368,18 @@ def _budget_report(
         "predicted_step_seconds": fitted.seconds,
         "recompute": [sorted(fitted.candidate.job.recomputed(r)) for r in range(len(fitted.ranks))],
     }
+    from edgetrain.tiles.budget import measured_beside, over_budget
+
     over = False
     for row, result in zip(doc["ranks"], results, strict=True):
         held = fitted.ranks[0].held_bytes
-        row["board_peak_bytes"] = held + result.peak_bytes
-        row["predicted_board_peak_bytes"] = (
-            None if recoveries else fitted.ranks[result.rank].peak_bytes
-        )
-        over = over or held + result.peak_bytes > memory
+        if recoveries:  # re-tiled for the survivors: measured only
+            row["board_peak_bytes"] = held + result.peak_bytes
+            heap = result.heap_peak_bytes
+            row["board_heap_peak_bytes"] = None if heap is None else held + heap
+        else:
+            row.update(measured_beside(fitted.ranks[result.rank], result))
+        over = over or over_budget(row, memory)
     return over
 
 
@@ -448,9 +455,12 @@ def _print(doc: dict[str, Any]) -> None:
 def _memory_line(doc: dict[str, Any]) -> str:
     budget = doc["memory"]["budget_bytes"]
     measured = max(r["board_peak_bytes"] for r in doc["ranks"])
-    verdict = "within" if measured <= budget else "OVER"
+    heaps = [r["board_heap_peak_bytes"] for r in doc["ranks"]]
+    heap = max((h for h in heaps if h is not None), default=None)
+    verdict = "within" if max(measured, heap or 0) <= budget else "OVER"
+    sampled = f", heap {format_bytes(heap)}" if heap is not None else ""
     return (
         f"\nmemory per board ({doc['memory']['chosen']}, weights included): predicted "
-        f"{format_bytes(doc['memory']['predicted_peak_bytes'])}, measured "
-        f"{format_bytes(measured)}, {verdict} {format_bytes(budget)}"
+        f"{format_bytes(doc['memory']['predicted_peak_bytes'])} with the kernels' scratch, "
+        f"measured tensors {format_bytes(measured)}{sampled}, {verdict} {format_bytes(budget)}"
     )

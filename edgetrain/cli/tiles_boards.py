@@ -59,7 +59,9 @@ def _rows(cluster: Cluster, fit: Any) -> list[dict[str, Any]]:
             "board": cluster.board(m.rank).name,
             "macs_per_second": cluster.macs_per_second(m.rank),
             "memory_bytes": cluster.board(m.rank).memory_bytes,
-            "predicted_peak_bytes": m.peak_bytes,
+            "predicted_board_peak_bytes": m.tensor_peak_bytes,
+            "kernel_scratch_bytes": m.scratch_bytes,
+            "predicted_board_heap_bytes": m.peak_bytes,
             "predicted_compute_seconds": fit.compute_seconds[m.rank],
         }
         for m in fit.ranks
@@ -72,9 +74,11 @@ def boards_report(doc: dict[str, Any], results: Any, fitted: Any) -> bool:
     over = False
     if fitted is None or doc["recoveries"]:
         return over
+    from edgetrain.tiles.budget import measured_beside, over_budget
+
     for row, result in zip(doc["boards"], results, strict=True):
-        row["board_peak_bytes"] = fitted.ranks[result.rank].held_bytes + result.peak_bytes
-        over = over or row["board_peak_bytes"] > row["memory_bytes"]
+        row.update(measured_beside(fitted.ranks[result.rank], result))
+        over = over or over_budget(row, row["memory_bytes"])
     return over
 
 
@@ -89,8 +93,9 @@ def caption_lines(doc: dict[str, Any]) -> str:
         lines += (
             f"\nboard {row['rank']} ({row['board']}, {row['macs_per_second']:.3g} MAC/s): "
             f"compute {row['predicted_compute_seconds']:.3f} s/step predicted, peak "
-            f"{format_bytes(row['predicted_peak_bytes'])} predicted"
-            + (f", {format_bytes(measured)} measured" if measured is not None else "")
+            f"{format_bytes(row['predicted_board_heap_bytes'])} predicted with the kernels' "
+            "scratch"
+            + (f", tensors {format_bytes(measured)} measured" if measured is not None else "")
             + f" of {format_bytes(row['memory_bytes'])}"
         )
     return lines

@@ -66,6 +66,11 @@ class Stage:
             stage ran too included (one BatchNorm applied twice): what a run of the stage
             again copies (see :attr:`recompute_buffer_bytes`). None: ``buffer_bytes`` (a saved
             chain without this field).
+        saved_buffer_bytes: of those copies, the ones autograd saves for the backward (each
+            whole: a graph that saves a view of a buffer keeps its copy): what the graph of a
+            run again holds of them until its backward (BatchNorm's running statistics, read
+            by its backward; not an attention mask that an addition reads, whose copy goes
+            when the run ends). None: all of them (a saved chain without this field).
         span: how many consecutive children of the ``nn.Sequential`` the stage runs (a child that
             returns a view of its input or overwrites it in place is merged with its neighbour).
         output_requires_grad: whether the output needs a gradient (False for leading stages
@@ -141,6 +146,7 @@ class Stage:
     input_gradient_bytes: int | None = None
     gradient_from: tuple[int, ...] = ()
     copied_buffer_bytes: int | None = None
+    saved_buffer_bytes: int | None = None
     shared_gradient_bytes: int = 0
     reads_updated_buffers: bool = False
     retained_bytes: int = 0
@@ -163,6 +169,14 @@ class Stage:
         if self.copied_buffer_bytes is None:
             return self.buffer_bytes
         return self.copied_buffer_bytes
+
+    @property
+    def recompute_saved_buffer_bytes(self) -> int:
+        """Bytes of the buffer copies of a run again (:attr:`recompute_buffer_bytes`) that its
+        graph holds until the stage's backward."""
+        if self.saved_buffer_bytes is None:
+            return self.recompute_buffer_bytes
+        return min(self.saved_buffer_bytes, self.recompute_buffer_bytes)
 
     def backward_peak(self, grads_exist: bool) -> int:
         """The backward's peak when parameter gradients are created (held from then on) or,

@@ -2,21 +2,20 @@
 
 :func:`simulate` replays a schedule on a chain and returns its :class:`Cost`. Memory is counted the
 way the executor (:mod:`edgetrain.runtime.checkpointed`) and autograd hold it: an activation's
-storage is held
-while our reference, a graph that saved it as its input, or a graph that saved it as its output
-refers to it, and is counted once; a graph holds only what autograd saved; a stage run forward
-again works on copies of all its buffers
-(:attr:`~edgetrain.core.chain.Stage.recompute_buffer_bytes`;
-the executor keeps BatchNorm's running statistics from being updated twice), held during the
-operation and, after an ``Fa``, by its graph until its ``B``; a stage whose result depends on
-buffers its forward changes, run more than once, holds a snapshot of them (those bytes again)
-from its first run to its last; what a stage keeps past its run
-(:attr:`~edgetrain.core.chain.Stage.retained_bytes`) is held from its first run to the step's end;
-each operation adds its measured transient peak; parameter gradients appear as the backward
-creates them and stay until the step ends (unless ``grads_exist``: then they were held before the
-step and are added to in place). The input ``a[0]``, the weights and the buffers are held before
-the step and are not counted. Beside the tensors, each operation's kernels take scratch while it
-runs (:attr:`~edgetrain.core.chain.Stage.forward_scratch_bytes`,
+storage is held while our reference, a graph that saved it as its input, or a graph that saved it
+as its output refers to it, and is counted once; a graph holds only what autograd saved; a stage
+run forward again works on copies of all its buffers
+(:attr:`~edgetrain.core.chain.Stage.recompute_buffer_bytes`; the executor keeps BatchNorm's running
+statistics from being updated twice), held during the operation and, after an ``Fa``, those
+autograd saved (:attr:`~edgetrain.core.chain.Stage.recompute_saved_buffer_bytes`) by its graph
+until its ``B``; a stage whose result depends on buffers its forward changes, run more than once,
+holds a snapshot of them (those bytes again) from its first run to its last; what a stage keeps
+past its run (:attr:`~edgetrain.core.chain.Stage.retained_bytes`) is held from its first run to the
+step's end; each operation adds its measured transient peak; parameter gradients appear as the
+backward creates them and stay until the step ends (unless ``grads_exist``: then they were held
+before the step and are added to in place). The input ``a[0]``, the weights and the buffers are
+held before the step and are not counted. Beside the tensors, each operation's kernels take scratch
+while it runs (:attr:`~edgetrain.core.chain.Stage.forward_scratch_bytes`,
 :attr:`~edgetrain.core.chain.Stage.backward_scratch_bytes`): ``Cost.peak_bytes`` counts the
 tensors, ``Cost.heap_peak_bytes`` the tensors and the scratch, which a budget is checked against.
 
@@ -30,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from edgetrain.core.chain import Chain, Stage
+from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import Op, Schedule, stores_everything
 from edgetrain.errors import InvalidSchedule
 
@@ -228,6 +227,8 @@ def _replay(
         checkpoints -= 1
         return drop(pieces[k])
 
+    forward_scratch = [stage.forward_scratch_bytes for stage in stages]
+    backward_scratch = [stage.backward_scratch_bytes for stage in stages]
     # The kinds as locals (an enum member's lookup costs more than the comparison).
     page_out, page_in, discard, backward = Op.PAGE_OUT, Op.PAGE_IN, Op.DISCARD, Op.BACKWARD
     forward_all_op, forward_release = Op.FORWARD_ALL, Op.FORWARD_RELEASE
@@ -331,9 +332,11 @@ def _replay(
             plain[k + 1] = True
             checkpoints += k + 1 < n
             # Run again, a stage works on copies of its buffers (BatchNorm's running statistics:
-            # the recomputation must not update the model's), which its graph may keep; of all
-            # of them, those of a BatchNorm an earlier stage ran too included.
+            # the recomputation must not update the model's), held while it runs; of all of
+            # them, those of a BatchNorm an earlier stage ran too included. Its graph keeps the
+            # copies autograd saved (BatchNorm's statistics; not a mask an addition reads).
             again = stage.recompute_buffer_bytes if ran[k] else 0
+            kept_copies = stage.recompute_saved_buffer_bytes if ran[k] else 0
             # What the stage keeps past its run is in its forward peaks, and held from its first
             # run on (a run again makes it anew, then drops the last one).
             kept = 0 if ran[k] else stage.retained_bytes
@@ -342,8 +345,8 @@ def _replay(
             if kind is forward_all_op or kind is forward_release:
                 during = held + again + stage.forward_grad_peak_bytes
                 graph[k] = True
-                copies[k] = again
-                held += take(pieces[k + 1]) + stage.saved_bytes + again
+                copies[k] = kept_copies
+                held += take(pieces[k + 1]) + stage.saved_bytes + kept_copies
                 if kind is forward_release:
                     # Whatever the graph saved of a[k] is not held (its outputs passed through
                     # from the input are a[k]'s storages too).
@@ -362,11 +365,19 @@ def _replay(
         if forward:
             held += kept
         # The kernels' scratch sits on the transient peak and is freed before the op returns.
-        heap_peak = max(heap_peak, during + _scratch(stages, kind, k), held)
-        during = max(during, held)
+        top = during + (
+            forward_scratch[k] if forward else backward_scratch[k] if kind is backward else 0
+        )
+        if held > top:
+            top = held
+        if top > heap_peak:
+            heap_peak = top
+        if held > during:
+            during = held
         if forward and last_run[k] == i:
             held -= snapshot[k]  # the last run has made its copies of it
-        max_checkpoints = max(max_checkpoints, checkpoints)
+        if checkpoints > max_checkpoints:
+            max_checkpoints = checkpoints
         if during > peak:
             peak, peak_op = during, i
         held -= written
@@ -390,15 +401,6 @@ def _replay(
         paged_bytes=paged_bytes,
         heap_extra_bytes=max(0, heap_peak - peak),
     )
-
-
-def _scratch(stages: tuple[Stage, ...], kind: Op, k: int) -> int:
-    """The heap beyond its tensors the operation's kernels take while it runs."""
-    if kind is Op.BACKWARD:
-        return stages[k].backward_scratch_bytes
-    if kind.is_forward:
-        return stages[k].forward_scratch_bytes
-    return 0
 
 
 _Layout = tuple[list[int], list[int], list[list[int]], list[list[int]], list[list[int]]]

@@ -10,7 +10,7 @@ recomputes such a stage believes it nearly free.
 
 So a call of an operator with no FLOP formula that is not elementwise, not a view and returns no
 input (:func:`timed`) is run on the CPU on zeros of its arguments' shapes, strides and dtypes
-(:func:`~edgetrain.frontend.op_calls.made`), outside every dispatch mode, autograd and the
+(:func:`~edgetrain.autograd.op_calls.made`), outside every dispatch mode, autograd and the
 random-number stream (its state is restored), and its least process CPU time over
 :data:`REPEATS` runs after one warm-up is its time. A kind of call (the operator, its
 arguments' shapes, strides and dtypes, its other arguments and torch's thread count, as
@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
 from edgetrain.autograd.meta_memo import call_key
+from edgetrain.autograd.op_calls import made, makes_new_outputs, specs
 from edgetrain.autograd.storage_counter import tensors_in
-from edgetrain.frontend.op_calls import made, makes_new_outputs, specs
 
 __all__ = ["LARGEST_BYTES", "REPEATS", "call_seconds", "timed"]
 

@@ -13,15 +13,15 @@ import torch
 from torch import nn
 
 from edgetrain import progress
+from edgetrain.autograd.scratch import OpScratch, measure_scratch, scratch_of
 from edgetrain.autograd.stage_grouping import group_children
 from edgetrain.autograd.stage_state import buffer_copy_bytes, stage_params
 from edgetrain.autograd.stages import empty_like, leaves, module_key, signature
-from edgetrain.autograd.storage_counter import storage_bytes
+from edgetrain.autograd.storage_counter import storage_bytes, storage_key
 from edgetrain.core.chain import Chain, Stage
 from edgetrain.frontend.cuts import check_sequential
 from edgetrain.frontend.device_speed import DeviceSpeed
 from edgetrain.frontend.meta_copies import on_meta
-from edgetrain.frontend.scratch import OpScratch, measure_scratch, scratch_of
 from edgetrain.frontend.stage_measure import (
     Measured,
     Timer,
@@ -67,7 +67,7 @@ def profile_stages(
     memo: StageMemo | None = None,
 ) -> Chain:
     """The chain of ``model``'s stages; ``scratch``: with each stage's kernel scratch (see
-    :mod:`edgetrain.frontend.scratch`), else none; ``memo``: see :class:`StageMemo`."""
+    :mod:`edgetrain.autograd.scratch`), else none; ``memo``: see :class:`StageMemo`."""
     check_sequential(model)
     assert isinstance(model, nn.Sequential)
     measured: list[tuple[str, nn.Module, int, Measured]] = []
@@ -142,7 +142,7 @@ def _with_scratch(
     measured: list[tuple[str, nn.Module, int, Measured]], calls: list[OpScratch | None]
 ) -> list[tuple[str, nn.Module, int, Measured]]:
     """Each stage's measures with its kernel scratch: the most any kind of call of its forward,
-    and of its backward, takes (each kind measured once, see :mod:`edgetrain.frontend.scratch`)."""
+    and of its backward, takes (each kind measured once, see :mod:`edgetrain.autograd.scratch`)."""
     pending = {}
     for ops in calls:
         if ops is not None:
@@ -179,7 +179,7 @@ def stage_records(measured: list[tuple[str, nn.Module, int, Measured]]) -> list[
     buffers: list[int] = []
     for _, module, _, _ in measured:
         weights.append(_new_bytes(module.parameters(), weights_seen))
-        buffers.append(_new_bytes(module.buffers(), buffers_seen))
+        buffers.append(_new_storage_bytes(module.buffers(), buffers_seen))
     grads_seen: set[int] = set()
     created = [0] * len(measured)
     shared = [0] * len(measured)
@@ -232,6 +232,7 @@ def stage_records(measured: list[tuple[str, nn.Module, int, Measured]]) -> list[
             layer_output_bytes=r.layer_output_bytes,
             buffer_bytes=buffers[k],
             copied_buffer_bytes=buffer_copy_bytes(module),
+            saved_buffer_bytes=r.saved_buffer_bytes,
             span=span,
             output_requires_grad=r.output_requires_grad,
             outputs_needing_grad=r.outputs_needing_grad,
@@ -257,5 +258,18 @@ def _new_bytes(tensors: Iterator[torch.Tensor], seen: set[int]) -> int:
     for t in tensors:
         if id(t) not in seen:
             seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _new_storage_bytes(tensors: Iterator[torch.Tensor], seen: set[int]) -> int:
+    """:func:`_new_bytes` by storage: a tensor whose storage an earlier one holds is not
+    counted again (two buffers that view one storage: a constant capture makes of one tensor
+    that two layers read)."""
+    total = 0
+    for t in tensors:
+        key = storage_key(t)
+        if key not in seen:
+            seen.add(key)
             total += t.numel() * t.element_size()
     return total

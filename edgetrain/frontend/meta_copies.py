@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from edgetrain.autograd.stages import leaves
+from edgetrain.autograd.storage_counter import storage_key
 
 
 def to_meta(sample_input: Any) -> Any:
@@ -49,7 +50,8 @@ def copy_on(
 ) -> nn.Module:
     """A deep copy of the model whose parameters are new ``nn.Parameter`` s over
     ``tensor(p.detach())`` (none of the originals' hooks) and whose buffers are ``tensor(b)``;
-    a tensor shared by several modules (a tied weight) stays one tensor. ``copies``: the memo
+    a tensor shared by several modules (a tied weight) stays one tensor, and so do buffers
+    that view one storage alike. ``copies``: the memo
     of earlier copies to reuse and extend (see :func:`meta_copy`)."""
     memo: dict[int, Any] = {} if copies is None else copies
     originals = memo.setdefault(id(memo), [])  # deepcopy's own: its keys' objects stay alive
@@ -57,9 +59,13 @@ def copy_on(
         if id(p) not in memo:
             memo[id(p)] = nn.Parameter(tensor(p.detach()), requires_grad=p.requires_grad)
             originals.append(p)
+    # Buffers that are one view of one storage (the constants capture makes of one tensor a
+    # model computes once and reads in two layers: GPT-2's attention mask) stay one tensor.
+    views: dict[tuple[Any, ...], torch.Tensor] = {}
     for b in model.buffers():
         if id(b) not in memo:
-            memo[id(b)] = tensor(b)
+            view = (storage_key(b), b.storage_offset(), b.shape, b.stride(), b.dtype)
+            memo[id(b)] = views[view] if view in views else views.setdefault(view, tensor(b))
             originals.append(b)
     # A tensor a module keeps as a plain attribute: the older weight_norm and spectral_norm
     # hooks set the weight they compute, which (not a leaf) deepcopy refuses.

@@ -14,7 +14,7 @@ executor does (:mod:`edgetrain.autograd.stages`), so a measured chain and its an
 on every
 tensor byte count, and both agree with what :class:`~edgetrain.runtime.checkpointed.Checkpointed`
 then holds. A measured chain also carries each stage's kernel scratch, from the allocator's
-record (:mod:`edgetrain.frontend.scratch`); a chain from shapes has none.
+record (:mod:`edgetrain.autograd.scratch`); a chain from shapes has none.
 Profiling leaves the model as it found it: BatchNorm statistics, gradients and the RNG state are
 restored afterwards.
 """

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.autograd.buffer_state import BufferFlow
-from edgetrain.autograd.stage_state import StageParams, stage_params
+from edgetrain.autograd.stage_state import StageParams, buffer_copy_bytes, stage_params
 from edgetrain.autograd.stages import (
     differentiable,
     leaves,
@@ -123,6 +123,7 @@ class Measured:
     # the backward ends: measured (by profile_stages) only where two of them share one storage.
     backward_peaks_held: tuple[int, int] | None = None
     reads_updated_buffers: bool = False
+    saved_buffer_bytes: int | None = None
     retained_bytes: int = 0
     forward_scratch_bytes: int = 0
     backward_scratch_bytes: int = 0
@@ -205,7 +206,7 @@ def profile_stage(
     calls: TorchDispatchMode | None = None,
 ) -> tuple[Measured, Any]:
     """One stage's measures and its output; ``calls`` (an
-    :class:`~edgetrain.frontend.scratch.OpScratch`) sees the operator calls of the passes that
+    :class:`~edgetrain.autograd.scratch.OpScratch`) sees the operator calls of the passes that
     size it (not those that time it)."""
     counter = StorageCounter()
     layer_outputs = _LayerOutputs(module)
@@ -251,6 +252,7 @@ def profile_stage(
         in_keys = [storage_key(t) for t in leaves(x)]
         out_keys = [storage_key(t) for t in leaves(y)]
         reads_updated = isinstance(flow, BufferFlow) and flow.reaches(saved | set(out_keys))
+        saved_buffer_bytes = buffer_copy_bytes(module, saved)
         # Output tensors passed through unchanged: the same storage as an input tensor.
         carried = tuple((i, in_keys.index(key)) for i, key in enumerate(out_keys) if key in in_keys)
         # Output tensors sharing one storage (views of one result): one piece of memory.
@@ -356,6 +358,7 @@ def profile_stage(
         forward_seconds=forward_seconds,
         backward_seconds=backward_seconds,
         reads_updated_buffers=reads_updated,
+        saved_buffer_bytes=saved_buffer_bytes,
         retained_bytes=retained_bytes,
         caller_gradients=loss_leaves,
         layer_output_bytes=layer_outputs.bytes,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided, sliding_window_view
@@ -46,6 +47,7 @@ from numpy.lib.stride_tricks import as_strided, sliding_window_view
 from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import Op, Schedule
 from edgetrain.errors import InfeasibleBudget, InvalidInput
+from edgetrain.planners.dp_kernels import least_sum, shift_each
 from edgetrain.planners.step_costs import StepCosts, chain_costs
 
 DEFAULT_SLOTS = 500
@@ -62,6 +64,9 @@ def max_slots(length: int) -> int:
     by_size = TABLE_LIMIT_BYTES // (2 * length * length * 12) - 1
     return max(1, min(max(MIN_SLOTS, by_work), by_size))
 
+
+_SOLVE, _EMIT, _SOLVED = 0, 1, 2
+"""The kinds of items on :meth:`OptimalTable.operations`' stack."""
 
 NO_PLAN = np.iinfo(np.int32).min
 """The choice of a cell no plan fits in."""
@@ -153,7 +158,7 @@ class OptimalTable:
         exists[0] = True
         self._opt_s, self._opt_o = np.nonzero(exists.T)
         self._opt_count = np.concatenate([[0], np.cumsum(exists.sum(axis=0))])
-        self._choices: dict[tuple[int, int, int], np.ndarray] = {}
+        self._choices: dict[tuple[int, int, int], list[int]] = {}
         self._solved: dict[tuple[int, int, int, int], list[tuple[Op, int, int]]] = {}
         self._fill()
 
@@ -162,7 +167,7 @@ class OptimalTable:
     def _fill(self) -> None:
         """Every sub-chain's least times, one span at a time. Only the times are kept: the
         choice behind a cell is worked out again, from the same numbers, when a plan is read
-        (:meth:`_choice_at`), so the fill takes a minimum, not an argmin."""
+        (:meth:`_choice_row`), so the fill takes a minimum, not an argmin."""
         n = self.length
         size = self.slots + 1
         act = self._z.act
@@ -200,11 +205,14 @@ class OptimalTable:
         left_b = z.grad[s] + z.held_grads[s] + after
         own = np.zeros_like(s) if pin else z.act[s]
         if choose:
-            # Every option of each row: the first of equal options (all inf: option 0).
-            o_all = np.arange(options)[:, None]
+            # The options of each row that exist (option 0 first, always): the first of equal
+            # options, as over every option (those that do not exist take inf).
+            o_all = self._opt_o[self._opt_s == s[0]][:, None] if len(s) == 1 else None
+            if o_all is None:
+                o_all = np.arange(options)[:, None]
             values = self._graph_first(span, pin, o_all, s[None, :], entry_rest, after, left_b)
             best = values.min(axis=0)
-            choice: np.ndarray | None = (-1 - values.argmin(axis=0)).astype(np.int32)
+            choice: np.ndarray | None = (-1 - o_all[values.argmin(axis=0), 0]).astype(np.int32)
         else:
             # The options that exist, rows in order: each row's least over its own pairs.
             count = self._opt_count[len(s)]
@@ -325,10 +333,8 @@ class OptimalTable:
             end = min(len(m), max(end, 0))
             if start < end:
                 start = max(start, 0)
-                low[:, start:end] = _least_sum(
-                    far[..., start:end], near[..., start:end], limit - start, binding
-                )
-            value[:rows] = low if pin else _shift_each(low, own[:rows])
+                low[:, start:end] = least_sum(far, near, limit, binding, start, end)
+            value[:rows] = low if pin else shift_each(low, own[:rows])
         top, _ = self._checkpoints_of(
             span, pin, s[rows:], own[rows:], after[rows:], reached[rows:], False
         )
@@ -361,8 +367,10 @@ class OptimalTable:
         """:meth:`_checkpoints` for any starts ``s``, gathering the shifted rows."""
         m = np.arange(self.slots + 1)
         q = np.arange(1, span + 1)
+        if len(s) == 1:
+            return self._checkpoints_at(span, pin, int(s[0]), int(own[0]), after, reached, choose)
         j = s[:, None] + q[None, :]
-        cand = _shift_each(self._reach[span - q[None, :], j], own[:, None])
+        cand = shift_each(self._reach[span - q[None, :], j], own[:, None])
         cand += self._windows[pin, q[None, :] - 1, s[:, None], self._back(after)[:, None]]
         np.copyto(cand, np.inf, where=m[None, None, :] < (own[:, None] + reached)[:, :, None])
         if not choose:
@@ -370,14 +378,37 @@ class OptimalTable:
         pick = np.argmin(cand, axis=1)
         return np.take_along_axis(cand, pick[:, None, :], axis=1)[:, 0, :], pick
 
-    def _choice_at(self, pin: int, s: int, t: int, m: int) -> int:
-        """The choice behind the cell (as :meth:`_span` makes it; its row is kept)."""
-        row = self._choices.get((pin, s, t))
-        if row is None:
-            _, found = self._span(t - s, pin, np.array([s]), choose=True)
-            assert found is not None
-            row = self._choices[(pin, s, t)] = found[0]
-        return int(row[m])
+    def _checkpoints_at(
+        self,
+        span: int,
+        pin: int,
+        s: int,
+        own: int,
+        after: np.ndarray,
+        reached: np.ndarray,
+        choose: bool,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`_checkpoints_of` for one start ``s`` (its rows sliced, not gathered)."""
+        size = self.slots + 1
+        q = np.arange(1, span + 1)
+        cand = np.full((span, size), np.inf)
+        if own < size:
+            inner = self._windows[pin, :span, s, int(self._back(after)[0])]
+            np.add(self._reach[span - q, s + q, : size - own], inner[:, own:], out=cand[:, own:])
+        np.copyto(cand, np.inf, where=np.arange(size)[None, :] < own + reached[0][:, None])
+        if not choose:
+            return cand.min(axis=0)[None, :], None
+        pick = np.argmin(cand, axis=0)
+        return cand[pick, np.arange(size)][None, :], pick[None, :]
+
+    def _choice_row(self, pin: int, s: int, t: int) -> list[int]:
+        """The choices behind the cells of sub-chain ``s..t`` (as :meth:`_span` makes them;
+        the row is kept)."""
+        _, found = self._span(t - s, pin, np.array([s]), choose=True)
+        assert found is not None
+        row: list[int] = found[0].tolist()
+        self._choices[(pin, s, t)] = row
+        return row
 
     def _back(self, offset: np.ndarray) -> np.ndarray:
         """Where a row shifted right by ``offset`` slots starts in a window of the padded
@@ -440,66 +471,70 @@ class OptimalTable:
         if not np.isfinite(self._time[1, n - 1, 0, slots]):
             raise InfeasibleBudget(f"no plan fits in {slots} slots", None)
         z = self._z
-        act_out = int(z.act[n])
+        act, opt_graph, opt_pins = z.act.tolist(), z.opt_graph.tolist(), z.opt_pins.tolist()
+        top_after = act[n] + int(z.grad[n])
+        release = -1 - z.opt_time.shape[0]
         ops: list[tuple[Op, int, int]] = []
-        # Explicit stack: ("solve", pin, s, t, m), ("emit", op, index, option) or ("solved",
-        # cell, first): the cell's operations are ops[first:] (kept: the plans of neighbouring
-        # budgets share most of their cells).
-        stack: list[tuple[object, ...]] = [("solve", 1, 0, n - 1, slots)]
+        # Explicit stack: (SOLVE, pin, s, t, m), (EMIT, operation) or (SOLVED, cell, first):
+        # the cell's operations are ops[first:] (kept: the plans of neighbouring budgets share
+        # most of their cells).
+        stack: list[tuple[Any, ...]] = [(_SOLVE, 1, 0, n - 1, slots)]
         solved = self._solved
+        choices = self._choices
         while stack:
             item = stack.pop()
-            if item[0] == "emit":
-                ops.append((item[1], item[2], item[3]))  # type: ignore[arg-type]
+            tag = item[0]
+            if tag == _EMIT:
+                ops.append(item[1])
                 continue
-            if item[0] == "solved":
-                solved[item[1]] = ops[item[2] :]  # type: ignore[index]
+            if tag == _SOLVED:
+                solved[item[1]] = ops[item[2] :]
                 continue
             _, pin, s, t, m = item
-            assert isinstance(pin, int) and isinstance(s, int) and isinstance(t, int)
-            assert isinstance(m, int)
-            known = solved.get((pin, s, t, m))
+            cell = (pin, s, t, m)
+            known = solved.get(cell)
             if known is not None:
                 ops.extend(known)
                 continue
-            j = self._choice_at(pin, s, t, m)
-            after = act_out + int(z.grad[n]) if t == n - 1 else 0
-            todo: list[tuple[object, ...]]
-            if j < 0 and -1 - j == z.opt_time.shape[0]:  # release
-                assert z.pair_held is not None and z.pair_pins is not None
-                pinned = int(z.pair_pins[s])
-                held = int(z.pair_held[pin, s]) + pinned * int(z.act[s + 2])
-                todo = [
-                    ("emit", Op.FORWARD_CHECKPOINT, s, 0),
-                    ("emit", Op.FORWARD_RELEASE, s + 1, 0),
-                ]
-                if t > s + 1:
-                    todo.append(("solve", pinned, s + 2, t, m - held))
-                elif s + 2 < n:
-                    todo.append(("emit", Op.DISCARD, s + 2, 0))
-                todo += [
-                    ("emit", Op.FORWARD_ALL, s, 0),
-                    ("emit", Op.BACKWARD, s + 1, 0),
-                    ("emit", Op.BACKWARD, s, 0),
-                ]
+            row = choices.get((pin, s, t))
+            j = (self._choice_row(pin, s, t) if row is None else row)[m]
+            stack.append((_SOLVED, cell, len(ops)))
+            if j == release:
+                self._push_release(stack, pin, s, t, m)
             elif j < 0:
                 o = -1 - j
-                graph = int(z.opt_graph[o, pin, s])
-                pinned = int(z.opt_pins[o, s])
-                todo = [("emit", Op.FORWARD_ALL, s, o)]
+                pinned = opt_pins[o][s]
+                stack.append((_EMIT, (Op.BACKWARD, s, o)))
                 if t > s:
-                    todo.append(("solve", pinned, s + 1, t, m - graph - pinned * int(z.act[s + 1])))
+                    inner = m - opt_graph[o][pin][s] - pinned * act[s + 1]
+                    stack.append((_SOLVE, int(pinned), s + 1, t, inner))
                 elif s + 1 < n:
-                    todo.append(("emit", Op.DISCARD, s + 1, 0))  # only the graph needs a[s+1]
-                todo.append(("emit", Op.BACKWARD, s, o))
+                    stack.append((_EMIT, (Op.DISCARD, s + 1, 0)))  # only the graph needs a[s+1]
+                stack.append((_EMIT, (Op.FORWARD_ALL, s, o)))
             else:
-                own = 0 if pin else int(z.act[s])
-                todo = [("emit", Op.FORWARD_CHECKPOINT, s, 0)]
-                todo += [("emit", Op.FORWARD_NOSAVE, k, 0) for k in range(s + 1, j)]
-                todo += [("solve", 0, j, t, m - own), ("solve", pin, s, j - 1, m - after)]
-            todo.append(("solved", (pin, s, t, m), len(ops)))
-            stack.extend(reversed(todo))
+                own = 0 if pin else act[s]
+                after = top_after if t == n - 1 else 0
+                stack.append((_SOLVE, pin, s, j - 1, m - after))
+                stack.append((_SOLVE, 0, j, t, m - own))
+                stack.extend((_EMIT, (Op.FORWARD_NOSAVE, k, 0)) for k in range(j - 1, s, -1))
+                stack.append((_EMIT, (Op.FORWARD_CHECKPOINT, s, 0)))
         return ops
+
+    def _push_release(self, stack: list[tuple[Any, ...]], pin: int, s: int, t: int, m: int) -> None:
+        """Push the *release* start of cell ``(pin, s, t, m)``'s operations, last first."""
+        z = self._z
+        assert z.pair_held is not None and z.pair_pins is not None
+        pinned = int(z.pair_pins[s])
+        held = int(z.pair_held[pin, s]) + pinned * int(z.act[s + 2])
+        stack.append((_EMIT, (Op.BACKWARD, s, 0)))
+        stack.append((_EMIT, (Op.BACKWARD, s + 1, 0)))
+        stack.append((_EMIT, (Op.FORWARD_ALL, s, 0)))
+        if t > s + 1:
+            stack.append((_SOLVE, pinned, s + 2, t, m - held))
+        elif s + 2 < self.length:
+            stack.append((_EMIT, (Op.DISCARD, s + 2, 0)))
+        stack.append((_EMIT, (Op.FORWARD_RELEASE, s + 1, 0)))
+        stack.append((_EMIT, (Op.FORWARD_CHECKPOINT, s, 0)))
 
     def schedule(self, slots: int, params: dict[str, object] | None = None) -> Schedule:
         """The optimal plan within ``slots`` slots, as a schedule of the chain."""
@@ -508,35 +543,6 @@ class OptimalTable:
         info: dict[str, object] = {"budget_bytes": int(slots * self.slot_bytes), "slots": slots}
         info.update(params or {})
         return Schedule.from_ops(self.chain.length, ops, self.strategy, info)
-
-
-CHUNK_ELEMENTS = 32768
-"""Candidates summed and reduced at a time (256 KiB of float64: they stay in the cache)."""
-
-
-def _least_sum(
-    far: np.ndarray, near: np.ndarray, reached: np.ndarray, binding: np.ndarray
-) -> np.ndarray:
-    """``min over q of far[q] + near[q]``, each term inf where ``m < reached[q]``: arrays
-    ``[q, row, m]`` and ``reached[q, row]``, in chunks of q that stay in the cache. Only the
-    terms ``binding[q, row]`` have finite sums below ``reached`` (the others are inf there)."""
-    span, rows, size = far.shape
-    limit = np.clip(reached, 0, size)
-    chunk = max(1, min(span, CHUNK_ELEMENTS // (rows * size)))
-    cand = np.empty((chunk, rows, size))
-    least = np.full((rows, size), np.inf)
-    part = np.empty((rows, size))
-    bound_q, bound_row = np.nonzero(binding)  # q ascending
-    for first in range(0, span, chunk):
-        last = min(span, first + chunk)
-        c = cand[: last - first]
-        np.add(far[first:last], near[first:last], out=c)
-        lo, hi = np.searchsorted(bound_q, (first, last))
-        for q, row in zip(bound_q[lo:hi].tolist(), bound_row[lo:hi].tolist(), strict=True):
-            c[q - first, row, : limit[q, row]] = np.inf
-        np.minimum.reduce(c, axis=0, out=part)
-        np.minimum(least, part, out=least)
-    return least
 
 
 def _least_times(z: StepCosts) -> np.ndarray | None:
@@ -552,16 +558,3 @@ def _least_times(z: StepCosts) -> np.ndarray | None:
     for d in range(1, n):
         least[d, : n - d] = fastest[: n - d] + least[d - 1, 1 : n - d + 1]
     return least
-
-
-def _shift_each(values: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """``out[..., m] = values[..., m - offset[...]]`` (inf where ``m < offset``), per row.
-
-    ``offset`` broadcasts against ``values`` without its last axis: what a sub-problem has left
-    when ``offset`` slots are held outside it.
-    """
-    size = values.shape[-1]
-    offset = np.broadcast_to(np.asarray(offset, dtype=np.int64), values.shape[:-1])
-    index = np.arange(size) - offset[..., None]
-    out = np.take_along_axis(values, np.clip(index, 0, size - 1), axis=-1)
-    return np.where(index >= 0, out, np.inf)

@@ -169,7 +169,8 @@ class Checkpointed(Replanning, Preparing, nn.Module):
             was made for another model or input size.
         on_new_shape: "replan" (profile and plan again for an input of another shape, or when
             what needs a gradient or a module's train/eval mode changed since planning: a layer
-            unfrozen, ``model.eval()``) or "error". A plan made once is kept for its input and
+            unfrozen, ``model.eval()``) or "error" (a change of training loop alone is planned
+            for either way, on the same profile). A plan made once is kept for its input and
             model state: coming back to them runs it again (a given ``schedule`` too; for other
             inputs and states, plans are made for the memory the given one was made for). The
             step that plans profiles the model first: its peak is the profile's, which can be

@@ -118,17 +118,17 @@ class Replanning:
             self._use(known)
             self._unplanned = False
             return
-        if self.on_new_shape == "error":
+        # A state planned for in the other training loop: the same chain, planned for this
+        # loop (nothing captured, profiled or measured again; not a new state to refuse).
+        sibling = self._plans.get((*key[:-1], not key[-1]))
+        loop_only = sibling is not None
+        if self.on_new_shape == "error" and not loop_only:
             raise InvalidInput(
                 f"Checkpointed was planned for another state than this step's "
                 f"({describe_change(self._key, key, shapes_now)}); plan for it (or pass "
                 "on_new_shape='replan')"
             )
         planned, change = self._key, describe_change(self._key, key, shapes_now)
-        # A state planned for in the other training loop: the same chain, planned for this
-        # loop (nothing captured, profiled or measured again).
-        sibling = self._plans.get((*key[:-1], not key[-1]))
-        loop_only = sibling is not None
         if sibling is not None:
             self._use(sibling)
         elif self.model is not self.module:

@@ -78,7 +78,9 @@ def fit_boards(
                     f"but the model's weights and buffers alone take "
                     f"{format_bytes(memory.held_bytes)}; give it more memory or leave it out"
                 )
-            room = (board.memory_bytes - memory.held_bytes) / memory.step_peak_bytes
+            room = (
+                board.memory_bytes - memory.held_bytes - memory.scratch_bytes
+            ) / memory.step_peak_bytes
             factors[memory.rank] *= max(0.25, 0.95 * room)
     worst = max(over, key=lambda m: m.peak_bytes / cluster.board(m.rank).memory_bytes)
     board = cluster.board(worst.rank)

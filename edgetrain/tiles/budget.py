@@ -7,7 +7,13 @@ same :class:`~edgetrain.autograd.storage_counter.StorageCounter`, so the predict
 tensor a board holds: the tile's activations saved for backward, the halo and gathered buffers,
 the weight gradients and the gathered tail. A board's total adds the weights and buffers it holds
 before the step (SGD keeps no optimizer state). The prediction is the measurement of the same
-code on the same shapes, so it equals the board's measured peak.
+code on the same shapes, so it equals the board's measured tensor peak.
+
+A budget is a board's memory, and kernels take scratch that no tensor holds (a convolution's
+workspace): the dry step also notes its operator calls (:class:`~edgetrain.autograd.scratch.
+OpScratch`, each kind of call measured once), and the most any of them takes counts on top of the
+tensor peak, as ``Checkpointed``'s budget counts it (the tensors live while a call runs are at
+most that peak, so the heap the step needs is at most the two together).
 """
 
 from __future__ import annotations
@@ -68,24 +74,60 @@ def held_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
 @dataclass(frozen=True)
 class RankMemory:
     """One rank's predicted memory: ``held_bytes`` (weights, buffers) plus ``step_peak_bytes``
-    (the most its training step holds above them); ``peak_bytes`` is their sum."""
+    (the most tensors its training step holds above them) plus ``scratch_bytes`` (the most
+    scratch one of its kernels takes); ``peak_bytes`` is their sum, what its board's memory
+    must hold, and ``tensor_peak_bytes`` the first two, what a tensor counter measures."""
 
     rank: int
     held_bytes: int
     step_peak_bytes: int
+    scratch_bytes: int = 0
+
+    @property
+    def tensor_peak_bytes(self) -> int:
+        return self.held_bytes + self.step_peak_bytes
 
     @property
     def peak_bytes(self) -> int:
-        return self.held_bytes + self.step_peak_bytes
+        return self.tensor_peak_bytes + self.scratch_bytes
 
 
 def predict_rank(job: Any, rank: int) -> RankMemory:
-    """``rank``'s predicted memory for ``job`` (a :class:`~edgetrain.tiles.worker.TileJob`)."""
+    """``rank``'s predicted memory for ``job`` (a :class:`~edgetrain.tiles.worker.TileJob`),
+    its kernels' scratch measured at torch's thread count here (the workers')."""
+    from edgetrain.autograd.scratch import OpScratch, measure_scratch, scratch_of
     from edgetrain.tiles.worker import DTYPES, run_job
 
     dry = replace(job, steps=1, first_step=0, collect=False, fault=None, measure_memory=True)
-    result = run_job(dry, DryComm(rank, job.grid.size))
-    return RankMemory(rank, held_bytes(job.model, DTYPES[job.dtype]), result.peak_bytes)
+    calls = OpScratch()
+    with calls:
+        result = run_job(dry, DryComm(rank, job.grid.size))
+    measure_scratch(calls.pending)
+    scratch = scratch_of(calls.forward | calls.backward)
+    return RankMemory(rank, held_bytes(job.model, DTYPES[job.dtype]), result.peak_bytes, scratch)
+
+
+def measured_beside(memory: RankMemory, result: Any) -> dict[str, int | None]:
+    """A rank's memory as a board holds it, weights included: the tensors measured
+    (``board_peak_bytes``) and predicted (``predicted_board_peak_bytes``, equal), the most scratch
+    one of its kernels takes (``kernel_scratch_bytes``), their sum, what its budget holds
+    (``predicted_board_heap_bytes``), and the process heap sampled during the step
+    (``board_heap_peak_bytes``; None without glibc), for ``result``, a
+    :class:`~edgetrain.tiles.worker.RankResult` of ``memory``'s rank."""
+    heap = result.heap_peak_bytes
+    return {
+        "board_peak_bytes": memory.held_bytes + result.peak_bytes,
+        "predicted_board_peak_bytes": memory.tensor_peak_bytes,
+        "kernel_scratch_bytes": memory.scratch_bytes,
+        "predicted_board_heap_bytes": memory.peak_bytes,
+        "board_heap_peak_bytes": None if heap is None else memory.held_bytes + heap,
+    }
+
+
+def over_budget(row: dict[str, int | None], budget_bytes: int) -> bool:
+    """Whether a :func:`measured_beside` row's measured tensors or heap exceed ``budget_bytes``."""
+    measured = (row["board_peak_bytes"], row["board_heap_peak_bytes"])
+    return any(b is not None and b > budget_bytes for b in measured)
 
 
 def predict_ranks(job: Any) -> tuple[RankMemory, ...]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from edgetrain.tiles.budget import Fitted, RankMemory, predict_rank
+from edgetrain.tiles.budget import Fitted, predict_rank
 from edgetrain.tiles.rankplan import RankPlan, Unit, plan_rank
 
 
@@ -37,8 +37,11 @@ def _peaks(job: Any, rank: int, known: dict[frozenset[int], int]) -> Callable[..
 def _planned(fitted: Fitted, plans: Sequence[RankPlan], units: int) -> Fitted:
     candidate = fitted.candidate
     job = replace(candidate.job, recompute=tuple(p.recompute for p in plans))
-    held = fitted.ranks[0].held_bytes
-    ranks = tuple(RankMemory(r, held, p.peak_bytes - held) for r, p in enumerate(plans))
+    # A recomputation runs the same kinds of call again: each rank's kernel scratch stays.
+    ranks = tuple(
+        replace(m, step_peak_bytes=p.peak_bytes - m.held_bytes - m.scratch_bytes)
+        for m, p in zip(fitted.ranks, plans, strict=True)
+    )
     counts = "/".join(str(len(p.recompute)) for p in plans)
     label = f"{candidate.label}, recomputing {counts} of {units} units per rank"
     seconds = max(p.recompute_seconds for p in plans)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from edgetrain.autograd.heap import HeapPeak
 from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.tiles.comm import Comm, listening_addresses
 from edgetrain.tiles.grid import Grid, Grouping
@@ -72,7 +73,8 @@ class TileJob:
             but a barrier before each step): the single-process baseline on a 1x1 grid, and on
             larger grids that many independent copies at once (the machine's parallel ceiling).
         measure_memory: count live tensor storages for ``peak_bytes`` (a dispatch mode; its
-            first use imports about a second's worth of torch modules).
+            first use imports about a second's worth of torch modules) and sample the process
+            heap for ``heap_peak_bytes`` (glibc's ``mallinfo2``: tensors and kernel scratch).
         cut: None for a plain chain of windows (``model`` an ``nn.Sequential``, fused groups);
             else ``model`` is any module torch.fx captures and its operations before ``cut`` run
             on tiles (:mod:`edgetrain.tiles.graph`; ``grouping`` is unused).
@@ -131,6 +133,7 @@ class RankResult:
     rank: int
     step_seconds: list[float]
     peak_bytes: int
+    heap_peak_bytes: int | None  # the process heap's sampled peak above a step's start
     halo_bytes: int
     halo_messages: int
     collective_bytes: int
@@ -295,6 +298,7 @@ def _train(
     times: list[float] = []
     losses: list[float] = []
     peak = 0
+    heaps: list[int] = []
     output = input_grad = None
     for step in range(job.first_step, job.steps):
         _inject(job.fault, clock.rank, step)
@@ -306,7 +310,8 @@ def _train(
         clock.barrier()  # start together, so a step's time is not another rank's lag
         began = time.perf_counter()
         meter = StorageCounter() if job.measure_memory else contextlib.nullcontext()
-        with meter:
+        sampler = HeapPeak() if job.measure_memory else contextlib.nullcontext()
+        with sampler, meter:
             x = image[region_slices(in_region)].contiguous()
             if job.collect:
                 x.requires_grad_()
@@ -319,6 +324,8 @@ def _train(
         times.append(time.perf_counter() - began)
         if isinstance(meter, StorageCounter):
             peak = max(peak, meter.peak_bytes)
+        if isinstance(sampler, HeapPeak) and sampler.peak_bytes is not None:
+            heaps.append(sampler.peak_bytes)
         losses.append(float(total))
         if job.collect and step == job.steps - 1:
             output, input_grad = _numpy(out), _numpy(x.grad) if x.grad is not None else None
@@ -330,6 +337,9 @@ def _train(
         rank=clock.rank,
         step_seconds=times,
         peak_bytes=peak,
+        # The first step also keeps what lasts (imports, kernels' caches, the transport's
+        # buffers): the steps after it, when there are others.
+        heap_peak_bytes=max(heaps[1:] or heaps) if heaps else None,
         halo_bytes=comm.traffic.halo_bytes - before.halo_bytes,
         halo_messages=comm.traffic.halo_messages - before.halo_messages,
         collective_bytes=comm.traffic.collective_bytes - before.collective_bytes,

@@ -15,6 +15,7 @@ from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.models import model_chain
 from edgetrain.planners import plan
+from edgetrain.planners.blocks import block_plan
 from edgetrain.planners.optimal import (
     OptimalTable,
     TableMaker,
@@ -404,6 +405,31 @@ def test_skipping_the_slots_no_checkpoint_can_win_leaves_the_table_as_it_is(
         patch.setattr(module, "_least_times", lambda costs: None)  # every slot computed
         every = filled()
     assert np.array_equal(skipping, every)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    chain=every_kind_chains(2, 10),
+    slots=st.integers(8, 80),
+    grads_exist=st.booleans(),
+    blocks=st.booleans(),
+)
+def test_one_rows_choices_are_those_of_every_option_and_gathered_rows(
+    chain, slots, grads_exist, blocks
+):
+    # A plan is read one sub-chain at a time: its options that exist, its candidate rows
+    # sliced. The same sub-chain twice over takes every option and gathers the rows.
+    maker = block_plan(chain, grads_exist=grads_exist).maker() if blocks else None
+    maker = maker or TableMaker(chain, grads_exist)
+    peak = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
+    table = maker.table(max(1.0, 1.2 * peak / slots), slots)
+    for span in range(table.length):
+        for s in range(table.length - span):
+            for pin in (0, 1):
+                best, choice = table._span(span, pin, np.array([s]), choose=True)
+                both, choices = table._span(span, pin, np.array([s, s]), choose=True)
+                assert np.array_equal(best[0], both[0]) and np.array_equal(best[0], both[1])
+                assert np.array_equal(choice[0], choices[0])
 
 
 @given(every_kind_chains(max_length=6), st.integers(1, 12), st.booleans())

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgetrain.autograd.heap import HeapPeak, heap_in_use
+from edgetrain.autograd.scratch import allocator_peak
 from edgetrain.core.chain import Chain
-from edgetrain.frontend.scratch import allocator_peak
 from edgetrain.runtime.checkpointed import Checkpointed
 from edgetrain.runtime.frontier import frontier
 

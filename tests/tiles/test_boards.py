@@ -329,7 +329,9 @@ def test_cli_gives_the_faster_board_the_larger_tile_and_trains_exactly(tmp_path)
     assert widths[0] > widths[1]
     assert doc["shares"]["cols"][0] == pytest.approx(2 / 3, abs=0.1)
     for board, rank in zip(doc["boards"], doc["ranks"], strict=True):
-        assert board["board_peak_bytes"] == board["predicted_peak_bytes"] <= board["memory_bytes"]
+        assert board["board_peak_bytes"] == board["predicted_board_peak_bytes"]
+        assert board["predicted_board_heap_bytes"] <= board["memory_bytes"]
+        assert (board["board_heap_peak_bytes"] or 0) <= board["memory_bytes"]
         assert rank["halo_bytes"] == rank["predicted_halo_bytes"]
     times = [b["predicted_compute_seconds"] for b in doc["boards"]]
     assert max(times) / min(times) < 1.25  # balanced within what whole pixels allow

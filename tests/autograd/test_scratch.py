@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edgetrain.autograd.scratch import OpScratch, allocator_peak, scratch_of
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
-from edgetrain.frontend.scratch import OpScratch, allocator_peak, scratch_of
 
 
 def _model() -> nn.Sequential:

@@ -1,5 +1,5 @@
 """An operator call noted without its tensors, and made again on the CPU: what the kernels'
-scratch (:mod:`edgetrain.frontend.scratch`) and the time of a call (:mod:`edgetrain.frontend.
+scratch (:mod:`edgetrain.autograd.scratch`) and the time of a call (:mod:`edgetrain.frontend.
 call_seconds`) are measured on. :func:`specs` replaces each tensor of a call's arguments by its
 :class:`Spec` (shape, strides, dtype; no tensor kept alive); :func:`made` makes new CPU tensors
 of zeros from them, as noted or in another layout (:data:`LAYOUTS`).

@@ -37,8 +37,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from edgetrain.autograd.meta_memo import call_key
+from edgetrain.autograd.op_calls import LAYOUTS, made, makes_new_outputs, specs, strides
 from edgetrain.autograd.storage_counter import tensors_in
-from edgetrain.frontend.op_calls import LAYOUTS, made, makes_new_outputs, specs, strides
 
 __all__ = ["LAYOUTS", "REPEATS", "OpScratch", "allocator_peak", "measure_scratch", "scratch_of"]
 
