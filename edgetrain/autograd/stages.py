@@ -533,9 +533,9 @@ def _check_output(out: object, stage: int, name: str) -> None:
 
 
 def module_key(module: nn.Module) -> str:
-    """What a module computes, for memo keys: its repr, and for a captured segment (whose repr
-    names only its submodules) its code."""
-    return repr(module) + str(getattr(module, "code", ""))
+    """What a module computes, for memo keys: its repr, and the code of each captured segment
+    in it (whose repr names only its submodules), itself or the segments a stage groups."""
+    return repr(module) + "".join(str(getattr(m, "code", "")) for m in module.modules())
 
 
 def empty_like(value: Any) -> Any:

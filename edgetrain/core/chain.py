@@ -83,6 +83,10 @@ class Stage:
             that share one storage (``q, k, v = qkv.chunk(3)``), counted once.
         saved_inputs, saved_outputs: which input and output tensors the graph holds, when
             only some of them (None: all of them or none, as ``saves_input``/``saves_output``).
+        outputs_needing_grad: which output tensors need a gradient, when only some of the
+            floating-point ones do (an attention mask of zeros and ``-inf`` made from integer
+            ids needs none); None: every floating-point one, or none, as
+            ``output_requires_grad``.
         backward_peak_kept_bytes: the backward's peak when parameter gradients exist and are
             added to in place (None: as ``backward_peak_bytes``).
         reads_updated_buffers: whether what the stage hands on (its output, what autograd
@@ -149,6 +153,7 @@ class Stage:
     forward_scratch_bytes: int = 0
     backward_scratch_bytes: int = 0
     caller_gradients: tuple[int, ...] | None = None
+    outputs_needing_grad: tuple[int, ...] | None = None
 
     def made_gradient_bytes(self, grads_exist: bool) -> int:
         """The gradient bytes the stage's backward leaves held until the step ends: those it
@@ -298,6 +303,11 @@ class Chain:
         """Whether ``a[k]`` needs a gradient (the input: as given; an output: as profiled)."""
         return self.input_requires_grad if k == 0 else self.stages[k - 1].output_requires_grad
 
+    def tensors_needing_grad(self, k: int) -> tuple[int, ...] | None:
+        """Which tensors of ``a[k]`` need a gradient, when only some of its floating-point ones
+        do (see :attr:`Stage.outputs_needing_grad`); None: as :meth:`requires_grad` says."""
+        return None if k == 0 else self.stages[k - 1].outputs_needing_grad
+
     def gradient_of_activation_bytes(self, k: int) -> int:
         """Bytes the gradient of ``a[k]`` holds (0 when it needs none): the storages the
         backward of stage ``k`` makes (see :attr:`Stage.input_gradient_bytes`, else the size of
@@ -414,6 +424,11 @@ class Chain:
                 *(["reads updated buffers"] if s.reads_updated_buffers else []),
                 *([["retained", s.retained_bytes]] if s.retained_bytes else []),
                 *([["caller", list(s.caller_gradients)]] if s.caller_gradients is not None else []),
+                *(
+                    [["needing grad", list(s.outputs_needing_grad)]]
+                    if s.outputs_needing_grad is not None
+                    else []
+                ),
             ]
             for s in self.stages
         ]
@@ -484,7 +499,14 @@ def _saved_bytes(which: tuple[int, ...] | None, whole: bool, sizes: list[int]) -
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:
     """JSON lists back to the tuples a Stage holds."""
     out = dict(fields)
-    for key in ("leaf_bytes", "saved_inputs", "saved_outputs", "gradient_from", "caller_gradients"):
+    for key in (
+        "leaf_bytes",
+        "saved_inputs",
+        "saved_outputs",
+        "gradient_from",
+        "caller_gradients",
+        "outputs_needing_grad",
+    ):
         if isinstance(out.get(key), list):
             out[key] = tuple(int(v) for v in out[key])
     for key in ("carried", "shared_leaves"):

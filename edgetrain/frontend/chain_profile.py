@@ -22,7 +22,13 @@ from edgetrain.core.chain import Chain, Stage
 from edgetrain.frontend.cuts import check_sequential
 from edgetrain.frontend.device_speed import DeviceSpeed
 from edgetrain.frontend.meta_copies import on_meta
-from edgetrain.frontend.stage_measure import Measured, Timer, measure_held, profile_stage
+from edgetrain.frontend.stage_measure import (
+    Measured,
+    Timer,
+    input_needs,
+    measure_held,
+    profile_stage,
+)
 from edgetrain.frontend.step_peaks import plain_step_peaks, preserved
 
 NOMINAL_FLOPS = 1e9
@@ -76,14 +82,14 @@ def profile_stages(
     with preserved(model), progress.task(what) as done:
         groups = group_children(model, sample_input)
         x = sample_input
-        needs_grad = any(t.requires_grad for t in leaves(sample_input))
+        needs_grad: bool | list[bool] = any(t.requires_grad for t in leaves(sample_input))
         # Stages with two or more output gradients, until it is known whether the step gives
         # two of them one storage (see _gradients_shared): what their held passes need then.
-        pending: dict[int, tuple[Any, bool, tuple[Any, ...] | None]] = {}
+        pending: dict[int, tuple[Any, bool | list[bool], tuple[Any, ...] | None]] = {}
         for index, (name, module, span) in enumerate(groups):
             done(detail=name)
             last = index == len(groups) - 1
-            key = (module_key(module), signature(x), needs_grad, last, timing)
+            key = (module_key(module), signature(x), str(needs_grad), last, timing)
             stage_input, stage_needs = x, needs_grad
             if timer is None and key in memo.measures and not _shares_parameters(module, measured):
                 known, out, ops = memo.measures[key]
@@ -110,7 +116,7 @@ def profile_stages(
                     memo.measures[key] = (result, x, ops)
             measured.append((name, module, span, result))
             calls.append(ops)
-            needs_grad = result.output_requires_grad
+            needs_grad = input_needs(result, x)
             if result.gradient_outputs > 1 and not last:
                 # Its held peaks serve its twins (identical stages on meta tensors) too.
                 twin = timer is None and not _shares_parameters(module, measured[:-1])
@@ -229,6 +235,7 @@ def stage_records(measured: list[tuple[str, nn.Module, int, Measured]]) -> list[
             saved_buffer_bytes=r.saved_buffer_bytes,
             span=span,
             output_requires_grad=r.output_requires_grad,
+            outputs_needing_grad=r.outputs_needing_grad,
             leaf_bytes=r.leaf_bytes,
             carried=r.carried,
             shared_leaves=r.shared_leaves,

@@ -212,6 +212,8 @@ class ValueTracer(fx.Tracer):
                 return value  # a shape, a dtype, a flag: a constant, not a node
             if kind == "call_method" and self._stays(target, args, kwargs, value):
                 return args[0]  # ``t.to(t.device)``: the tensor itself, as eager returns it
+            if kind == "call_method" and self._moves_home(target, args, kwargs, value):
+                args, kwargs = _without_places(args, kwargs)  # ``t.to(t.device, torch.bool)``
         else:
             value = UNKNOWN
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
@@ -229,9 +231,22 @@ class ValueTracer(fx.Tracer):
             return False
         if kwargs.get("copy") or kwargs.get("memory_format") is not None:
             return False
-        places = [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, str | torch.device)]
-        return all(torch.device(p) == self.device for p in places) and (
+        return all(torch.device(p) == self.device for p in _places(args, kwargs)) and (
             target == "to" or self.device.type == "cpu"
+        )
+
+    def _moves_home(self, target: Any, args: Any, kwargs: dict[str, Any], value: Any) -> bool:
+        """Whether ``args[0].to(...)`` names the device the tensor is on beside what it changes
+        (``mask.to(device=t.device, dtype=torch.bool)``): recorded without the device, as
+        eager runs it there, so that the graph holds no device of its own and sizes on meta."""
+        if target != "to" or not isinstance(value, torch.Tensor) or not args:
+            return False
+        source = args[0].node.meta.get(VALUE) if isinstance(args[0], fx.Proxy) else None
+        places = _places(args, kwargs)
+        return (
+            isinstance(source, torch.Tensor)
+            and bool(places)
+            and all(torch.device(p) == self.device for p in places)
         )
 
     @contextlib.contextmanager
@@ -341,6 +356,19 @@ def _like(value: Any, module: nn.Module) -> Any:
         raise TypeError(type(value).__name__)
     grad = value.requires_grad or any(p.requires_grad for p in module.parameters())
     return torch.empty_like(value).requires_grad_(grad and torch.is_grad_enabled())
+
+
+def _places(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str | torch.device]:
+    """The devices a ``t.to(...)`` call names (positionally or as ``device=``)."""
+    return [a for a in (*args[1:], kwargs.get("device")) if isinstance(a, str | torch.device)]
+
+
+def _without_places(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A ``t.to(...)`` call's arguments without the devices it names."""
+    kept = tuple(a for a in args[1:] if not isinstance(a, str | torch.device))
+    return (args[0], *kept), {k: v for k, v in kwargs.items() if k != "device"}
 
 
 def _holds_tensor(value: Any) -> bool:

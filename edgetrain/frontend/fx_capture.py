@@ -15,7 +15,8 @@ afterwards, so capturing leaves the model exactly as it was.
 
 The parts: the tracer (:mod:`edgetrain.frontend.fx_tracer`), the folding of ``no_grad`` and
 autocast runs into :class:`Region` modules (:mod:`edgetrain.frontend.regions`), the run that
-records each node (:mod:`edgetrain.frontend.recording`), the captured graph
+records each node (:mod:`edgetrain.frontend.recording`), Hugging Face's attention masks built
+by broadcasting while tracing (:mod:`edgetrain.frontend.mask_broadcast`), the captured graph
 (:mod:`edgetrain.frontend.captured`), which cuts are admissible
 (:mod:`edgetrain.frontend.cut_analysis`) and the segments between them
 (:mod:`edgetrain.frontend.graph_segments`).
@@ -48,6 +49,7 @@ from edgetrain.frontend.fx_tracer import (
     traced_module,
 )
 from edgetrain.frontend.graph_segments import segments
+from edgetrain.frontend.mask_broadcast import broadcasting_masks
 from edgetrain.frontend.model_state import restore_snapshot, snapshot
 from edgetrain.frontend.recording import record_nodes
 from edgetrain.frontend.regions import Region, fold_regions
@@ -91,7 +93,12 @@ def capture(
     buffers = [(b, b.detach().clone(), b._version) for b in model.buffers()]
     failure: Exception | None = None
     try:
-        with noting_contexts() as attribute_reads, torch.enable_grad(), torch.random.fork_rng([]):
+        with (
+            noting_contexts() as attribute_reads,
+            broadcasting_masks(),
+            torch.enable_grad(),
+            torch.random.fork_rng([]),
+        ):
             graph, kept_whole, constants = trace_keeping_updaters_whole(
                 model, (inputs, keywords, leaf_types), buffers
             )

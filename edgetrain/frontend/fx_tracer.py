@@ -107,7 +107,8 @@ Context = tuple[bool, tuple[str, torch.dtype, bool] | None]
 ``forward()`` entered around it (device type, dtype, enabled), or None."""
 _PLAIN = (bool, int, float, str, type(None))
 _MODULE_OWN = frozenset(vars(nn.Module()))  # ``training`` and torch's own bookkeeping
-_TRACE_LOCK = threading.Lock()  # one trace at a time: the class patches below are global
+_TRACE_LOCK = threading.Lock()  # one trace at a time: the patches below (and the mask
+# builder fx_capture swaps in, see mask_broadcast) are global
 _TRACING = threading.local()  # in the tracing thread: its autocast regions and attribute reads
 
 

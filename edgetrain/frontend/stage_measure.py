@@ -20,7 +20,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from edgetrain.autograd.buffer_state import BufferFlow
 from edgetrain.autograd.stage_state import StageParams, buffer_copy_bytes, stage_params
-from edgetrain.autograd.stages import leaves, run_backward, run_forward, run_forward_with_grad
+from edgetrain.autograd.stages import (
+    differentiable,
+    leaves,
+    run_backward,
+    run_forward,
+    run_forward_with_grad,
+)
 from edgetrain.autograd.storage_counter import StorageCounter, storage_bytes, storage_key
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.caller_gradient import caller_gradients, wanted_by_caller
@@ -110,6 +116,7 @@ class Measured:
     saved_outputs: tuple[int, ...] | None = None
     input_gradient_bytes: int | None = None
     gradient_from: tuple[int, ...] = ()
+    outputs_needing_grad: tuple[int, ...] | None = None
     gradient_outputs: int = 0  # output tensors a gradient flows to
     gradient_layouts: tuple[bool, ...] = (False,)  # see _layouts
     # (backward_peak_bytes, backward_peak_kept_bytes) with every output gradient held until
@@ -125,7 +132,7 @@ class Measured:
 
 def measure_held(
     measured: list[tuple[str, nn.Module, int, Measured]],
-    pending: dict[int, tuple[Any, bool, tuple[Any, ...] | None]],
+    pending: dict[int, tuple[Any, bool | list[bool], tuple[Any, ...] | None]],
     memo: dict[tuple[Any, ...], tuple[int, int]],
     index_of: dict[int, int],
     *,
@@ -189,7 +196,7 @@ def profile_stage(
     name: str,
     module: nn.Module,
     x: Any,
-    needs_grad: bool,
+    needs_grad: bool | list[bool],
     timer: Timer | None,
     flops_per_second: float,
     index: int,
@@ -258,6 +265,7 @@ def profile_stage(
         new_saved_bytes = storage_bytes([t for t in new_out if storage_key(t) in saved])
         leaf_bytes = tuple(int(t.untyped_storage().nbytes()) for t in leaves(y))
         output_requires_grad = any(t.requires_grad for t in leaves(y))
+        needing = _outputs_needing_grad(leaves(y))
         del y, new_out
         kept = counter.live_bytes - base
         saved_out_leaves = tuple(i for i, key in enumerate(out_keys) if key in saved)
@@ -355,9 +363,27 @@ def profile_stage(
         caller_gradients=loss_leaves,
         layer_output_bytes=layer_outputs.bytes,
         output_requires_grad=output_requires_grad,
+        outputs_needing_grad=needing,
         param_grad_ids=grad_ids,
     )
     return result, out
+
+
+def _outputs_needing_grad(outputs: list[torch.Tensor]) -> tuple[int, ...] | None:
+    """Which output tensors need a gradient, when only some of the floating-point ones do (a
+    mask made from integer ids needs none); None when all or none of them do."""
+    wanted = [t.requires_grad for t in outputs]
+    if not any(wanted) or wanted == [differentiable(t) for t in outputs]:
+        return None
+    return tuple(i for i, w in enumerate(wanted) if w)
+
+
+def input_needs(result: Measured, out: Any) -> bool | list[bool]:
+    """Which of the next stage's input tensors (this stage's output ``out``) need a gradient:
+    one answer for all its floating-point ones, or one each (see :func:`_outputs_needing_grad`)."""
+    if result.outputs_needing_grad is None:
+        return result.output_requires_grad
+    return [i in result.outputs_needing_grad for i in range(len(leaves(out)))]
 
 
 def _layouts(wanted: list[bool], outputs: list[torch.Tensor]) -> list[bool]:
@@ -370,7 +396,7 @@ def _layouts(wanted: list[bool], outputs: list[torch.Tensor]) -> list[bool]:
 def _backward_peak(
     module: nn.Module,
     x: Any,
-    needs_grad: bool,
+    needs_grad: bool | list[bool],
     params: StageParams,
     index: int,
     *,
@@ -410,7 +436,12 @@ def _backward_peak(
 
 
 def _held_backward_peaks(
-    module: nn.Module, x: Any, needs_grad: bool, params: StageParams, index: int, result: Measured
+    module: nn.Module,
+    x: Any,
+    needs_grad: bool | list[bool],
+    params: StageParams,
+    index: int,
+    result: Measured,
 ) -> tuple[int, int]:
     """:attr:`Measured.backward_peaks_held` of a stage measured as ``result``: both loops'
     backward peaks with every output gradient held until the backward ends, the larger over
@@ -458,7 +489,7 @@ def _passed_through_bytes(x: Any, out: Any) -> int:
 def _time_stage(
     module: nn.Module,
     x: Any,
-    needs_grad: bool,
+    needs_grad: bool | list[bool],
     timer: Timer,
     index: int,
     name: str,
@@ -483,7 +514,7 @@ def _time_stage(
 def _count_flops(
     module: nn.Module,
     x: Any,
-    needs_grad: bool,
+    needs_grad: bool | list[bool],
     index: int,
     name: str,
     params: StageParams,

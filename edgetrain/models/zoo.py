@@ -14,6 +14,7 @@ where ``torch.utils.checkpoint`` goes when a user checkpoints "each block".
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,11 +145,11 @@ def _timm_vit(size: int) -> nn.Module:
 
 
 ATTENTION = "eager"
-"""Hugging Face attention: "eager" (matrix products and softmax). With "sdpa", the causal
-language models build their mask with ``torch.vmap`` (``masking_utils``), which capture refuses."""
+"""The zoo's Hugging Face attention: "eager" (matrix products and softmax); the ``-sdpa``
+models use "sdpa" (``F.scaled_dot_product_attention``, transformers' default)."""
 
 
-def _bert(size: int) -> nn.Module:
+def _bert(size: int, attention: str = ATTENTION) -> nn.Module:
     tr = thirdparty.transformers()
     config = tr.BertConfig(
         vocab_size=VOCAB,
@@ -158,12 +159,12 @@ def _bert(size: int) -> nn.Module:
         intermediate_size=64,
         max_position_embeddings=max(64, size),
         num_labels=3,
-        attn_implementation=ATTENTION,
+        attn_implementation=attention,
     )
     return tr.BertForSequenceClassification(config)
 
 
-def _gpt2(size: int) -> nn.Module:
+def _gpt2(size: int, attention: str = ATTENTION) -> nn.Module:
     tr = thirdparty.transformers()
     config = tr.GPT2Config(
         vocab_size=VOCAB,
@@ -172,7 +173,7 @@ def _gpt2(size: int) -> nn.Module:
         n_layer=2,
         n_head=2,
         use_cache=False,
-        attn_implementation=ATTENTION,
+        attn_implementation=attention,
     )
     return tr.GPT2LMHeadModel(config)
 
@@ -192,7 +193,7 @@ def _hf_vit(size: int) -> nn.Module:
     return tr.ViTForImageClassification(config)
 
 
-def _llama(size: int) -> nn.Module:
+def _llama(size: int, attention: str = ATTENTION) -> nn.Module:
     tr = thirdparty.transformers()
     config = tr.LlamaConfig(
         vocab_size=VOCAB,
@@ -203,7 +204,7 @@ def _llama(size: int) -> nn.Module:
         num_key_value_heads=2,
         max_position_embeddings=max(64, size),
         use_cache=False,
-        attn_implementation=ATTENTION,
+        attn_implementation=attention,
     )
     return tr.LlamaForCausalLM(config)
 
@@ -242,20 +243,20 @@ def _llama_lora(size: int) -> nn.Module:
 
 
 def _lm_inputs(batch: int, size: int) -> Inputs:
-    """A causal language model's: token ids and labels. Its ``attention_mask`` is not captured
-    yet: ``masking_utils`` builds the padded causal mask with ``torch.vmap`` over a Python
-    function, which capture's proxies do not pass through."""
-    inputs = _tokens(batch, size)
-    del inputs["attention_mask"]
-    return inputs
+    """A causal language model's: token ids, the attention mask (the last sequence padded) and
+    labels, the ids themselves."""
+    return _tokens(batch, size)
 
 
 def _classifier_inputs(batch: int, size: int) -> Inputs:
     return _tokens(batch, size, labels="classes")
 
 
+def _sdpa(make: Callable[..., nn.Module]) -> Callable[[int], nn.Module]:
+    return functools.partial(make, attention="sdpa")
+
+
 TOKENS = ("input_ids", "attention_mask", "labels")
-LM_TOKENS = ("input_ids", "labels")
 ZOO: dict[str, ZooModel] = {
     model.name: model
     for model in (
@@ -278,16 +279,22 @@ ZOO: dict[str, ZooModel] = {
                  _timm_vit, _images, ("Block",)),
         ZooModel("hf-bert", "transformers", "BertForSequenceClassification, 2 layers, dim 32",
                  _bert, _classifier_inputs, ("BertLayer",), TOKENS),
+        ZooModel("hf-bert-sdpa", "transformers", "the BERT above, sdpa attention",
+                 _sdpa(_bert), _classifier_inputs, ("BertLayer",), TOKENS),
         ZooModel("hf-gpt2", "transformers", "GPT2LMHeadModel, 2 layers, dim 32", _gpt2,
-                 _lm_inputs, ("GPT2Block",), LM_TOKENS),
+                 _lm_inputs, ("GPT2Block",), TOKENS),
+        ZooModel("hf-gpt2-sdpa", "transformers", "the GPT-2 above, sdpa attention",
+                 _sdpa(_gpt2), _lm_inputs, ("GPT2Block",), TOKENS),
         ZooModel("hf-vit", "transformers", "ViTForImageClassification, 2 layers, dim 32",
                  _hf_vit, _pixels, ("ViTLayer",), ("pixel_values", "labels")),
         ZooModel("hf-llama", "transformers",
                  "LlamaForCausalLM, 2 layers, dim 32, grouped-query attention, RoPE",
-                 _llama, _lm_inputs, ("LlamaDecoderLayer",), LM_TOKENS),
+                 _llama, _lm_inputs, ("LlamaDecoderLayer",), TOKENS),
+        ZooModel("hf-llama-sdpa", "transformers", "the Llama above, sdpa attention",
+                 _sdpa(_llama), _lm_inputs, ("LlamaDecoderLayer",), TOKENS),
         ZooModel("hf-llama-lora", "transformers",
                  "the Llama above frozen, rank-4 LoRA adapters on q_proj and v_proj",
-                 _llama_lora, _lm_inputs, ("LlamaDecoderLayer",), LM_TOKENS),
+                 _llama_lora, _lm_inputs, ("LlamaDecoderLayer",), TOKENS),
     )
 }  # fmt: skip
 

@@ -173,8 +173,13 @@ class StepRun:
             return [t.requires_grad for t in leaves(self.sample)]
         needs = self.net._needs.get(k)
         if needs is None:
-            wanted = self.net.chain.requires_grad(self.net._exec_first[k])
-            needs = self.net._needs[k] = [wanted and differentiable(t) for t in leaves(x)]
+            first = self.net._exec_first[k]
+            wanted = self.net.chain.requires_grad(first)
+            some = self.net.chain.tensors_needing_grad(first)
+            needs = self.net._needs[k] = [
+                wanted and differentiable(t) if some is None else i in some
+                for i, t in enumerate(leaves(x))
+            ]
         return needs
 
     def _backward(self, k: int) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.fx_capture import all_cuts, articulation_cuts, capture, segments
+from edgetrain.frontend.profiling import analytic_chain
 from edgetrain.runtime.checkpointed import Checkpointed
 
 F64 = torch.float64
@@ -229,3 +230,31 @@ def test_checkpointed_takes_leaf_modules_and_refuses_what_is_not_a_module_class(
     _same_training(model, net, twin, x)
     with pytest.raises(InvalidInput, match="leaf_modules takes nn"):
         capture(Gated(), x.float(), leaf_modules=("Gate",))
+
+
+class MaskedLinear(nn.Module):
+    """Makes a boolean of an integer mask where the input is, as transformers makes its masks
+    (``mask.to(device=x.device, dtype=torch.bool)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keep = mask.to(device=x.device, dtype=torch.bool)
+        return self.lin(x).masked_fill(~keep[..., None], 0.0)
+
+
+def test_a_move_to_where_the_tensor_is_holds_no_device_and_sizes_on_meta():
+    model = MaskedLinear().to(F64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    inputs = {"x": torch.randn(2, 5, 8, dtype=F64), "mask": mask}
+    graph = capture(model, inputs).graph_module.graph
+    moves = [n for n in graph.nodes if n.target == "to"]
+    assert moves and all("device" not in n.kwargs for n in moves)
+    chain = analytic_chain(model, inputs)  # on meta tensors: a CPU device in the graph fails
+    plain = copy.deepcopy(model)
+    net = Checkpointed(model, inputs, chain=chain, memory_budget="min")
+    net(**inputs).sum().backward()
+    plain(**inputs).sum().backward()
+    assert torch.equal(model.lin.weight.grad, plain.lin.weight.grad)

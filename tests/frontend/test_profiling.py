@@ -1,15 +1,19 @@
 """Profiling: measured and analytic chains agree on every byte; stages group as they must."""
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
+from edgetrain.autograd.storage_counter import StorageCounter
 from edgetrain.errors import InvalidInput
 from edgetrain.frontend.profiling import analytic_chain, profile_chain
 from edgetrain.models import build, model_chain
+from edgetrain.runtime.checkpointed import Checkpointed
 from tests.conftest import small_cnn
+from tests.helpers import same_state
 
 BYTE_FIELDS = [
     f.name
@@ -95,3 +99,41 @@ def test_bad_model_arguments():
         model_chain("resnet18", 0, 224)
     with pytest.raises(InvalidInput, match="too small"):
         model_chain("yolov2-16", 1, 8)
+
+
+class MaskedLayers(nn.Module):
+    """Adds a float mask made from integer ids (it needs no gradient) in every layer, as a
+    transformer adds its attention mask: the mask is carried through the stages beside the
+    activations, which do need one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        bias = torch.where(ids[..., None] > 0, 0.0, -1e9).to(x.dtype)
+        for layer in self.layers:
+            x = torch.tanh(layer(x) + bias)
+        return x
+
+
+def test_a_float_tensor_made_from_ids_gets_no_gradient_and_the_peak_is_as_predicted():
+    torch.manual_seed(0)
+    model = MaskedLayers().double()
+    inputs = {"x": torch.randn(4, 6, 8, dtype=torch.float64), "ids": torch.randint(0, 3, (4, 6))}
+    chain = analytic_chain(model, inputs)
+    carrying = [k for k in range(1, chain.length) if chain.tensors_needing_grad(k) is not None]
+    assert carrying  # the mask beside the activation: the activation's gradient only
+    assert all(chain.gradient_of_activation_bytes(k) == 4 * 6 * 8 * 8 for k in carrying)
+    assert chain == type(chain).from_json(chain.to_json())
+    ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+    net = Checkpointed(ours, inputs, chain=chain, memory_budget="min")
+    counter = StorageCounter()
+    with counter:
+        out = net(**inputs)
+        out.backward(torch.ones_like(out))
+        del out
+    out = plain(**inputs)
+    out.backward(torch.ones_like(out))
+    same_state(ours, plain)
+    assert counter.peak_bytes == net.cost.peak_bytes
