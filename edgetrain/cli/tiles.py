@@ -457,8 +457,8 @@ def _memory_line(doc: dict[str, Any]) -> str:
     measured = max(r["board_peak_bytes"] for r in doc["ranks"])
     heaps = [r["board_heap_peak_bytes"] for r in doc["ranks"]]
     heap = max((h for h in heaps if h is not None), default=None)
-    verdict = "within" if max(measured, heap or 0) <= budget else "OVER"
-    sampled = f", heap {format_bytes(heap)}" if heap is not None else ""
+    verdict = "within" if measured <= budget else "OVER"
+    sampled = f", heap {format_bytes(heap)} (sampled)" if heap is not None else ""
     return (
         f"\nmemory per board ({doc['memory']['chosen']}, weights included): predicted "
         f"{format_bytes(doc['memory']['predicted_peak_bytes'])} with the kernels' scratch, "

@@ -41,6 +41,7 @@ from edgetrain.tiles.launch import run_local
 from edgetrain.tiles.layers import describe
 from edgetrain.tiles.tiling import plan
 from edgetrain.tiles.worker import TileJob
+from tests.tiles.heap_beyond import HEAP_BEYOND_BYTES
 from tests.tiles.test_exact import zoo
 
 LINKS = {name: c.link for name, c in CLUSTERS.items()}
@@ -331,7 +332,8 @@ def test_cli_gives_the_faster_board_the_larger_tile_and_trains_exactly(tmp_path)
     for board, rank in zip(doc["boards"], doc["ranks"], strict=True):
         assert board["board_peak_bytes"] == board["predicted_board_peak_bytes"]
         assert board["predicted_board_heap_bytes"] <= board["memory_bytes"]
-        assert (board["board_heap_peak_bytes"] or 0) <= board["memory_bytes"]
+        heap = board["board_heap_peak_bytes"] or 0  # beyond tensors and scratch: not predicted
+        assert heap <= board["predicted_board_heap_bytes"] + HEAP_BEYOND_BYTES
         assert rank["halo_bytes"] == rank["predicted_halo_bytes"]
     times = [b["predicted_compute_seconds"] for b in doc["boards"]]
     assert max(times) / min(times) < 1.25  # balanced within what whole pixels allow

@@ -175,4 +175,5 @@ def test_tiles_memory_below_storing_everything_trains_with_recomputation():
     for rank in doc["ranks"]:
         assert rank["board_peak_bytes"] == rank["predicted_board_peak_bytes"]
         assert rank["predicted_board_heap_bytes"] <= 31_000_000
-        assert (rank["board_heap_peak_bytes"] or 0) <= 31_000_000
+        # The heap beyond tensors and kernel scratch is not predicted (docs/tiles.md, Limits).
+        assert (rank["board_heap_peak_bytes"] or 0) <= 31_000_000 + HEAP_BEYOND_BYTES
