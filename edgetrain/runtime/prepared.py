@@ -170,10 +170,9 @@ class Preparing:
         chain: Chain | None,
         schedule: Schedule | None,
         as_is: bool = False,
-        loop: bool | None = None,
     ) -> None:
-        """Plan for ``sample``'s state in the training loop ``loop`` (gradients kept between
-        steps or not; None: the loop the gradients are in now)."""
+        """Plan for ``sample``'s state, in the training loop the gradients are in now (kept
+        between steps or not)."""
         if chain is None:
             chain = profile_chain(self.model, sample, autocast=autocast_state(), timing="modelled")
         elif chain.autocast != autocast_label(autocast_state()):
@@ -184,8 +183,6 @@ class Preparing:
         self.chain = chain
         self._signature = signature(sample)
         self._key = self._state(sample)
-        if loop is not None:
-            self._key = (*self._key[:-1], loop)
         self._grads_exist = self._key[-1]  # plan for the loop the step starts in
         # A run's merged stage depends on its stages and the sample only: sized once for every
         # plan tried here (see the tighter plan below) and, on the same chain (``as_is``), for
