@@ -368,15 +368,12 @@ def _budget_report(
         "predicted_step_seconds": fitted.seconds,
         "recompute": [sorted(fitted.candidate.job.recomputed(r)) for r in range(len(fitted.ranks))],
     }
-    from edgetrain.tiles.budget import measured_beside, over_budget
+    from edgetrain.tiles.budget import measured_beside, measured_on_board, over_budget
 
     over = False
     for row, result in zip(doc["ranks"], results, strict=True):
-        held = fitted.ranks[0].held_bytes
         if recoveries:  # re-tiled for the survivors: measured only
-            row["board_peak_bytes"] = held + result.peak_bytes
-            heap = result.heap_peak_bytes
-            row["board_heap_peak_bytes"] = None if heap is None else held + heap
+            row.update(measured_on_board(fitted.ranks[0].held_bytes, result))
         else:
             row.update(measured_beside(fitted.ranks[result.rank], result))
         over = over or over_budget(row, memory)

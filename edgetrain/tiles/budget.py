@@ -107,20 +107,28 @@ def predict_rank(job: Any, rank: int) -> RankMemory:
     return RankMemory(rank, held_bytes(job.model, DTYPES[job.dtype]), result.peak_bytes, scratch)
 
 
-def measured_beside(memory: RankMemory, result: Any) -> dict[str, int | None]:
-    """A rank's memory as a board holds it, weights included: the tensors measured
-    (``board_peak_bytes``) and predicted (``predicted_board_peak_bytes``, equal), the most scratch
-    one of its kernels takes (``kernel_scratch_bytes``), their sum, what its budget holds
-    (``predicted_board_heap_bytes``), and the process heap sampled during the step
+def measured_on_board(held: int, result: Any) -> dict[str, int | None]:
+    """What a board holding ``held`` bytes of weights and buffers measured, weights included:
+    its tensors (``board_peak_bytes``) and the process heap sampled during a step
     (``board_heap_peak_bytes``; None without glibc), for ``result``, a
-    :class:`~edgetrain.tiles.worker.RankResult` of ``memory``'s rank."""
+    :class:`~edgetrain.tiles.worker.RankResult`."""
     heap = result.heap_peak_bytes
     return {
-        "board_peak_bytes": memory.held_bytes + result.peak_bytes,
+        "board_peak_bytes": held + result.peak_bytes,
+        "board_heap_peak_bytes": None if heap is None else held + heap,
+    }
+
+
+def measured_beside(memory: RankMemory, result: Any) -> dict[str, int | None]:
+    """:func:`measured_on_board` beside the prediction ``memory`` of the same rank: the tensors
+    (``predicted_board_peak_bytes``, equal to the measured), the most scratch one of its kernels
+    takes (``kernel_scratch_bytes``) and their sum, what its budget holds
+    (``predicted_board_heap_bytes``)."""
+    return {
+        **measured_on_board(memory.held_bytes, result),
         "predicted_board_peak_bytes": memory.tensor_peak_bytes,
         "kernel_scratch_bytes": memory.scratch_bytes,
         "predicted_board_heap_bytes": memory.peak_bytes,
-        "board_heap_peak_bytes": None if heap is None else memory.held_bytes + heap,
     }
 
 
