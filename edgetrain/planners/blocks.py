@@ -312,29 +312,21 @@ def _measure(
     sub: Chain, kind: str, forward: Ops, backward: Ops, out_grad: int | None, grads_exist: bool
 ) -> BlockOption | None:
     """An option's numbers, read off the simulator's trace in both contexts; None if its
-    backward phase leaves more than the input's gradient and the parameter gradients held."""
+    backward phase leaves more held than storing everything leaves (the input's gradient, the
+    parameter gradients and, in the chain's last block, its output and that output's gradient;
+    an output that is a view of an input held elsewhere is not counted again)."""
     held: list[int] = []
     fwd_peak: list[int] = []
     bwd_peak: list[int] = []
     output = sub.stages[-1].output_bytes
     for counted in (True, False):
-        chain, offset, before, after = _in_context(sub, counted, out_grad)
-        ops = [*before, *((op, k + offset) for op, k in forward), *after]
-        split = len(ops)
-        ops += [(op, k + offset) for op, k in backward]
-        end = len(ops)
-        ops += [(Op.BACKWARD, 0)] if counted else []
-        trace = memory_trace(chain, Schedule.from_ops(chain.length, ops), grads_exist=grads_exist)
-        forward_end = len(before) + len(forward)
+        trace, split, end, forward_end = _trace_in_context(
+            sub, counted, out_grad, forward, backward, grads_exist
+        )
         fwd_peak.append(max(during for _, during, _ in trace[:forward_end]))
         held.append(trace[forward_end - 1][2] - output)
         bwd_peak.append(max(trace[split][0], *(during for _, during, _ in trace[split:end])))
-        left = sub.gradient_of_activation_bytes(0) + sum(
-            s.made_gradient_bytes(grads_exist) for s in sub.stages
-        )
-        if out_grad is None:
-            left += output + sub.gradient_of_activation_bytes(sub.length)
-        if trace[end - 1][2] != left:
+        if trace[end - 1][2] != _left_by_storing_all(sub, counted, out_grad, grads_exist):
             return None
     stages = sub.stages
     return BlockOption(
@@ -348,6 +340,36 @@ def _measure(
         forward_ops=forward,
         backward_ops=backward,
     )
+
+
+def _trace_in_context(
+    sub: Chain,
+    counted: bool,
+    out_grad: int | None,
+    forward: Ops,
+    backward: Ops,
+    grads_exist: bool,
+) -> tuple[list[tuple[int, int, int]], int, int, int]:
+    """The simulator's trace of the block's ``forward`` then ``backward`` phases between its
+    stand-ins (see :func:`_in_context`), and where its backward phase starts and ends and its
+    forward phase ends in it."""
+    chain, offset, before, after = _in_context(sub, counted, out_grad)
+    ops = [*before, *((op, k + offset) for op, k in forward), *after]
+    split = len(ops)
+    ops += [(op, k + offset) for op, k in backward]
+    end = len(ops)
+    ops += [(Op.BACKWARD, 0)] if counted else []
+    trace = memory_trace(chain, Schedule.from_ops(chain.length, ops), grads_exist=grads_exist)
+    return trace, split, end, len(before) + len(forward)
+
+
+@functools.lru_cache(maxsize=512)
+def _left_by_storing_all(sub: Chain, counted: bool, out_grad: int | None, grads_exist: bool) -> int:
+    """What the block's backward phase leaves held when it stores everything: what every
+    valid option must leave."""
+    forward, backward = _phases(store_all(sub))
+    trace, _, end, _ = _trace_in_context(sub, counted, out_grad, forward, backward, grads_exist)
+    return trace[end - 1][2]
 
 
 def _seconds(stages: Sequence[Stage], ops: Ops) -> float:

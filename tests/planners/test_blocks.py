@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import edgetrain
 from edgetrain.core.chain import Chain, Stage
@@ -32,7 +33,7 @@ from edgetrain.planners.blocks import (
     plan_blocks,
 )
 from edgetrain.planners.optimal import OptimalTable, TableMaker, fastest, store_all
-from edgetrain.planners.search import FLAT_UP_TO
+from edgetrain.planners.search import FLAT_UP_TO, frontier
 from edgetrain.runtime.checkpointed import Checkpointed
 from tests.conftest import random_chain
 from tests.helpers import same_state
@@ -133,6 +134,34 @@ def test_without_shared_storages_it_is_never_faster_than_the_flat_dp():
         flat = OptimalTable(chain, 1.0, SLOTS).times()
         blocks = block_plan(chain).maker().table(1.0, SLOTS).times()
         assert np.all(blocks >= flat - 1e-9)
+
+
+def _ending_in_a_view(chain: Chain) -> Chain:
+    """``chain`` followed by a stage whose output is a view of its input (a flatten)."""
+    out = chain.stages[-1].output_bytes
+    view = dataclasses.replace(
+        NOTHING, name="flatten", output_bytes=out, leaf_bytes=(out,), carried=((0, 0),)
+    )
+    return dataclasses.replace(chain, stages=(*chain.stages, view))
+
+
+@pytest.mark.parametrize("grads_exist", [False, True])
+def test_a_chain_ending_in_a_view_of_its_last_output_still_plans_below_storing_everything(
+    grads_exist,
+):
+    rng = random.Random(5)
+    for _ in range(20):
+        plain = residual_chain(rng, rng.randint(1, 3))
+        chain = _ending_in_a_view(plain)
+        options = block_plan(chain, grads_exist=grads_exist).options
+        assert all(options), "every block has an option"
+        saves = frontier(plain, "blocks", grads_exist=grads_exist, slots=SLOTS)
+        ours = frontier(chain, "blocks", grads_exist=grads_exist, slots=SLOTS)
+        if saves.smallest_bytes < saves.points[-1].peak_bytes:
+            assert ours.smallest_bytes < ours.points[-1].peak_bytes
+        for point in ours.points:
+            cost = simulate(chain, point.schedule, grads_exist=grads_exist)
+            assert cost.heap_peak_bytes == point.peak_bytes
 
 
 def test_options_are_a_pareto_frontier_of_valid_plans_of_the_block():
@@ -277,6 +306,33 @@ def test_a_captured_residual_model_trains_exactly_under_block_plans(name, make, 
         measured = measured_peak(Checkpointed(model, x, chain=chain, schedule=schedule), x)
         assert measured == pytest.approx(net.cost.peak_bytes, rel=0.05), name
         assert measured <= budget * 1.02
+
+
+class FlattenedHead(ResidualMLP):
+    """The model's output is its head's output through ``nn.Flatten`` (the same storage), as
+    timm's classifier heads end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flatten = nn.Flatten()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.flatten(super().forward(x))
+
+
+def test_a_model_whose_output_is_a_view_of_its_heads_plans_below_storing_everything():
+    torch.manual_seed(0)
+    model = FlattenedHead().to(F64)
+    x = torch.randn(512, 12, dtype=F64)  # activations, not parameter gradients, set the peak
+    chain = analytic_chain(as_stages(model, x), x)
+    assert chain.stages[-1].carried  # the last stage's output is its input
+    everything = simulate(chain, store_all(chain)).peak_bytes
+    assert minimum_block_memory(chain) < 0.6 * everything
+    ours, plain = copy.deepcopy(model), copy.deepcopy(model)
+    net = Checkpointed(ours, x, chain=chain, memory_budget="min", strategy="blocks")
+    assert net.predicted_peak_bytes < net.plain_peak_bytes
+    assert torch.equal(train_step(net, x, seed=3), train_step(plain, x, seed=3))
+    same_state(ours, plain)
 
 
 def test_optimal_plans_a_long_chain_over_its_blocks_and_a_short_one_both_ways():
