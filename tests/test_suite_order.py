@@ -51,3 +51,12 @@ def test_the_heavy_files_of_a_run_come_first(request: pytest.FixtureRequest):
         count = files.count(path)
         assert files[start : start + count] == [path] * count, path
         start += count
+
+
+@pytest.mark.xdist_group("suite-order")
+def test_xdist_groups_hold_under_the_pinned_pytest(request: pytest.FixtureRequest):
+    # pytest-xdist 3.8 groups a test by a suffix it adds to the test's id; pytest 9.2 ignores it,
+    # and then a group's tests (and their module fixtures) spread over both workers.
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not a pytest-xdist run with --dist loadgroup")
+    assert request.node.nodeid.endswith("@suite-order"), request.node.nodeid
