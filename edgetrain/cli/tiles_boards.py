@@ -72,7 +72,7 @@ def boards_report(doc: dict[str, Any], results: Any, fitted: Any) -> bool:
     """With boards that differ (``fitted`` not None), adds each rank's measured peak (weights
     included) to ``doc``'s boards; True when a board went over its memory."""
     over = False
-    if fitted is None or doc["recoveries"]:
+    if fitted is None:
         return over
     from edgetrain.tiles.budget import measured_beside, over_budget
 
