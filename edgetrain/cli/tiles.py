@@ -143,7 +143,7 @@ def tiles(
     torch.set_num_threads(threads)  # the workers': a kernel's scratch is measured at theirs
     name, network_model = _load_model(model, model_file, seed)
     planner = _Planner(network_model, image, batch, groups, cut_text, load(profile), dtype, memory)
-    start = planner.plan(tuple(range(grid.size)), grid)
+    start = planner.plan(None, grid)
     job = replace(start.job, steps=steps, seed=seed, collect=check, fault=_fault(fault))
     results = _run_job(job, address, threads, timeout, recover, planner)
     final = planner.plans[-1]  # the plan the run finished on: the survivors' after a loss
@@ -249,10 +249,11 @@ class _Planner:
         self.chain = _is_chain(model, cut)
         self.plans: list[_Planned] = []
 
-    def plan(self, boards: tuple[int, ...], grid: Any) -> _Planned:
-        """The plan for ``boards`` (the profile's indices, in rank order) on ``grid`` (or, with
-        ``--memory``, the fastest grid of as many boards that fits)."""
-        cluster = self.cluster.of_boards(boards)
+    def plan(self, boards: tuple[int, ...] | None, grid: Any) -> _Planned:
+        """The plan for ``boards`` (the profile's indices, in rank order; None: every board, as
+        at the start) on ``grid`` (or, with ``--memory``, the fastest grid of as many boards that
+        fits)."""
+        cluster = self.cluster if boards is None else self.cluster.of_boards(boards)
         setup = _chain_setup if self.chain else _graph_setup
         args = (
             self.model,
@@ -265,7 +266,7 @@ class _Planner:
             self.dtype,
         )
         if cluster.boards:
-            job, doc, fit = fit_profile(*args, setup, self.chain, self.memory)
+            job, doc, fit = fit_profile(*args, setup, self.chain, self.memory, boards)
             planned = _Planned(job, doc, boards=fit)
         elif self.memory is not None:
             fitted = _fit(self.memory, *args)
