@@ -41,15 +41,17 @@ def fit_profile(
     seconds_for, choice = rank_seconds(
         model, image, start, batch, (groups, cut), dtype, chain, cluster
     )
+    places = members or tuple(range(len(cluster.boards)))
     fit = fit_boards(
         grid,
         cluster,
         max(image),
         seconds_for,
         lambda g: setup(model, image, g, batch, choice, choice, cluster, dtype),
+        places,
     )
     doc = fit.extra
-    doc["boards"] = _rows(cluster, fit, members or tuple(range(len(cluster.boards))))
+    doc["boards"] = _rows(cluster, fit, places)
     shares = fit.job.grid
     doc["shares"] = {"rows": list(shares.row_shares), "cols": list(shares.col_shares)}
     return fit.job, doc, fit

@@ -8,13 +8,18 @@ import json
 import re
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from edgetrain.cli.main import cli
+from edgetrain.cli.tiles import _chain_setup
+from edgetrain.cli.tiles_boards import fit_profile
 from edgetrain.devices import load
+from edgetrain.errors import InvalidInput
 from edgetrain.tiles.grid import Grid
 from edgetrain.tiles.recovery import Decision
 from tests.tiles.heap_beyond import HEAP_BEYOND_BYTES
+from tests.tiles.test_exact import zoo
 
 pytestmark = pytest.mark.xdist_group("tiles")
 
@@ -85,9 +90,11 @@ def test_survivors_no_grid_fits_stop_in_one_line_naming_what_they_need(tmp_path)
     assert least is not None and int(least.group(1)) > TIGHT_BYTES
 
 
-def _profile(tmp_path, *speeds: float) -> str:
+def _profile(tmp_path, *speeds: float, memory: tuple[int | str, ...] = ()) -> str:
+    memory = memory or ("2GB",) * len(speeds)
     boards = [
-        {"name": f"b{i}", "macs_per_second": s, "memory": "2GB"} for i, s in enumerate(speeds)
+        {"name": f"b{i}", "macs_per_second": s, "memory": m}
+        for i, (s, m) in enumerate(zip(speeds, memory, strict=True))
     ]
     path = tmp_path / "boards.json"
     path.write_text(json.dumps({"name": "three", "link": "pi3-ethernet", "boards": boards}))
@@ -133,3 +140,12 @@ def test_the_boards_that_remain_of_a_profile_keep_their_speeds_and_memory(tmp_pa
     assert rest.link == cluster.link
     alike = load("pi3-ethernet")
     assert alike.of_boards((0, 1)) is alike
+
+
+def test_a_remaining_board_that_cannot_fit_is_named_by_its_place_in_the_profile(tmp_path):
+    torch.manual_seed(0)
+    cluster = load(_profile(tmp_path, 1e9, 1e9, 3e9, memory=("2GB", "2GB", 1000)))
+    rest = cluster.of_boards((0, 2))
+    with pytest.raises(InvalidInput, match=r"^board 2 \(b2\) has 1000 B but the model's weights"):
+        fit_profile(zoo(), (64, 64), Grid(1, 2), 2, "auto", "auto", rest, "float64",
+                    _chain_setup, True, None, (0, 2))  # fmt: skip
