@@ -177,7 +177,8 @@ def _report(
                 r.output_region.left,
                 r.output_region.right,
             ],
-            "predicted_halo_bytes": None if recoveries else predicted[r.rank] * steps,
+            # the steps this rank ran on the final plan's grid (after a loss: from the repeat)
+            "predicted_halo_bytes": predicted[r.rank] * len(r.step_seconds),
         }
         for r in results
     ]

@@ -117,6 +117,8 @@ def test_survivors_of_boards_that_differ_take_tiles_in_proportion_to_their_speed
     assert doc["shares"]["cols"] == pytest.approx([0.25, 0.75], abs=0.05)  # speeds 1 : 3
     widths = [r["tile"][3] - r["tile"][2] for r in doc["ranks"]]
     assert widths[1] >= 2 * widths[0]
+    for rank in doc["ranks"]:  # step 1 again, on the survivors' tiles
+        assert rank["halo_bytes"] == rank["predicted_halo_bytes"] > 0
     for board in doc["boards"]:
         assert board["board_peak_bytes"] == board["predicted_board_peak_bytes"]
         assert board["predicted_board_heap_bytes"] <= board["memory_bytes"]
