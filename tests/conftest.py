@@ -58,6 +58,7 @@ HEAVY_FIRST = (
     "tests/insitu/test_cli.py",
     "tests/runtime/test_hugging_face.py",
     "tests/tiles/test_recovery.py",
+    "tests/tiles/test_survivors.py",
     "tests/insitu/test_student.py",
     "tests/tiles/test_budget.py",
     "tests/runtime/test_paging_shared_and_full.py",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import click
@@ -96,10 +96,12 @@ TOLERANCE = {"float64": 1e-10, "float32": 1e-4}
     "--recover/--no-recover",
     default=True,
     show_default=True,
-    help="When a worker dies or hangs, re-tile for the others and repeat the step (or stop all).",
+    help="When a worker dies or hangs, plan the others as the start was planned (grid, tiles, "
+    "--memory) and repeat the step (or stop all).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--check", is_flag=True, help="Also run one process and compare (max_rel_diff).")
+@click.option("--fault", default=None, hidden=True, help="Testing: die|hang|raise:RANK:STEP.")
 def tiles(
     model: str | None,
     model_file: str | None,
@@ -119,6 +121,7 @@ def tiles(
     recover: bool,
     as_json: bool,
     check: bool,
+    fault: str | None,
 ) -> None:
     """Train MODEL for a few steps with one local worker per tile (torch.distributed, gloo).
 
@@ -139,47 +142,16 @@ def tiles(
 
     torch.set_num_threads(threads)  # the workers': a kernel's scratch is measured at theirs
     name, network_model = _load_model(model, model_file, seed)
-    cluster = load(profile)
-    setup = _chain_setup if (chain := _is_chain(network_model, cut_text)) else _graph_setup
-    args = (network_model, image, grid, batch, groups, cut_text, cluster, dtype)
-    job, doc, boards = (
-        fit_profile(*args, setup, chain, memory) if cluster.boards else (*setup(*args), None)
-    )
-    fitted = None
-    if memory is not None:
-        fitted = _fit(memory, *args)
-        job, doc = fitted.candidate.job, fitted.candidate.extra
-        grid = job.grid
-    job = replace(job, steps=steps, seed=seed, collect=check)
-    results = _run_job(job, address, threads, timeout, recover)
-    predicted = doc.pop("predicted_halo_bytes")
-    doc = {
-        "model": name,
-        "grid": str(grid),
-        "image": list(image),
-        "batch": batch,
-        "dtype": dtype,
-        "steps": steps,
-        **doc,
-        "ranks": [
-            {
-                **r.summary(),
-                "tile": [
-                    r.output_region.top,
-                    r.output_region.bottom,
-                    r.output_region.left,
-                    r.output_region.right,
-                ],
-                "predicted_halo_bytes": None if r.recoveries else predicted[r.rank] * steps,
-            }
-            for r in results
-        ],
-        "recoveries": results[0].recoveries if results else [],
-    }
-    failed = fitted is not None and _budget_report(
-        doc, fitted, memory or 0, results, doc["recoveries"]
-    )
-    failed = boards_report(doc, results, boards) or failed
+    planner = _Planner(network_model, image, batch, groups, cut_text, load(profile), dtype, memory)
+    start = planner.plan(None, grid)
+    job = replace(start.job, steps=steps, seed=seed, collect=check, fault=_fault(fault))
+    results = _run_job(job, address, threads, timeout, recover, planner)
+    final = planner.plans[-1]  # the plan the run finished on: the survivors' after a loss
+    doc = _report(name, image, batch, dtype, steps, final, results)
+    if len(planner.plans) > 1:
+        doc["start"] = _summary(start)
+    failed = final.fitted is not None and _budget_report(doc, final.fitted, memory or 0, results)
+    failed = boards_report(doc, results, final.boards) or failed
     failed = _check(job, results, dtype, doc, check) or failed
     if as_json:
         emit_json(doc)
@@ -187,6 +159,126 @@ def tiles(
         _print(doc)
     if failed:
         raise click.exceptions.Exit(1)
+
+
+def _report(
+    name: str, image: Any, batch: int, dtype: str, steps: int, final: Any, results: Any
+) -> dict[str, Any]:
+    """The run's document: the plan it finished on (``final``) and each rank's measurements."""
+    plan_doc = dict(final.doc)
+    predicted = plan_doc.pop("predicted_halo_bytes")
+    recoveries = results[0].recoveries if results else []
+    ranks = [
+        {
+            **r.summary(),
+            "tile": [
+                r.output_region.top,
+                r.output_region.bottom,
+                r.output_region.left,
+                r.output_region.right,
+            ],
+            # the steps this rank ran on the final plan's grid (after a loss: from the repeat)
+            "predicted_halo_bytes": predicted[r.rank] * len(r.step_seconds),
+        }
+        for r in results
+    ]
+    head = {"model": name, "grid": str(final.job.grid), "image": list(image), "batch": batch}
+    return {
+        **head,
+        "dtype": dtype,
+        "steps": steps,
+        **plan_doc,
+        "ranks": ranks,
+        "recoveries": recoveries,
+    }
+
+
+def _summary(planned: Any) -> dict[str, Any]:
+    """The start's grid and, with a budget or a profile, its ranks' predicted peaks."""
+    memory = (
+        planned.fitted.ranks if planned.fitted else planned.boards.ranks if planned.boards else ()
+    )
+    return {
+        "grid": planned.job.grid.describe(),
+        "predicted_board_peak_bytes": [m.tensor_peak_bytes for m in memory],
+        "predicted_board_heap_bytes": [m.peak_bytes for m in memory],
+    }
+
+
+def _fault(text: str | None) -> tuple[str, int, int] | None:
+    """``--fault KIND:RANK:STEP`` (testing: a worker that dies, hangs or fails)."""
+    if text is None:
+        return None
+    kind, _, rest = text.partition(":")
+    rank, _, step = rest.partition(":")
+    if kind not in ("die", "hang", "raise") or not rank.isdigit() or not step.isdigit():
+        raise InvalidInput(f"cannot read --fault {text!r}; give die, hang or raise:RANK:STEP")
+    return kind, int(rank), int(step)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """One plan of a launch: its job and report, and every rank's predicted memory as ``--memory``
+    (``fitted``) or a profile of boards that differ (``boards``) fitted it."""
+
+    job: Any
+    doc: dict[str, Any]
+    fitted: Any = None
+    boards: Any = None
+
+
+class _Planner:
+    """How ``edgetrain tiles`` plans its boards: the grid asked, its groups or cut chosen by the
+    cost model, fitted to ``--memory`` (grid, grouping and each rank's recomputation) or to a
+    profile's boards (tiles in proportion to their speeds, within their memory). The launcher
+    calls it again for the boards that remain when one drops out
+    (:data:`~edgetrain.tiles.recovery.Replan`); ``plans`` lists every plan made, in order."""
+
+    def __init__(
+        self,
+        model: Any,
+        image: Any,
+        batch: int,
+        groups: str,
+        cut: str,
+        cluster: Any,
+        dtype: str,
+        memory: int | None,
+    ) -> None:
+        self.model, self.image, self.batch, self.dtype = model, image, batch, dtype
+        self.groups, self.cut, self.cluster, self.memory = groups, cut, cluster, memory
+        self.chain = _is_chain(model, cut)
+        self.plans: list[_Planned] = []
+
+    def plan(self, boards: tuple[int, ...] | None, grid: Any) -> _Planned:
+        """The plan for ``boards`` (the profile's indices, in rank order; None: every board, as
+        at the start) on ``grid`` (or, with ``--memory``, the fastest grid of as many boards that
+        fits)."""
+        cluster = self.cluster if boards is None else self.cluster.of_boards(boards)
+        setup = _chain_setup if self.chain else _graph_setup
+        args = (
+            self.model,
+            self.image,
+            grid,
+            self.batch,
+            self.groups,
+            self.cut,
+            cluster,
+            self.dtype,
+        )
+        if cluster.boards:
+            job, doc, fit = fit_profile(*args, setup, self.chain, self.memory, boards)
+            planned = _Planned(job, doc, boards=fit)
+        elif self.memory is not None:
+            fitted = _fit(self.memory, *args)
+            planned = _Planned(fitted.candidate.job, fitted.candidate.extra, fitted=fitted)
+        else:
+            planned = _Planned(*setup(*args))
+        self.plans.append(planned)
+        return planned
+
+    def __call__(self, boards: tuple[int, ...], grid: Any) -> Any:
+        return self.plan(boards, grid).job
 
 
 def _image(text: str) -> tuple[int, int]:
@@ -356,9 +448,7 @@ def _fit(
     return fit_budget(first, others, memory, grid.size, format_bytes, recompute)
 
 
-def _budget_report(
-    doc: dict[str, Any], fitted: Any, memory: int, results: Any, recoveries: Any
-) -> bool:
+def _budget_report(doc: dict[str, Any], fitted: Any, memory: int, results: Any) -> bool:
     """Adds each rank's predicted and measured peak (weights included) to ``doc``; True when
     a board went over ``memory``."""
     doc["memory"] = {
@@ -368,14 +458,11 @@ def _budget_report(
         "predicted_step_seconds": fitted.seconds,
         "recompute": [sorted(fitted.candidate.job.recomputed(r)) for r in range(len(fitted.ranks))],
     }
-    from edgetrain.tiles.budget import measured_beside, measured_on_board, over_budget
+    from edgetrain.tiles.budget import measured_beside, over_budget
 
     over = False
     for row, result in zip(doc["ranks"], results, strict=True):
-        if recoveries:  # re-tiled for the survivors: measured only
-            row.update(measured_on_board(fitted.ranks[0].held_bytes, result))
-        else:
-            row.update(measured_beside(fitted.ranks[result.rank], result))
+        row.update(measured_beside(fitted.ranks[result.rank], result))
         over = over or over_budget(row, memory)
     return over
 
@@ -388,10 +475,15 @@ def _index(text: str, operations: int) -> int:
     return int(text)
 
 
-def _run_job(job: Any, address: str, threads: int, timeout: float, recover: bool) -> Any:
+def _run_job(
+    job: Any, address: str, threads: int, timeout: float, recover: bool, replan: Any
+) -> Any:
     from edgetrain.tiles.launch import run_local
 
-    return run_local([job], address=address, threads=threads, timeout=timeout, recover=recover)[0]
+    jobs = [job]
+    return run_local(
+        jobs, address=address, threads=threads, timeout=timeout, recover=recover, replan=replan
+    )[0]
 
 
 def _print(doc: dict[str, Any]) -> None:

@@ -22,10 +22,13 @@ def fit_profile(
     setup: Any,
     chain: bool,
     memory: int | None = None,
+    members: tuple[int, ...] | None = None,
 ) -> tuple[Any, dict[str, Any], Any]:
     """The job, its report and its :class:`~edgetrain.tiles.boards.BoardFit` for ``cluster``'s
     boards on ``grid``: shares balanced by speed, every rank within its board's memory.
-    InvalidInput when the profile does not match the grid or a board cannot fit."""
+    ``members`` are the boards' places in the profile (by default their ranks: the boards that
+    remain after others dropped out keep theirs). InvalidInput when the profile does not match
+    the grid or a board cannot fit."""
     from edgetrain.tiles.boardcost import rank_seconds
     from edgetrain.tiles.boards import fit_boards, start_shares
 
@@ -38,24 +41,27 @@ def fit_profile(
     seconds_for, choice = rank_seconds(
         model, image, start, batch, (groups, cut), dtype, chain, cluster
     )
+    places = members or tuple(range(len(cluster.boards)))
     fit = fit_boards(
         grid,
         cluster,
         max(image),
         seconds_for,
         lambda g: setup(model, image, g, batch, choice, choice, cluster, dtype),
+        places,
     )
     doc = fit.extra
-    doc["boards"] = _rows(cluster, fit)
+    doc["boards"] = _rows(cluster, fit, places)
     shares = fit.job.grid
     doc["shares"] = {"rows": list(shares.row_shares), "cols": list(shares.col_shares)}
     return fit.job, doc, fit
 
 
-def _rows(cluster: Cluster, fit: Any) -> list[dict[str, Any]]:
+def _rows(cluster: Cluster, fit: Any, members: tuple[int, ...]) -> list[dict[str, Any]]:
     return [
         {
             "rank": m.rank,
+            "profile_board": members[m.rank],
             "board": cluster.board(m.rank).name,
             "macs_per_second": cluster.macs_per_second(m.rank),
             "memory_bytes": cluster.board(m.rank).memory_bytes,
@@ -72,7 +78,7 @@ def boards_report(doc: dict[str, Any], results: Any, fitted: Any) -> bool:
     """With boards that differ (``fitted`` not None), adds each rank's measured peak (weights
     included) to ``doc``'s boards; True when a board went over its memory."""
     over = False
-    if fitted is None or doc["recoveries"]:
+    if fitted is None:
         return over
     from edgetrain.tiles.budget import measured_beside, over_budget
 
@@ -91,7 +97,7 @@ def caption_lines(doc: dict[str, Any]) -> str:
     for row in doc["boards"]:
         measured = row.get("board_peak_bytes")
         lines += (
-            f"\nboard {row['rank']} ({row['board']}, {row['macs_per_second']:.3g} MAC/s): "
+            f"\nboard {row['profile_board']} ({row['board']}, {row['macs_per_second']:.3g} MAC/s): "
             f"compute {row['predicted_compute_seconds']:.3f} s/step predicted, peak "
             f"{format_bytes(row['predicted_board_heap_bytes'])} predicted with the kernels' "
             "scratch"

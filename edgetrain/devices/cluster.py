@@ -8,6 +8,7 @@ measurement of their own boards (``load("path/to/profile.json")``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -84,6 +85,16 @@ class Cluster:
     def macs_per_second(self, rank: int) -> float:
         """Multiply-accumulates per second of the board that runs ``rank``."""
         return self.board(rank).macs_per_second
+
+    def of_boards(self, ranks: Sequence[int]) -> Cluster:
+        """The boards that run ``ranks`` (in that order) on the same link: what is left of a
+        profile of boards that differ when others drop out; ``device`` is the slowest of them.
+        A cluster of identical devices is returned as it is."""
+        if not self.boards:
+            return self
+        boards = tuple(self.boards[r] for r in ranks)
+        slowest = min(boards, key=lambda b: b.macs_per_second)
+        return Cluster(self.name, slowest, self.link, boards)
 
     def to_json(self) -> dict[str, Any]:
         """Name, device and link (what :func:`cluster_from_json` reads); a profile of boards

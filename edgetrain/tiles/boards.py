@@ -12,7 +12,7 @@ same profile computes the same shares, so they agree without talking).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,11 +53,14 @@ def fit_boards(
     resolution: int,
     seconds_for: Callable[[Cluster], Any],
     make: Callable[[Grid], tuple[Any, Any]],
+    places: Sequence[int] = (),
 ) -> BoardFit:
     """Shares of ``grid`` balanced for ``cluster``'s boards (``seconds_for`` of a cluster gives
     the per-rank compute seconds on a grid; ``resolution`` pixels across the largest map) with
     every rank's predicted peak within its board's memory; ``make`` builds the job (and any
-    ``extra``) of a grid. InvalidInput when a board cannot fit."""
+    ``extra``) of a grid. InvalidInput, naming the board by its place in the profile
+    (``places[rank]``; by default its rank), when a board cannot fit."""
+    number = places or range(grid.size)
     factors = [1.0] * grid.size
     over: list[RankMemory] = []
     for _ in range(ATTEMPTS):
@@ -74,7 +77,8 @@ def fit_boards(
             board = cluster.board(memory.rank)
             if memory.held_bytes >= board.memory_bytes:
                 raise InvalidInput(
-                    f"board {memory.rank} ({board.name}) has {format_bytes(board.memory_bytes)} "
+                    f"board {number[memory.rank]} ({board.name}) has "
+                    f"{format_bytes(board.memory_bytes)} "
                     f"but the model's weights and buffers alone take "
                     f"{format_bytes(memory.held_bytes)}; give it more memory or leave it out"
                 )
@@ -85,7 +89,7 @@ def fit_boards(
     worst = max(over, key=lambda m: m.peak_bytes / cluster.board(m.rank).memory_bytes)
     board = cluster.board(worst.rank)
     raise InvalidInput(
-        f"board {worst.rank} ({board.name}) has {format_bytes(board.memory_bytes)} but its "
+        f"board {number[worst.rank]} ({board.name}) has {format_bytes(board.memory_bytes)} but its "
         f"smallest tile found needs {format_bytes(worst.peak_bytes)} ({worst.peak_bytes:,} "
         f"bytes); give it more memory in the profile, a larger grid or a smaller image or batch"
     )

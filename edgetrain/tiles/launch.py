@@ -33,7 +33,14 @@ from typing import Any
 
 from edgetrain.errors import EdgetrainError, InvalidInput
 from edgetrain.tiles.comm import is_peer_loss
-from edgetrain.tiles.recovery import Decision, serve_recovering, survivor_grid, write_decision
+from edgetrain.tiles.recovery import (
+    Decision,
+    Replan,
+    kept_plan,
+    serve_recovering,
+    survivor_grid,
+    write_decision,
+)
 from edgetrain.tiles.worker import RankResult, TileJob, serve
 
 MAX_LOCAL_WORKERS = 16
@@ -43,6 +50,11 @@ MAX_LOCAL_WORKERS = 16
 
 class WorkerFailed(EdgetrainError):
     """A worker died, failed or hung; the others were stopped."""
+
+
+class SurvivorsCannotContinue(WorkerFailed):
+    """Boards dropped out and the plan for the others failed (no grid of them fits their
+    memory); every worker was stopped."""
 
 
 def check_local_workers(world: int, grid: str = "") -> None:
@@ -72,6 +84,7 @@ def run_local(
     timeout: float = 120.0,
     progress_timeout: float | None = None,
     recover: bool = False,
+    replan: Replan | None = None,
 ) -> list[list[RankResult]]:
     """Run ``jobs`` (same grid size) on local worker processes; results per job, per rank.
 
@@ -80,6 +93,10 @@ def run_local(
     With ``recover`` (one job), a worker that dies or hangs does not stop the run: the others
     re-tile the model and repeat the interrupted step (:mod:`edgetrain.tiles.recovery`); the
     results are the survivors', in their final rank order, each listing the recoveries.
+    ``replan`` plans the survivors' job (:data:`~edgetrain.tiles.recovery.Replan`: the way the
+    launch planned its start, called again for them); without it they keep the job's layout on
+    the grid :func:`~edgetrain.tiles.recovery.survivor_grid` proposes
+    (:func:`~edgetrain.tiles.recovery.kept_plan`).
     """
     if not jobs:
         return []
@@ -115,7 +132,9 @@ def run_local(
                 for process in processes:
                     process.start()
                 if recover:
-                    return [Survivors(jobs[0], processes, inbox, tmp, timeout, limit).watch()]
+                    plan_for = replan or kept_plan(jobs[0])
+                    watcher = Survivors(jobs[0], processes, inbox, tmp, timeout, limit, plan_for)
+                    return [watcher.watch()]
                 return _watch(processes, inbox, len(jobs), limit)
             finally:
                 _stop(processes)
@@ -258,8 +277,9 @@ class Survivors:
         directory: str,
         timeout: float,
         limit: float,
+        replan: Replan,
     ) -> None:
-        self.job, self.processes, self.inbox = job, processes, inbox
+        self.job, self.processes, self.inbox, self.replan = job, processes, inbox, replan
         self.directory, self.timeout, self.limit = directory, timeout, limit
         self.members = list(range(len(processes)))
         self.generation = 0
@@ -365,16 +385,29 @@ class Survivors:
                 f"{causes}"
             )
         resume = min(self.lost[r][0] for r in survivors)
-        grid = survivor_grid(self.job, len(survivors))
-        self.generation += 1
-        write_decision(self.directory, Decision(self.generation, tuple(survivors), grid, resume))
         how = "; ".join(
             f"board {r} {_describe_exit(dead[r]) if r in dead else 'stopped answering'}"
             for r in gone
         )
+        self.job = self._plan(tuple(survivors), f"{how} during step {resume}")
+        self.generation += 1
+        decision = Decision.of(self.generation, tuple(survivors), self.job, resume)
+        write_decision(self.directory, decision)
         again = f"repeat step {resume}" if resume else "start again from step 0"
         self.lines.append(
-            f"{how} during step {resume}; {len(survivors)} continue on a {grid} grid and {again}"
+            f"{how} during step {resume}; {len(survivors)} continue on a "
+            f"{self.job.grid.describe()} grid and {again}"
         )
         self.members, self.lost, self.own, self.since = survivors, {}, {}, None
         self.last_progress = time.monotonic()
+
+    def _plan(self, survivors: tuple[int, ...], what: str) -> TileJob:
+        """The survivors' job, planned like the start's; when it cannot be (no grid of them fits
+        their memory), every worker is stopped and one line names the boards that remain."""
+        try:
+            return self.replan(survivors, survivor_grid(self.job, len(survivors)))
+        except EdgetrainError as exc:
+            _stop(self.processes)
+            left = ", ".join(map(str, survivors))
+            remain = f"boards {left} remain" if len(survivors) > 1 else f"board {left} remains"
+            raise SurvivorsCannotContinue(f"{what}; {remain} and cannot continue: {exc}") from exc

@@ -9,13 +9,15 @@ worker tells the launcher how many steps it completed and why it stopped, and wa
 launcher's decision. The launcher, which sees every process, judges: a step that failed with
 every peer alive failed on its own and stops the run (the same step would fail again); otherwise
 the workers still running that reported in survive, one that neither reported nor died within
-two operation timeouts is stopped as hung, the survivors tile the grid :func:`survivor_grid`
-picks, and they resume at the last step every survivor completed, plus one. Each survivor puts
+two operation timeouts is stopped as hung, the survivors' job is planned again (:data:`Replan`:
+``edgetrain tiles`` plans them as it planned its start, on the grid :func:`survivor_grid`
+proposes), and they resume at the last step every survivor completed, plus one. Each survivor puts
 back its weights of that step's start and joins a new gloo group of the survivors (a new file
 store, the same bound address); the interrupted step runs again, on the new tiling, with the
 same data.
 
-The decision travels as a small JSON file in the launcher's private directory, written
+The decision (the survivors, the step, and their layout: grid and shares, grouping or cut, each
+rank's recomputation) travels as a small JSON file in the launcher's private directory, written
 atomically. The launcher is the one arbiter: the workers never need to agree among themselves
 with a peer gone, and a board that is merely slow cannot split the run in two. A board that
 joins later is not taken in.
@@ -27,6 +29,7 @@ import copy
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ import torch
 
 from edgetrain.errors import InvalidInput
 from edgetrain.tiles.comm import Comm, is_peer_loss, listening_addresses
-from edgetrain.tiles.grid import Grid
+from edgetrain.tiles.grid import Grid, Grouping
 from edgetrain.tiles.tiling import plan
 from edgetrain.tiles.worker import DTYPES, TileJob, run_job, run_worker
 
@@ -43,33 +46,69 @@ DECISION_WAIT_FACTOR = 3.0
 """A worker waits this many operation timeouts (plus a minute) for the launcher's decision."""
 
 
+Replan = Callable[[tuple[int, ...], Grid], TileJob]
+"""How a launch plans its boards, called again for the survivors: given the launch ranks that
+continue (in their new rank order) and the grid :func:`survivor_grid` proposes, the job they run
+(its grid, grouping or cut and each rank's recomputation; the grid may be another of as many
+tiles). An :class:`~edgetrain.errors.EdgetrainError` says the survivors cannot continue."""
+
+
 @dataclass(frozen=True)
 class Decision:
-    """Who continues after a board dropped out, on which grid, from which step."""
+    """Who continues after a board dropped out, from which step, and how their work is laid out:
+    the grid (with its shares), the grouping or cut and each new rank's recomputation."""
 
     generation: int
     members: tuple[int, ...]  # the launch's ranks that continue, in their new rank order
     grid: Grid
     resume_step: int
+    grouping: Grouping = ()
+    cut: int | None = None
+    recompute: tuple[frozenset[int], ...] = ()
+
+    @staticmethod
+    def of(generation: int, members: tuple[int, ...], job: TileJob, resume: int) -> Decision:
+        """The decision that runs ``job``'s layout on ``members`` from step ``resume``."""
+        layout = (job.grid, resume, job.grouping, job.cut, job.recompute)
+        return Decision(generation, members, *layout)
+
+    def applied(self, job: TileJob) -> TileJob:
+        """``job`` laid out as decided, from the resumed step."""
+        return replace(
+            job,
+            grid=self.grid,
+            grouping=self.grouping,
+            cut=self.cut,
+            recompute=self.recompute,
+            first_step=self.resume_step,
+        )
 
     def to_json(self) -> str:
+        grid = self.grid
         return json.dumps(
             {
                 "generation": self.generation,
                 "members": list(self.members),
-                "grid": [self.grid.rows, self.grid.cols],
+                "grid": [grid.rows, grid.cols, list(grid.row_shares), list(grid.col_shares)],
                 "resume_step": self.resume_step,
+                "grouping": [list(g) for g in self.grouping],
+                "cut": self.cut,
+                "recompute": [sorted(units) for units in self.recompute],
             }
         )
 
     @staticmethod
     def from_json(text: str) -> Decision:
         doc = json.loads(text)
+        rows, cols, row_shares, col_shares = doc["grid"]
         return Decision(
             int(doc["generation"]),
             tuple(int(m) for m in doc["members"]),
-            Grid(int(doc["grid"][0]), int(doc["grid"][1])),
+            Grid(int(rows), int(cols), tuple(row_shares), tuple(col_shares)),
             int(doc["resume_step"]),
+            tuple((int(a), int(b)) for a, b in doc["grouping"]),
+            None if doc["cut"] is None else int(doc["cut"]),
+            tuple(frozenset(int(u) for u in units) for units in doc["recompute"]),
         )
 
 
@@ -118,6 +157,19 @@ def survivor_grid(job: TileJob, survivors: int) -> Grid:
         f"no grid of {survivors} boards tiles this model at {job.image[0]}x{job.image[1]}; "
         "the run cannot continue on them"
     )
+
+
+def kept_plan(job: TileJob) -> Replan:
+    """The survivors' job when nothing plans them (a launch from Python without a planner): the
+    grid :func:`survivor_grid` proposes, ``job``'s grouping or cut, and every survivor
+    recomputing each unit any rank of ``job`` recomputed (their tiles are larger).
+    ``edgetrain tiles`` plans them as it plans its start instead."""
+
+    def plan_for(members: tuple[int, ...], grid: Grid) -> TileJob:
+        recompute = (frozenset().union(*job.recompute),) * grid.size if job.recompute else ()
+        return replace(job, grid=grid, recompute=recompute)
+
+    return plan_for
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -173,7 +225,7 @@ def _train_recovering(
 ) -> Any:
     model = copy.deepcopy(job.model).to(DTYPES[job.dtype])
     states = {0: _state(model)}  # weights and buffers at the start of step k
-    decision = Decision(0, tuple(range(world)), job.grid, 0)
+    decision = Decision.of(0, tuple(range(world)), job, 0)
 
     def completed(step: int) -> None:
         states[step + 1] = _state(model)
@@ -186,16 +238,7 @@ def _train_recovering(
         new_rank = decision.members.index(rank)
         path = store_path(directory, decision.generation)
         fault = job.fault if decision.generation == 0 else None
-        recompute = job.recompute
-        if decision.generation and recompute:  # larger tiles: recompute all any rank did
-            recompute = (frozenset().union(*recompute),) * decision.grid.size
-        this = replace(
-            job,
-            grid=decision.grid,
-            first_step=decision.resume_step,
-            fault=fault,
-            recompute=recompute,
-        )
+        this = replace(decision.applied(job), fault=fault)
         try:  # a peer lost while the group forms is a peer lost too
             comm = (
                 Comm.from_file(path, new_rank, size, address, timeout_seconds)
