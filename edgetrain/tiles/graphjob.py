@@ -11,6 +11,8 @@ generator the same way before the forward pass.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional
@@ -85,20 +87,30 @@ class GraphStep:
 
 
 def load_file_model(spec: str, state: dict[str, torch.Tensor]) -> nn.Module:
-    """A user's model (``FILE.py:FUNCTION``) rebuilt in a worker with the launcher's weights."""
+    """A user's model (``FILE.py:FUNCTION``, an absolute path) rebuilt with the given weights:
+    in a worker, from the launcher's; in the launcher, as a copy. It travels as the file's too."""
     from edgetrain.models.factory import load_model_file
 
     model = load_model_file(spec).model
     model.load_state_dict(state)
+    _travel_as_file(model, spec)
     return model
 
 
 def ship_file_model(model: nn.Module, spec: str) -> None:
-    """Let ``model``, built from ``spec``, travel to workers: its class lives in a module only
-    this process imported, so it pickles as the spec and its weights, rebuilt there."""
-    import copyreg
+    """Let ``model``, built from ``spec``, travel to workers: its classes live in a module only
+    this process imported, so it pickles (and copies) as the spec and its weights, rebuilt
+    there. Only this instance and its copies do: other models of the same class (a bare
+    ``nn.Sequential``) pickle as they always do."""
     from pathlib import Path
 
     path, _, function = spec.rpartition(":")
-    absolute = f"{Path(path).resolve()}:{function}"
-    copyreg.pickle(type(model), lambda m: (load_file_model, (absolute, m.state_dict())))
+    _travel_as_file(model, f"{Path(path).resolve()}:{function}")
+
+
+def _travel_as_file(model: nn.Module, spec: str) -> None:
+    def reduce(protocol: int) -> tuple[Any, tuple[str, dict[str, torch.Tensor]]]:
+        return load_file_model, (spec, model.state_dict())
+
+    # An instance attribute: pickle and copy look ``__reduce_ex__`` up on the object.
+    model.__dict__["__reduce_ex__"] = reduce
