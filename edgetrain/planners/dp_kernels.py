@@ -93,7 +93,7 @@ def pack(z: StepCosts, least: np.ndarray | None) -> Costs:
 
 @compiled
 def fill(costs: Costs, table: Table) -> None:
-    """Every sub-chain's least times into ``table``, one span at a time."""
+    """Every sub-chain's least times into ``table``."""
     tab, reach, first = table
     prefix = costs[5]
     n = tab.shape[1]
@@ -102,9 +102,10 @@ def fill(costs: Costs, table: Table) -> None:
     acc = np.empty(size)
     choice = np.empty(0, dtype=np.int32)
     pick = np.empty(0, dtype=np.int64)
-    for span in range(n):
-        for s in range(n - span):
-            t = s + span
+    # Each sub-chain after every sub-chain inside it: by start descending, then end ascending,
+    # so that the rows a start's candidates read again (its own, s..j-1) stay in the cache.
+    for s in range(n - 1, -1, -1):
+        for t in range(s, n):
             for pin in range(2):
                 _row(costs, table, pin, s, t, False, best, choice, acc, pick)
                 tab[pin, s, t] = best
