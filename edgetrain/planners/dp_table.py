@@ -46,7 +46,6 @@ import numpy as np
 from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import Op, Schedule
 from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.planners.dp_kernels import fill, pack, read
 from edgetrain.planners.step_costs import StepCosts, chain_costs
 
 DEFAULT_SLOTS = 500
@@ -123,6 +122,10 @@ class OptimalTable:
             )
         size = self.slots + 1
         least = _least_times(z)
+        # NOTE [lazy kernel]: numba's import (about 0.3 s) is paid by a process that builds a
+        # table, not by every ``import edgetrain`` (the CLI, a board that only runs a plan).
+        from edgetrain.planners.dp_kernels import fill, pack
+
         self._costs = pack(z, least)
         # tab[pin, s, t, m] (the sub-chain s..t; only t >= s is written or read), reach[t, j, m]
         # and first[pin, s, t]: see dp_kernels.
@@ -162,6 +165,8 @@ class OptimalTable:
         slots = min(slots, self.slots)
         if not np.isfinite(self._time[1, 0, self.length - 1, slots]):
             raise InfeasibleBudget(f"no plan fits in {slots} slots", None)
+        from edgetrain.planners.dp_kernels import read  # see NOTE [lazy kernel]
+
         kinds, stages, options = read(self._costs, self._table, self._chosen, self._known, slots)
         return kinds.tolist(), stages.tolist(), options.tolist()
 
