@@ -330,6 +330,19 @@ def test_table_times_decrease_with_memory():
     assert finite.size > 0 and np.all(np.diff(finite) <= 1e-12)
 
 
+def test_the_kernel_compiles_uncached_where_no_cache_directory_is_writable(monkeypatch):
+    # numba finds no place for its cache (a read-only package, no writable home): it refuses
+    # cache=True at import; the kernel is compiled in the process instead.
+    from numba.core.caching import CacheImpl
+
+    monkeypatch.setattr(CacheImpl, "_locator_classes", [])
+
+    def twice(x: int) -> int:
+        return 2 * x
+
+    assert dp_kernels.compiled(twice)(21) == 42
+
+
 def test_long_chains_get_a_table_that_fits_in_memory(monkeypatch):
     import edgetrain.planners.dp_table as module
 
