@@ -2,7 +2,7 @@
 the table (a sub-chain ``s..t`` at every memory size), filled or with the choices behind it.
 
 Compiled by numba on first use and kept in its cache (:func:`compiled`): a machine pays the
-compile once (about 11 s of CPU), each process a load from the cache (about 0.4 s). One loop per
+compile once (about 12 s of CPU), each process a load from the cache (about 0.5 s). One loop per
 candidate start over the memory sizes, no temporaries: a 130-stage table of 164 slots (120
 million candidate cells) fills in under a tenth of a second.
 
