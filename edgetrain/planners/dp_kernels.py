@@ -61,7 +61,8 @@ def compiled(function: F) -> F:
 
 
 def pack(z: StepCosts, least: np.ndarray | None) -> Costs:
-    """The costs as the kernel reads them (``least``: see :func:`fill`)."""
+    """The costs as the kernel reads them (see the module docstring; ``least`` None: no
+    bound)."""
     n = z.length
     ints = np.zeros((5, n + 1), dtype=np.int64)
     ints[ACT], ints[GRAD], ints[HELD] = z.act, z.grad, z.held_grads
@@ -272,9 +273,10 @@ def _checkpoints(
                     pick[m] = j - s
         elif lo < stop:
             # Slices indexed from 0: the loop vectorises (no negative-index wrap-around).
-            low, a, b = acc[lo:stop], far[lo - own : stop - own], near[lo - after : stop - after]
+            low, outer = acc[lo:stop], far[lo - own : stop - own]
+            inner = near[lo - after : stop - after]
             for i in range(low.shape[0]):
-                low[i] = min(low[i], a[i] + b[i])
+                low[i] = min(low[i], outer[i] + inner[i])
 
 
 @compiled
