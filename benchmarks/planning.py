@@ -19,7 +19,10 @@ A third table times the one budget search on the held-out mixed chain of 200 sta
 saving all, half or none of their output, half of them not saving their input): a first call of
 ``plan(chain, "optimal", memory=f × store-all peak)`` for f = 0.9, 0.5, 0.3, and of the smallest
 budget (``InfeasibleBudget.smallest`` from a budget of 1 byte), each with the kept frontiers
-dropped first; process CPU and wall seconds, medians of rounds run interleaved.
+dropped first; process CPU and wall seconds, medians of rounds run interleaved. The DP's compiled
+kernel (:mod:`edgetrain.planners.dp_kernels`) is loaded before the rounds; two more rows time
+its first call in a fresh process: with an empty numba cache (the one-off compile a machine pays)
+and with the cache that compile left (what every later process pays once).
 
     python benchmarks/planning.py [--runs 5] [--json] [--only blocks|speed|budget]
 """
@@ -28,9 +31,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +55,7 @@ from edgetrain.models import build, model_chain, sample_input
 from edgetrain.planners import plan
 from edgetrain.planners.blocks import block_plan
 from edgetrain.planners.optimal import (
+    OptimalTable,
     TableMaker,
     fastest,
     least_memory,
@@ -205,6 +213,7 @@ def budget_rows(runs: int) -> list[dict[str, object]]:
         for f in (0.9, 0.5, 0.3)
     }
     steps["smallest budget"] = cold(lambda: _smallest(chain))
+    _first_table()  # the kernel loaded: its one-off costs are the rows of kernel_rows
     samples = interleaved_samples(steps, runs, warmup=0)
     smallest = _smallest(chain)
     rows = []
@@ -226,6 +235,38 @@ def budget_rows(runs: int) -> list[dict[str, object]]:
             }
         )
     rows.append({"query": "frontier points", "budget_MiB": len(frontier(chain).points)})
+    return rows + kernel_rows()
+
+
+def _first_table() -> None:
+    """A first (small) table and plan: compiles or loads the DP's kernel."""
+    chain = uniform_chain(4, activation_bytes=4, forward_seconds=1.0, backward_seconds=2.0)
+    OptimalTable(chain, 4.0, 20).schedule(10)
+
+
+_KERNEL_PROBE = """
+import json, time
+from edgetrain.core.chain import uniform_chain
+from edgetrain.planners.optimal import OptimalTable
+chain = uniform_chain(4, activation_bytes=4, forward_seconds=1.0, backward_seconds=2.0)
+cpu, wall = time.process_time(), time.perf_counter()
+OptimalTable(chain, 4.0, 20).schedule(10)  # as _first_table
+print(json.dumps([time.process_time() - cpu, time.perf_counter() - wall]))
+"""
+
+
+def kernel_rows() -> list[dict[str, object]]:
+    """The first table of a fresh process, with an empty numba cache, then with the one it
+    left (CPU and wall seconds of that call alone, imports not included)."""
+    root = Path(__file__).resolve().parent.parent
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": str(root)}
+        for name in ("kernel compile (empty cache)", "kernel load (cached)"):
+            probe = [sys.executable, "-c", _KERNEL_PROBE]
+            done = subprocess.run(probe, env=env, cwd=root, capture_output=True, check=True)
+            cpu, wall = json.loads(done.stdout.decode().splitlines()[-1])
+            rows.append({"query": name, "cpu_s": cpu, "wall_s": wall})
     return rows
 
 

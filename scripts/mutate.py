@@ -291,17 +291,17 @@ MUTATIONS: tuple[Mutation, ...] = (
     # -- further kinds: the DP on its own, and profiling's byte counts ---------------------------
     Mutation(
         "dp-checkpoint-costs-nothing",
-        "edgetrain/planners/dp_table.py",
-        "own = np.zeros_like(s) if pin else z.act[s]",
-        "own = np.zeros_like(s)",
+        "edgetrain/planners/dp_kernels.py",
+        "own = 0 if pin else act[s]",
+        "own = 0",
         PLANNER_TESTS,
         "the dynamic program forgets the memory of the checkpoint it keeps",
     ),
     Mutation(
         "dp-never-checkpoints",
-        "edgetrain/planners/dp_table.py",
-        "better = value < best * (1 - 1e-12)",
-        "better = value < -np.inf",
+        "edgetrain/planners/dp_kernels.py",
+        "if value < best[m] * TIE:",
+        "if value < -INF:",
         PLANNER_TESTS,
         "the dynamic program never considers a checkpoint (only graph-first and release plans)",
     ),

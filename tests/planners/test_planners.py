@@ -14,7 +14,7 @@ from edgetrain.core.schedule import Op, Schedule
 from edgetrain.core.simulator import simulate
 from edgetrain.errors import InfeasibleBudget, InvalidInput
 from edgetrain.models import model_chain
-from edgetrain.planners import plan
+from edgetrain.planners import dp_kernels, plan
 from edgetrain.planners.blocks import block_plan
 from edgetrain.planners.optimal import (
     OptimalTable,
@@ -330,6 +330,19 @@ def test_table_times_decrease_with_memory():
     assert finite.size > 0 and np.all(np.diff(finite) <= 1e-12)
 
 
+def test_the_kernel_compiles_uncached_where_no_cache_directory_is_writable(monkeypatch):
+    # numba finds no place for its cache (a read-only package, no writable home): it refuses
+    # cache=True at import; the kernel is compiled in the process instead.
+    from numba.core.caching import CacheImpl
+
+    monkeypatch.setattr(CacheImpl, "_locator_classes", [])
+
+    def twice(x: int) -> int:
+        return 2 * x
+
+    assert dp_kernels.compiled(twice)(21) == 42
+
+
 def test_long_chains_get_a_table_that_fits_in_memory(monkeypatch):
     import edgetrain.planners.dp_table as module
 
@@ -398,7 +411,8 @@ def test_skipping_the_slots_no_checkpoint_can_win_leaves_the_table_as_it_is(
 
     def filled() -> np.ndarray:
         table = OptimalTable(chain, slot_bytes, slots, grads_exist=grads_exist, nearest=nearest)
-        return table._time.copy()
+        start, end = np.triu_indices(table.length)  # the sub-chains s..t, t >= s
+        return table._time[:, start, end].copy()
 
     skipping = filled()
     with monkeypatch.context() as patch:
@@ -414,22 +428,25 @@ def test_skipping_the_slots_no_checkpoint_can_win_leaves_the_table_as_it_is(
     grads_exist=st.booleans(),
     blocks=st.booleans(),
 )
-def test_one_rows_choices_are_those_of_every_option_and_gathered_rows(
-    chain, slots, grads_exist, blocks
-):
-    # A plan is read one sub-chain at a time: its options that exist, its candidate rows
-    # sliced. The same sub-chain twice over takes every option and gathers the rows.
+def test_a_rows_choices_come_with_the_times_the_fill_stored(chain, slots, grads_exist, blocks):
+    # A plan is read one sub-chain at a time, its choices worked out again from the table: the
+    # least times that pass finds (every slot, every option, no saturation skipped) are the
+    # ones the fill stored, and each choice is a start that exists.
     maker = block_plan(chain, grads_exist=grads_exist).maker() if blocks else None
     maker = maker or TableMaker(chain, grads_exist)
     peak = simulate(chain, store_all(chain), grads_exist=grads_exist).peak_bytes
     table = maker.table(max(1.0, 1.2 * peak / slots), slots)
+    size = slots + 1
+    options = table._costs[1].shape[0]
     for span in range(table.length):
         for s in range(table.length - span):
             for pin in (0, 1):
-                best, choice = table._span(span, pin, np.array([s]), choose=True)
-                both, choices = table._span(span, pin, np.array([s, s]), choose=True)
-                assert np.array_equal(best[0], both[0]) and np.array_equal(best[0], both[1])
-                assert np.array_equal(choice[0], choices[0])
+                best, choice = np.empty(size), np.empty(size, dtype=np.int32)
+                acc, pick = np.empty(size), np.empty(size, dtype=np.int64)
+                args = (table._costs, table._table, pin, s, s + span, True)
+                dp_kernels._row(*args, best, choice, acc, pick)
+                assert np.array_equal(best, table._time[pin, s, s + span])
+                assert np.all((choice >= -1 - options) & (choice <= s + span))
 
 
 @given(every_kind_chains(max_length=6), st.integers(1, 12), st.booleans())
