@@ -98,7 +98,15 @@ def predict_rank(job: Any, rank: int) -> RankMemory:
     from edgetrain.autograd.scratch import OpScratch, measure_scratch, scratch_of
     from edgetrain.tiles.worker import DTYPES, run_job
 
-    dry = replace(job, steps=1, first_step=0, collect=False, fault=None, measure_memory=True)
+    dry = replace(
+        job,
+        steps=1,
+        first_step=0,
+        collect=False,
+        fault=None,
+        measure_memory=True,
+        sample_heap=False,
+    )
     calls = OpScratch()
     with calls:
         result = run_job(dry, DryComm(rank, job.grid.size))

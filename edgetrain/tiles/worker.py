@@ -73,8 +73,13 @@ class TileJob:
             but a barrier before each step): the single-process baseline on a 1x1 grid, and on
             larger grids that many independent copies at once (the machine's parallel ceiling).
         measure_memory: count live tensor storages for ``peak_bytes`` (a dispatch mode; its
-            first use imports about a second's worth of torch modules) and sample the process
-            heap for ``heap_peak_bytes`` (glibc's ``mallinfo2``: tensors and kernel scratch).
+            first use imports about a second's worth of torch modules) and, with
+            ``sample_heap``, sample the process heap for ``heap_peak_bytes`` (glibc's
+            ``mallinfo2``: tensors and kernel scratch). The sampler is a thread calling
+            ``mallinfo2`` without pause, which holds the allocator's lock while it walks the
+            heap: every allocation of the step waits on it, the longer the more fragmented a
+            long-lived process's heap is, so a step whose heap nobody reads (a prediction's dry
+            step) runs without it.
         cut: None for a plain chain of windows (``model`` an ``nn.Sequential``, fused groups);
             else ``model`` is any module torch.fx captures and its operations before ``cut`` run
             on tiles (:mod:`edgetrain.tiles.graph`; ``grouping`` is unused).
@@ -101,6 +106,7 @@ class TileJob:
     cut: int | None = None
     first_step: int = 0
     recompute: tuple[frozenset[int], ...] = ()
+    sample_heap: bool = True
 
     def recomputed(self, rank: int) -> frozenset[int]:
         """The units ``rank`` recomputes."""
@@ -310,7 +316,8 @@ def _train(
         clock.barrier()  # start together, so a step's time is not another rank's lag
         began = time.perf_counter()
         meter = StorageCounter() if job.measure_memory else contextlib.nullcontext()
-        sampler = HeapPeak() if job.measure_memory else contextlib.nullcontext()
+        sampled = job.measure_memory and job.sample_heap
+        sampler = HeapPeak() if sampled else contextlib.nullcontext()
         with sampler, meter:
             x = image[region_slices(in_region)].contiguous()
             if job.collect:
