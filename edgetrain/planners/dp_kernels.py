@@ -164,12 +164,7 @@ def _row(
             shift = opts[o, O_GRAPH + pin, s] + pinned * act[s + 1]
             lo = max(lo, shift)
             inner = tab[pinned, s + 1, t]
-        for m in range(lo, size):
-            value = base if span == 0 else base + inner[m - shift]
-            if value < best[m]:
-                best[m] = value
-                if choose:
-                    choice[m] = -1 - o
+        _start(base, inner, shift, lo, span == 0, choose, -1 - o, best, choice)
     if span > 0 and pair_time[s] < INF:
         code = -1 - opts.shape[0]
         _release(costs, tab, pin, s, t, entry_rest, after, left_b, choose, code, best, choice)
@@ -212,7 +207,6 @@ def _release(
     ``Fa s``, ``B s+1``, ``B s``) where it beats ``best`` (its choice: ``code``)."""
     ints, pair, pair_time = costs[0], costs[3], costs[4]
     n = tab.shape[1]
-    size = best.shape[0]
     span = t - s
     peak_f = entry_rest + pair[P_FWD + pin, s]
     peak_b = ints[HELD, min(s + 2, n)] + pair[P_BWD + pin, s] + (after if span > 1 else 0)
@@ -225,8 +219,26 @@ def _release(
         shift = pair[P_HELD + pin, s] + pinned * ints[ACT, s + 2]
         lo = max(lo, shift)
         inner = tab[pinned, s + 2, t]
-    for m in range(lo, size):
-        value = base if span == 1 else base + inner[m - shift]
+    _start(base, inner, shift, lo, span == 1, choose, code, best, choice)
+
+
+@compiled
+def _start(
+    base: float,
+    inner: np.ndarray,
+    shift: int,
+    lo: int,
+    alone: bool,
+    choose: bool,
+    code: int,
+    best: np.ndarray,
+    choice: np.ndarray,
+) -> None:
+    """One way to start a sub-chain, taken at every memory size from ``lo`` where it beats
+    ``best`` (its choice: ``code``): ``base`` seconds, plus, unless it runs the sub-chain
+    ``alone``, the rest's least time ``shift`` slots below (``inner``)."""
+    for m in range(lo, best.shape[0]):
+        value = base if alone else base + inner[m - shift]
         if value < best[m]:
             best[m] = value
             if choose:
