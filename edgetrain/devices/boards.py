@@ -132,5 +132,4 @@ def boards_from_json(data: Any, links: dict[str, Link]) -> Cluster:
     name = data.get("name", f"{len(devices)} boards")
     if not isinstance(name, str):
         raise InvalidInput(f"the profile's name is {name!r}; give a string")
-    slowest = min(devices, key=lambda d: d.macs_per_second)
-    return Cluster(name, slowest, _link(data["link"], links), devices)
+    return Cluster.of_differing(name, _link(data["link"], links), devices)

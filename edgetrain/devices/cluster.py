@@ -86,15 +86,19 @@ class Cluster:
         """Multiply-accumulates per second of the board that runs ``rank``."""
         return self.board(rank).macs_per_second
 
+    @staticmethod
+    def of_differing(name: str, link: Link, boards: Sequence[Device]) -> Cluster:
+        """Boards that differ, one per rank in rank order, on ``link``; ``device`` the slowest."""
+        slowest = min(boards, key=lambda b: b.macs_per_second)
+        return Cluster(name, slowest, link, tuple(boards))
+
     def of_boards(self, ranks: Sequence[int]) -> Cluster:
         """The boards that run ``ranks`` (in that order) on the same link: what is left of a
-        profile of boards that differ when others drop out; ``device`` is the slowest of them.
-        A cluster of identical devices is returned as it is."""
+        profile of boards that differ when others drop out. A cluster of identical devices is
+        returned as it is."""
         if not self.boards:
             return self
-        boards = tuple(self.boards[r] for r in ranks)
-        slowest = min(boards, key=lambda b: b.macs_per_second)
-        return Cluster(self.name, slowest, self.link, boards)
+        return Cluster.of_differing(self.name, self.link, [self.boards[r] for r in ranks])
 
     def to_json(self) -> dict[str, Any]:
         """Name, device and link (what :func:`cluster_from_json` reads); a profile of boards
