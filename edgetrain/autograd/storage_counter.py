@@ -12,6 +12,7 @@ moves with the allocator's caching and other processes.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
@@ -84,3 +85,14 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (each shared storage counted once)."""
     sizes = {storage_key(t): int(t.untyped_storage().nbytes()) for t in tensors}
     return sum(sizes.values())
+
+
+def resident_tensor_bytes() -> int:
+    """Bytes of every tensor this process's Python objects hold, each storage once (what the
+    garbage collector finds: tensors only C++ holds, such as a running backward's, are not)."""
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

@@ -265,6 +265,16 @@ def _stop(processes: list[Any]) -> None:
             p.join(timeout=3.0)
 
 
+def resume_point(completed: list[int]) -> tuple[int, int | None]:
+    """The step survivors that completed ``completed`` steps each resume at, the most any
+    completed (a rank completes a step once its gradient all-reduce has, which a peer lost
+    during it can allow on some ranks and not others, so they differ by one at most; that
+    all-reduce summed every rank's gradients), and the index of the survivor whose weights the
+    others take, or None when they all completed as many."""
+    resume = max(completed)
+    return resume, (completed.index(resume) if min(completed) < resume else None)
+
+
 class Survivors:
     """Watch a recovering launch: when workers die or hang, decide who continues, on which grid,
     from which step (see :mod:`edgetrain.tiles.recovery`)."""
@@ -384,16 +394,19 @@ class Survivors:
                 f"every worker stopped ({', '.join(map(str, gone))}){'; ' if causes else ''}"
                 f"{causes}"
             )
-        resume = min(self.lost[r][0] for r in survivors)
+        resume, source = resume_point([self.lost[r][0] for r in survivors])
         how = "; ".join(
             f"board {r} {_describe_exit(dead[r]) if r in dead else 'stopped answering'}"
             for r in gone
         )
         self.job = self._plan(tuple(survivors), f"{how} during step {resume}")
         self.generation += 1
-        decision = Decision.of(self.generation, tuple(survivors), self.job, resume)
+        decision = Decision.of(self.generation, tuple(survivors), self.job, resume, source)
         write_decision(self.directory, decision)
         again = f"repeat step {resume}" if resume else "start again from step 0"
+        if source is not None:
+            behind = ", ".join(str(r) for r in survivors if self.lost[r][0] < resume)
+            again += f" (board {behind} takes board {survivors[source]}'s weights)"
         self.lines.append(
             f"{how} during step {resume}; {len(survivors)} continue on a "
             f"{self.job.grid.describe()} grid and {again}"

@@ -2,30 +2,35 @@
 
 Every rank holds the whole model's weights (they are replicated: each step all-reduces the weight
 gradients and applies the same update everywhere), so the survivors of a lost board need nothing
-from disk. A worker started by :func:`serve_recovering` keeps a copy of its weights and buffers
-as they were at the start of its current step and of its previous one. When a step fails (gloo
-reports a killed peer's closed connection at once, a hung peer after the operation timeout), the
-worker tells the launcher how many steps it completed and why it stopped, and waits for the
-launcher's decision. The launcher, which sees every process, judges: a step that failed with
-every peer alive failed on its own and stops the run (the same step would fail again); otherwise
-the workers still running that reported in survive, one that neither reported nor died within
-two operation timeouts is stopped as hung, the survivors' job is planned again (:data:`Replan`:
-``edgetrain tiles`` plans them as it planned its start, on the grid :func:`survivor_grid`
-proposes), and they resume at the last step every survivor completed, plus one. Each survivor puts
-back its weights of that step's start and joins a new gloo group of the survivors (a new file
-store, the same bound address); the interrupted step runs again, on the new tiling, with the
-same data.
+from disk, and none holds a second copy of them. A step changes the weights only in its last act,
+the update, so a rank whose step failed still holds the weights of that step's start; it keeps
+a copy of its buffers as the step began (batch norms update theirs in the forward pass), which
+the step's own memory count includes. When a step fails (gloo reports a killed peer's closed
+connection at once, a hung peer after the operation timeout), the worker tells the launcher how
+many steps it completed and why it stopped, and waits for the launcher's decision. The launcher,
+which sees every process, judges: a step that failed with every peer alive failed on its own
+and stops the run (the same step would fail again); otherwise the workers still running that
+reported in survive, one that neither reported nor died within two operation timeouts is
+stopped as hung, the survivors' job is planned again (:data:`Replan`: ``edgetrain tiles`` plans
+them as it planned its start, on the grid :func:`survivor_grid` proposes), and they resume at
+the most steps a survivor completed. Survivors can differ by one: a step completes on a rank
+once its gradient all-reduce has, which may happen on some ranks and not on others when a peer
+dies during it; the all-reduce that completed summed every rank's gradients, so that rank holds
+the weights of a run that lost no board. Each survivor puts back its buffers of its step's start
+and joins a new gloo group of the survivors (a new file store, the same bound address); when
+they differ, every survivor takes the weights and buffers of one that completed the most (a
+broadcast, received whole before any is replaced); the interrupted step runs again, on the new
+tiling, with the same data.
 
-The decision (the survivors, the step, and their layout: grid and shares, grouping or cut, each
-rank's recomputation) travels as a small JSON file in the launcher's private directory, written
-atomically. The launcher is the one arbiter: the workers never need to agree among themselves
-with a peer gone, and a board that is merely slow cannot split the run in two. A board that
-joins later is not taken in.
+The decision (the survivors, the step, the survivor whose weights all take, and their layout:
+grid and shares, grouping or cut, each rank's recomputation) travels as a small JSON file in
+the launcher's private directory, written atomically. The launcher is the one arbiter: the
+workers never need to agree among themselves with a peer gone, and a board that is merely slow
+cannot split the run in two. A board that joins later is not taken in.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -39,8 +44,9 @@ import torch
 from edgetrain.errors import InvalidInput
 from edgetrain.tiles.comm import Comm, is_peer_loss, listening_addresses
 from edgetrain.tiles.grid import Grid, Grouping
+from edgetrain.tiles.step_start import StepStart
 from edgetrain.tiles.tiling import plan
-from edgetrain.tiles.worker import DTYPES, TileJob, run_job, run_worker
+from edgetrain.tiles.worker import TileJob, own_model, run_job, run_worker
 
 DECISION_WAIT_FACTOR = 3.0
 """A worker waits this many operation timeouts (plus a minute) for the launcher's decision."""
@@ -65,11 +71,19 @@ class Decision:
     grouping: Grouping = ()
     cut: int | None = None
     recompute: tuple[frozenset[int], ...] = ()
+    source: int | None = None  # the new rank whose weights all take; None: all hold them
 
     @staticmethod
-    def of(generation: int, members: tuple[int, ...], job: TileJob, resume: int) -> Decision:
-        """The decision that runs ``job``'s layout on ``members`` from step ``resume``."""
-        layout = (job.grid, resume, job.grouping, job.cut, job.recompute)
+    def of(
+        generation: int,
+        members: tuple[int, ...],
+        job: TileJob,
+        resume: int,
+        source: int | None = None,
+    ) -> Decision:
+        """The decision that runs ``job``'s layout on ``members`` from step ``resume``, every
+        member taking the weights of new rank ``source`` first (when one is given)."""
+        layout = (job.grid, resume, job.grouping, job.cut, job.recompute, source)
         return Decision(generation, members, *layout)
 
     def applied(self, job: TileJob) -> TileJob:
@@ -94,6 +108,7 @@ class Decision:
                 "grouping": [list(g) for g in self.grouping],
                 "cut": self.cut,
                 "recompute": [sorted(units) for units in self.recompute],
+                "source": self.source,
             }
         )
 
@@ -109,6 +124,7 @@ class Decision:
             tuple((int(a), int(b)) for a, b in doc["grouping"]),
             None if doc["cut"] is None else int(doc["cut"]),
             tuple(frozenset(int(u) for u in units) for units in doc["recompute"]),
+            None if doc["source"] is None else int(doc["source"]),
         )
 
 
@@ -172,10 +188,6 @@ def kept_plan(job: TileJob) -> Replan:
     return plan_for
 
 
-def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-
-
 def _await_decision(directory: str, generation: int, deadline_seconds: float) -> Decision:
     path = decision_path(directory, generation)
     deadline = time.monotonic() + deadline_seconds
@@ -223,14 +235,15 @@ def _train_recovering(
     job: TileJob,
     queue: Any,
 ) -> Any:
-    model = copy.deepcopy(job.model).to(DTYPES[job.dtype])
-    states = {0: _state(model)}  # weights and buffers at the start of step k
+    model = own_model(job, [])  # unpickled for this worker: trained in place
+    assert model is not None
+    start = StepStart()  # the buffers as the step in progress began
+    done = 0  # the steps completed: the weights are those at the start of step `done`
     decision = Decision.of(0, tuple(range(world)), job, 0)
 
     def completed(step: int) -> None:
-        states[step + 1] = _state(model)
-        for old in [k for k in states if k < step]:  # keep this step's start and the last one
-            del states[old]
+        nonlocal done
+        done = step + 1
         queue.put(("step", rank, 0, step))
 
     while True:
@@ -239,19 +252,32 @@ def _train_recovering(
         path = store_path(directory, decision.generation)
         fault = job.fault if decision.generation == 0 else None
         this = replace(decision.applied(job), fault=fault)
-        try:  # a peer lost while the group forms is a peer lost too
+        try:  # a peer lost while the group forms, or while the weights travel, is lost too
             comm = (
                 Comm.from_file(path, new_rank, size, address, timeout_seconds)
                 if size > 1
                 else Comm.solo()
             )
-            return run_job(this, comm, completed, model=model)
+            if decision.source is not None:
+                take_state(comm, model, decision.source)
+                done = decision.resume_step
+            return run_job(this, comm, completed, model=model, start=start)
         except Exception as exc:  # the launcher judges: a lost peer, or this rank's own error
             cause = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
-            report = (max(states), cause, is_peer_loss(exc))
-            queue.put(("lost", rank, decision.generation, report))
+            queue.put(("lost", rank, decision.generation, (done, cause, is_peer_loss(exc))))
         wait = DECISION_WAIT_FACTOR * timeout_seconds + 60.0
         decision = _await_decision(directory, decision.generation + 1, wait)
         if rank not in decision.members:
             raise RuntimeError("left out of the survivors")
-        model.load_state_dict(states[decision.resume_step])
+        start.rewind(model, done)
+
+
+def take_state(comm: Comm, model: torch.nn.Module, source: int) -> None:
+    """Every rank's weights and buffers become rank ``source``'s, all or nothing: they arrive
+    in new tensors and replace the model's only once every one has (a peer lost meanwhile
+    leaves the model as it was)."""
+    state = model.state_dict()
+    arrived = [comm.broadcast_(tensor.detach().clone(), source) for tensor in state.values()]
+    with torch.no_grad():
+        for tensor, value in zip(state.values(), arrived, strict=True):
+            tensor.copy_(value)

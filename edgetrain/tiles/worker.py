@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import os
 import pickle
@@ -39,11 +40,12 @@ import torch
 from torch import nn
 
 from edgetrain.autograd.heap import HeapPeak
-from edgetrain.autograd.storage_counter import StorageCounter
+from edgetrain.autograd.storage_counter import StorageCounter, resident_tensor_bytes
 from edgetrain.tiles.comm import Comm, listening_addresses
 from edgetrain.tiles.grid import Grid, Grouping
 from edgetrain.tiles.layers import describe
 from edgetrain.tiles.lifeline import die_with_parent
+from edgetrain.tiles.step_start import StepStart
 from edgetrain.tiles.sync import GradientSync, LossTotal
 from edgetrain.tiles.tiled import TiledNetwork
 from edgetrain.tiles.tiling import Network, Region, TilePlan, plan, region_slices
@@ -79,7 +81,8 @@ class TileJob:
             ``mallinfo2`` without pause, which holds the allocator's lock while it walks the
             heap: every allocation of the step waits on it, the longer the more fragmented a
             long-lived process's heap is, so a step whose heap nobody reads (a prediction's dry
-            step) runs without it.
+            step) runs without it; with ``sample_heap`` too, ``resident_bytes`` counts the
+            tensors the process holds before its last step.
         cut: None for a plain chain of windows (``model`` an ``nn.Sequential``, fused groups);
             else ``model`` is any module torch.fx captures and its operations before ``cut`` run
             on tiles (:mod:`edgetrain.tiles.graph`; ``grouping`` is unused).
@@ -140,6 +143,7 @@ class RankResult:
     step_seconds: list[float]
     peak_bytes: int
     heap_peak_bytes: int | None  # the process heap's sampled peak above a step's start
+    resident_bytes: int | None  # every tensor the process holds before its last step
     halo_bytes: int
     halo_messages: int
     collective_bytes: int
@@ -261,12 +265,17 @@ def _step_for(job: TileJob, model: nn.Module, comm: Comm, dtype: torch.dtype) ->
 
 
 def run_job(
-    job: TileJob, comm: Comm, progress: Any = None, model: nn.Module | None = None
+    job: TileJob,
+    comm: Comm,
+    progress: Any = None,
+    model: nn.Module | None = None,
+    start: StepStart | None = None,
 ) -> RankResult:
     """Run ``job``'s training steps as rank ``comm.rank``.
 
     ``progress(step)`` is called after each completed step. ``model`` (already in the job's
-    dtype) is trained in place instead of a private copy of ``job.model``.
+    dtype) is trained in place instead of a private copy of ``job.model``. ``start`` holds, when
+    a step fails, what running it again needs (:class:`StepStart`).
     """
     if model is None:
         # A private copy: a model handed to a spawned process shares its storages with the
@@ -282,7 +291,8 @@ def run_job(
     sync = GradientSync(list(model.parameters()), comm)
     try:
         regions = (in_region, out_region)
-        return _train(job, comm, clock, model, runner, sync, regions, progress)
+        start = start if start is not None else StepStart()
+        return _train(job, comm, clock, model, runner, sync, regions, progress, start)
     finally:
         sync.remove()  # a failed step leaves no hook behind on a model trained further
 
@@ -296,30 +306,34 @@ def _train(
     sync: GradientSync,
     regions: tuple[Region, Region],
     progress: Any,
+    start: StepStart,
 ) -> RankResult:
     dtype = DTYPES[job.dtype]
-    in_region, out_region = regions
+    in_region = regions[0]
     parameters = sync.parameters
     before = copy.copy(comm.traffic)
-    times: list[float] = []
-    losses: list[float] = []
-    peak = 0
-    heaps: list[int] = []
-    output = input_grad = None
+    seen = _Seen()
     for step in range(job.first_step, job.steps):
         _inject(job.fault, clock.rank, step)
-        image, target = synthetic_batch(
-            step, job.seed, job.batch, job.channels, job.image, runner.out_shape[1:], dtype
-        )
         for parameter in parameters:
             parameter.grad = None
+        start.buffers = None  # the last step's copy goes before this step's is made
+        if job.measure_memory and job.sample_heap and step == job.steps - 1:
+            seen.resident = resident_tensor_bytes()
         clock.barrier()  # start together, so a step's time is not another rank's lag
-        began = time.perf_counter()
         meter = StorageCounter() if job.measure_memory else contextlib.nullcontext()
         sampled = job.measure_memory and job.sample_heap
         sampler = HeapPeak() if sampled else contextlib.nullcontext()
         with sampler, meter:
+            # Inside the count: a board holds its step's data and the copy of its buffers too.
+            start.step = step
+            start.buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+            image, target = synthetic_batch(
+                step, job.seed, job.batch, job.channels, job.image, runner.out_shape[1:], dtype
+            )
+            began = time.perf_counter()
             x = image[region_slices(in_region)].contiguous()
+            del image
             if job.collect:
                 x.requires_grad_()
             out = runner.forward(x, job.seed * 1_000_003 + step)
@@ -328,37 +342,66 @@ def _train(
             loss.backward()
             sync.wait()  # the weight-gradient all-reduce, started during backward
             sgd_step(parameters, job.lr)
-        times.append(time.perf_counter() - began)
+        seen.times.append(time.perf_counter() - began)
         if isinstance(meter, StorageCounter):
-            peak = max(peak, meter.peak_bytes)
+            seen.peak = max(seen.peak, meter.peak_bytes)
         if isinstance(sampler, HeapPeak) and sampler.peak_bytes is not None:
-            heaps.append(sampler.peak_bytes)
-        losses.append(float(total))
+            seen.heaps.append(sampler.peak_bytes)
+        seen.losses.append(float(total))
+        del total
         if job.collect and step == job.steps - 1:
-            output, input_grad = _numpy(out), _numpy(x.grad) if x.grad is not None else None
-        del out, loss, x
+            seen.output = _numpy(out)
+            seen.input_grad = _numpy(x.grad) if x.grad is not None else None
+        del out, loss, x, target
         if progress is not None:
             progress(step)
     sync.close()
+    return _result(job, comm, clock, model, regions, before, seen)
+
+
+@dataclass
+class _Seen:
+    """What a rank's steps measured, as they run."""
+
+    times: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    peak: int = 0
+    heaps: list[int] = field(default_factory=list)
+    resident: int | None = None
+    output: np.ndarray | None = None
+    input_grad: np.ndarray | None = None
+
+
+def _result(
+    job: TileJob,
+    comm: Comm,
+    clock: Comm,
+    model: nn.Module,
+    regions: tuple[Region, Region],
+    before: Any,
+    seen: _Seen,
+) -> RankResult:
+    heaps = seen.heaps
     result = RankResult(
         rank=clock.rank,
-        step_seconds=times,
-        peak_bytes=peak,
+        step_seconds=seen.times,
+        peak_bytes=seen.peak,
         # The first step also keeps what lasts (imports, kernels' caches, the transport's
         # buffers): the steps after it, when there are others.
         heap_peak_bytes=max(heaps[1:] or heaps) if heaps else None,
+        resident_bytes=seen.resident,
         halo_bytes=comm.traffic.halo_bytes - before.halo_bytes,
         halo_messages=comm.traffic.halo_messages - before.halo_messages,
         collective_bytes=comm.traffic.collective_bytes - before.collective_bytes,
         sync_points=comm.traffic.sync_points - before.sync_points,
         wait_seconds=comm.traffic.wait_seconds - before.wait_seconds,
-        losses=losses,
+        losses=seen.losses,
         listening=listening_addresses(),
-        output_region=out_region,
-        input_region=in_region,
+        output_region=regions[1],
+        input_region=regions[0],
         checksum=float(sum(p.double().sum().item() for p in model.state_dict().values())),
-        output=output,
-        input_grad=input_grad,
+        output=seen.output,
+        input_grad=seen.input_grad,
     )
     if job.collect and clock.rank == 0:
         result.grads = {
@@ -401,10 +444,26 @@ def serve(
             comm = Comm.solo()
         queue.put(("ready", rank, None, listening_addresses()))
         for index, job in enumerate(jobs):
-            result = run_job(job, comm, lambda step, i=index: queue.put(("step", rank, i, step)))
+            model = own_model(job, jobs[index + 1 :])
+            progress = functools.partial(_report_step, queue, rank, index)
+            result = run_job(job, comm, progress, model=model)
+            del model  # the next job's weights are its own
             queue.put(("result", rank, index, result))
 
     run_worker(rank, world, threads, jobs_path, queue, parent_pid, work)
+
+
+def _report_step(queue: Any, rank: int, index: int, step: int) -> None:
+    queue.put(("step", rank, index, step))
+
+
+def own_model(job: TileJob, later: list[TileJob]) -> nn.Module | None:
+    """``job``'s model to train in place in a worker, which unpickled it for itself, so that a
+    board holds its weights once; None (a private copy) when a later job starts from the same
+    model."""
+    if any(other.model is job.model for other in later):
+        return None
+    return job.model.to(DTYPES[job.dtype])
 
 
 def run_worker(

@@ -3,15 +3,22 @@ interrupted step and end with the weights of a run that lost no board."""
 
 from __future__ import annotations
 
+import threading
+from dataclasses import replace
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from edgetrain.errors import InvalidInput
+from edgetrain.tiles.budget import held_bytes
+from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.grid import Grid
-from edgetrain.tiles.launch import WorkerFailed, run_local
-from edgetrain.tiles.recovery import survivor_grid
+from edgetrain.tiles.launch import WorkerFailed, resume_point, run_local
+from edgetrain.tiles.recovery import survivor_grid, take_state
+from edgetrain.tiles.step_start import StepStart
 from edgetrain.tiles.worker import TileJob
 
 pytestmark = pytest.mark.xdist_group("tiles")
@@ -129,3 +136,76 @@ def test_a_graph_model_loses_a_board_and_ends_with_the_uninterrupted_weights():
     assert results[0].recoveries[0].endswith("2 continue on a 1x2 grid and repeat step 1")
     (reference,) = run_local([_graph_job(Grid(1, 1), None)])[0]
     _same_weights(results[0].state, reference.state)
+
+
+def test_survivors_resume_at_the_most_steps_one_completed_and_take_its_weights():
+    assert resume_point([3, 3, 3]) == (3, None)
+    assert resume_point([2, 3, 3]) == (3, 1)
+    assert resume_point([3, 2]) == (3, 0)
+    assert resume_point([0]) == (0, None)
+
+
+def _two_ranks(tmp_path: Any, work: Any) -> list[Any]:
+    """``work(comm)`` on two gloo ranks in threads of this process; their results."""
+    results: list[Any] = [None, None]
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            comm = Comm.from_file(str(tmp_path / "store"), r, 2, "127.0.0.1", 30.0)
+            results[r] = work(r, comm)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60.0)
+    assert not errors, errors
+    return results
+
+
+def test_a_survivor_behind_takes_the_weights_and_buffers_of_the_one_ahead(tmp_path):
+    def make(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).double()
+        model(torch.randn(2, 3, 8, 8, dtype=torch.float64))  # running statistics of its own
+        return model
+
+    ahead, behind = make(1), make(2)
+    expected = {n: t.clone() for n, t in ahead.state_dict().items()}
+
+    def work(r: int, comm: Comm) -> dict[str, torch.Tensor]:
+        model = ahead if r == 0 else behind
+        take_state(comm, model, source=0)
+        return model.state_dict()
+
+    for state in _two_ranks(tmp_path, work):
+        assert state.keys() == expected.keys()
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), name
+
+
+def test_a_failed_step_rewinds_the_buffers_only_when_it_had_begun():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    start = StepStart(step=5, buffers={n: b.clone() for n, b in model.named_buffers()})
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    model(torch.randn(2, 3, 8, 8))  # the step's forward updates the running statistics
+    after = {n: b.clone() for n, b in model.named_buffers()}
+    start.rewind(model, completed=6)  # step 6 never began: step 5's update stays
+    assert all(torch.equal(b, after[n]) for n, b in model.named_buffers())
+    start.rewind(model, completed=5)  # step 5 began and failed: back to its start
+    assert all(torch.equal(b, before[n]) for n, b in model.named_buffers())
+
+
+def test_a_board_holds_its_weights_once():
+    """Every tensor a worker holds before its last step (the garbage collector's count) is its
+    weights and buffers, once: no copy of the model it was sent, none kept for recovery."""
+    torch.manual_seed(0)
+    job = replace(_job(Grid(1, 2), None, steps=2), measure_memory=True, collect=False)
+    for recover in (False, True):
+        results = run_local([job], timeout=30.0, recover=recover)[0]
+        held = held_bytes(job.model, torch.float64)
+        assert [r.resident_bytes for r in results] == [held, held]
