@@ -2,7 +2,7 @@
 
 A strategy's *candidates* are a finite set of plans that does not depend on the budget asked for
 (``sequential``/``revolve``: every value of their knob; ``optimal``/``blocks``: every plan of a
-few dynamic-programming tables spanning all budgets, see :func:`_table_plans`, and storing
+few dynamic-programming tables spanning all budgets, see :func:`plans_of`, and storing
 everything). Each is simulated once; the ones no other beats in both peak and time make the
 :class:`Frontier`, sorted by peak (ascending) and so by time (descending). Then, by construction:
 
@@ -33,7 +33,7 @@ import numpy as np
 from edgetrain.core.chain import Chain
 from edgetrain.core.schedule import Schedule
 from edgetrain.core.simulator import Cost, simulate
-from edgetrain.errors import InfeasibleBudget
+from edgetrain.errors import InfeasibleBudget, InvalidSchedule
 from edgetrain.planners.optimal import (
     MIN_SLOTS,
     OptimalTable,
@@ -157,6 +157,17 @@ class Measured:
             self.costs[key] = known
         return known[0]
 
+    def valid(self, schedules: Iterable[Schedule]) -> list[Schedule]:
+        """The ``schedules`` the simulator runs (see :attr:`TableMaker.checked`)."""
+        kept = []
+        for schedule in schedules:
+            try:
+                self.cost(schedule)
+            except InvalidSchedule:
+                continue
+            kept.append(schedule)
+        return kept
+
     def add(self, schedules: Iterable[Schedule]) -> float:
         """Simulate ``schedules``; the least peak among them (inf: none)."""
         return min((self.cost(s).heap_peak_bytes for s in schedules), default=math.inf)
@@ -179,7 +190,7 @@ def frontier_of(
 # -- the dynamic program's candidates ------------------------------------------------------------
 
 
-def table_plans(table: OptimalTable) -> list[Schedule]:
+def plans_of(table: OptimalTable) -> list[Schedule]:
     """Every distinct plan of a table: one per budget at which its least time changes."""
     times = table.times()
     finite = np.flatnonzero(np.isfinite(times))
@@ -205,6 +216,11 @@ def maker_plans(maker: TableMaker, slots: int, measured: Measured) -> bool:
        smallest budgets are (where that is finer than the first tables').
     """
     chain = maker.chain
+
+    def table_plans(table: OptimalTable) -> list[Schedule]:
+        found = plans_of(table)
+        return measured.valid(found) if maker.checked else found
+
     top = max(measured.cost(maker.everything()).heap_peak_bytes, 1)
     slot_bytes, count = maker.resolution(top, slots)
     unit = common_unit(chain) if maker.unit < 0 else maker.unit

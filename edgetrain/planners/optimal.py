@@ -65,6 +65,9 @@ class TableMaker:
         length: stages of the recursion (the chain's by default).
         unit: a size (bytes) every size of the recursion is a multiple of (0: none known).
         costs, expand, strategy, release: as in :class:`OptimalTable`.
+        checked: its plans may not run (blocks whose cuts carry tensors an earlier block made:
+            a plan may recompute a stage whose output a later block still holds); the
+            simulator checks each and the ones it rejects are dropped.
     """
 
     chain: Chain
@@ -75,6 +78,7 @@ class TableMaker:
     expand: Expand | None = None
     strategy: str = "optimal"
     release: bool = True
+    checked: bool = False
 
     @property
     def stages(self) -> int:

@@ -21,7 +21,7 @@ from edgetrain.core.simulator import simulate
 from edgetrain.devices import energy
 from edgetrain.devices.energy import EnergyProfile
 from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.planners.blocks import block_plan, blocks_of
+from edgetrain.planners.blocks import block_plan, blocks_of, cut_sets
 from edgetrain.planners.budget import (
     Frontier,
     Measured,
@@ -66,7 +66,7 @@ def plan(
     """The best plan of ``strategy`` for ``chain`` within ``memory`` or ``max_recompute``.
 
     With neither, the fastest plan of the strategy. ``strategy="blocks"`` is rotor's DP over the
-    chain's blocks (stages between single-tensor cuts), each block run in one of several ways
+    chain's blocks (stages between cuts one tensor crosses), each block run in one of several ways
     (:mod:`edgetrain.planners.blocks`); it returns a schedule of the chain's own stages.
     ``strategy="poet"`` is the least-*energy*
     plan of recomputation and paging on ``device`` (a profile or its name, e.g. ``"rpi4"``)
@@ -233,7 +233,7 @@ def _refined(
         if maker.stages**3 / 3 * count > REFINE_WORK:
             continue  # the frontier's tables stand: a finer one would cost seconds
         found = fastest_at(maker, memory, slots)
-        if found is None:
+        if found is None or (maker.checked and not Measured(chain, grads_exist).valid([found])):
             continue
         cost = simulate(chain, found, grads_exist=grads_exist)
         if cost.heap_peak_bytes <= memory and cost.seconds < best.seconds * (1 - 1e-12):
@@ -244,21 +244,25 @@ def _refined(
 @functools.lru_cache(maxsize=KEPT)
 def _makers(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> tuple[TableMaker, ...]:
     """The DP tables a strategy searches (kept: finding a block's options is work):
-    ``blocks``, the chain's blocks; ``optimal``, its own stages (up to :data:`FLAT_UP_TO`)
-    and, where single-tensor cuts group its stages into blocks, its blocks. Each finds plans
+    ``blocks``, the chain's blocks (one table per set of cuts,
+    :func:`~edgetrain.planners.blocks.cut_sets`); ``optimal``, its own stages (up to
+    :data:`FLAT_UP_TO`) and, where cuts one tensor crosses group its stages into blocks, its
+    blocks. Each finds plans
     the other misses: the flat DP may place checkpoints across a block's boundary; the block
     DP counts a skip carried across cuts inside a block once (the flat DP counts it at every
     cut, on the safe side). Beside the blocks, the flat DP runs only where its work limit leaves
     it more than :data:`MIN_SLOTS` slots: on random 200-stage chains of mixed stages (48 slots
     against the blocks' 160 to 180) it found no plan the blocks' tables miss, for a third of the
     planning time; at 150 stages (106 slots) it finds plans 2 % faster."""
-    grouped = len(blocks_of(chain)) < chain.length
+    grouped = len(blocks_of(chain, small_beside=False)) < chain.length
     makers = []
     flat = chain.length <= FLAT_UP_TO and (not grouped or max_slots(chain.length) > MIN_SLOTS)
     if strategy == "optimal" and flat:
         makers.append(TableMaker(chain, grads_exist))
     if strategy == "blocks" or grouped or not makers:
-        makers.append(block_plan(chain, grads_exist=grads_exist, slots=slots).maker())
+        for cuts in cut_sets(chain):
+            plan = block_plan(chain, cuts, grads_exist=grads_exist, slots=slots)
+            makers.append(plan.maker())
     return tuple(makers)
 
 
