@@ -33,6 +33,7 @@ memory over the torch configuration's step, paired.
 
     python benchmarks/zoo.py [--models tv-resnet,hf-bert] [--rounds 5] [--json]
     python benchmarks/zoo.py --quick        # three models, tiny inputs, three rounds
+    python benchmarks/zoo.py --base --rounds 3   # BERT-base, ResNet-50, ViT-B/16, batch 2
     python benchmarks/zoo.py --out benchmarks/data/zoo.json   # the stored result
 """
 
@@ -71,8 +72,42 @@ from edgetrain.models.zoo import ZOO, ZooModel, call
 from edgetrain.runtime.checkpointed import Checkpointed
 
 MiB = 2**20
-SIZES = {"full": (8, 64, 128), "quick": (2, 32, 16)}  # batch, image side, tokens
+SIZES = {"full": (8, 64, 128), "quick": (2, 32, 16), "base": (2, 128, 128)}
+"""Batch, image side, tokens."""
 QUICK_MODELS = ("tv-resnet", "timm-vit", "hf-bert")
+
+
+def _bert_base(size: int) -> nn.Module:
+    from edgetrain.models import thirdparty
+
+    tr = thirdparty.transformers()
+    config = tr.BertConfig(num_labels=3, attn_implementation="eager")
+    return tr.BertForSequenceClassification(config)
+
+
+def _torchvision(name: str, **kwargs: Any) -> Callable[[int], nn.Module]:
+    def make(size: int) -> nn.Module:
+        from edgetrain.models import thirdparty
+
+        return getattr(thirdparty.torchvision().models, name)(num_classes=10, **kwargs)
+
+    return make
+
+
+BASE: dict[str, ZooModel] = {
+    model.name: model
+    for model in (
+        ZooModel("hf-bert-base", "transformers", "BertForSequenceClassification, BERT-base",
+                 _bert_base, ZOO["hf-bert"].inputs, ("BertLayer",), ZOO["hf-bert"].input_names),
+        ZooModel("tv-resnet50", "torchvision", "resnet50", _torchvision("resnet50"),
+                 ZOO["tv-resnet"].inputs, ("Bottleneck",)),
+        ZooModel("tv-vit-b-16", "torchvision", "vit_b_16 at 128 px",
+                 _torchvision("vit_b_16", image_size=128), ZOO["tv-resnet"].inputs,
+                 ("EncoderBlock",)),
+    )
+}  # fmt: skip
+"""Models at the sizes people train (``--base``: batch 2, 128 px, 128 tokens), where the
+executor's cost per stage is small beside the compute."""
 SAVED = (
     torch.ops.aten.convolution.default,
     torch.ops.aten.mm.default,
@@ -259,17 +294,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", help=f"comma-separated, of: {', '.join(ZOO)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="three models, tiny inputs")
+    parser.add_argument(
+        "--base", action="store_true", help=f"models at their usual sizes: {', '.join(BASE)}"
+    )
     parser.add_argument("--rounds", type=int, help="interleaved timing rounds (5; quick: 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", help="also write the JSON result to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else ZOO)
-    unknown = [n for n in names if n not in ZOO]
+    zoo = BASE if args.base else ZOO
+    names = args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else zoo)
+    unknown = [n for n in names if n not in zoo]
     if unknown:
-        parser.error(f"unknown model {', '.join(unknown)}; choose from {', '.join(ZOO)}")
-    batch, image, tokens = SIZES["quick" if args.quick else "full"]
+        parser.error(f"unknown model {', '.join(unknown)}; choose from {', '.join(zoo)}")
+    batch, image, tokens = SIZES["base" if args.base else "quick" if args.quick else "full"]
     rounds = args.rounds or (3 if args.quick else 5)
     rows: list[dict[str, Any]] = []
     extra = {
@@ -279,8 +318,9 @@ def main() -> None:
         "measured_on": measured_on(rounds=rounds),
     }
     title = "Model zoo: activation peak and step time, edgetrain against plain autograd"
+    title += f" (usual sizes, batch {batch})" if args.base else ""
     for name in names:
-        entry = ZOO[name]
+        entry = zoo[name]
         rows.append(bench_model(entry, batch, tokens if entry.takes_tokens else image, rounds))
         if args.out:  # after each model: a long run keeps what it measured
             result = {"title": title, "rows": rows, **extra}
