@@ -93,6 +93,9 @@ def resident_tensor_bytes() -> int:
     storages: dict[int, int] = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
-            storage = obj.untyped_storage()
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse and other storage-less kinds
+                continue
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
