@@ -4,6 +4,7 @@ interrupted step and end with the weights of a run that lost no board."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -16,8 +17,14 @@ from edgetrain.errors import InvalidInput
 from edgetrain.tiles.budget import held_bytes
 from edgetrain.tiles.comm import Comm
 from edgetrain.tiles.grid import Grid
-from edgetrain.tiles.launch import WorkerFailed, resume_point, run_local
-from edgetrain.tiles.recovery import survivor_grid, take_state
+from edgetrain.tiles.launch import Survivors, WorkerFailed, resume_point, run_local
+from edgetrain.tiles.recovery import (
+    Decision,
+    decision_path,
+    kept_plan,
+    survivor_grid,
+    take_state,
+)
 from edgetrain.tiles.step_start import StepStart
 from edgetrain.tiles.worker import TileJob
 
@@ -209,3 +216,42 @@ def test_a_board_holds_its_weights_once():
         results = run_local([job], timeout=30.0, recover=recover)[0]
         held = held_bytes(job.model, torch.float64)
         assert [r.resident_bytes for r in results] == [held, held]
+
+
+class _Exited:
+    """A worker process as the launcher sees it: alive, or killed."""
+
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode = exitcode
+
+    def kill(self) -> None:
+        self.exitcode = -9
+
+    def join(self, timeout: float | None = None) -> None:
+        return None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+
+def test_survivors_a_step_apart_resume_where_one_got_to_and_take_its_weights(tmp_path):
+    """Board 2 died while boards 0 and 1 were in its all-reduce: board 1's finished (3 steps
+    completed), board 0's did not (2): they resume at step 3, board 0 taking board 1's weights."""
+    import queue
+
+    job = _job(Grid(1, 3), None)
+    processes = [_Exited(None), _Exited(None), _Exited(-9)]
+    inbox: queue.Queue[Any] = queue.Queue()
+    watcher = Survivors(job, processes, inbox, str(tmp_path), 30.0, 60.0, kept_plan(job))
+    inbox.put(("lost", 0, 0, (2, "RuntimeError: Connection closed by peer", True)))
+    inbox.put(("lost", 1, 0, (3, "RuntimeError: Connection closed by peer", True)))
+    watcher._receive()
+    watcher._receive()
+    watcher.since = time.monotonic()
+    watcher._maybe_decide({2: -9})
+    decision = Decision.from_json(decision_path(str(tmp_path), 1).read_text())
+    assert (decision.members, decision.resume_step, decision.source) == ((0, 1), 3, 1)
+    assert watcher.lines == [
+        "board 2 was killed by SIGKILL during step 3; 2 continue on a 1x2 grid and repeat "
+        "step 3 (board 0 takes board 1's weights)"
+    ]
