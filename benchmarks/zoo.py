@@ -33,7 +33,7 @@ memory over the torch configuration's step, paired.
 
     python benchmarks/zoo.py [--models tv-resnet,hf-bert] [--rounds 5] [--json]
     python benchmarks/zoo.py --quick        # three models, tiny inputs, three rounds
-    python benchmarks/zoo.py --base --rounds 3   # BERT-base, ResNet-50, ViT-B/16, batch 2
+    python benchmarks/zoo.py --base --rounds 3   # BERT-base, GPT-2 small, ResNet-50, ViT-B/16
     python benchmarks/zoo.py --out benchmarks/data/zoo.json   # the stored result
 """
 
@@ -85,6 +85,13 @@ def _bert_base(size: int) -> nn.Module:
     return tr.BertForSequenceClassification(config)
 
 
+def _gpt2_small(size: int) -> nn.Module:
+    from edgetrain.models import thirdparty
+
+    tr = thirdparty.transformers()
+    return tr.GPT2LMHeadModel(tr.GPT2Config(attn_implementation="eager"))
+
+
 def _torchvision(name: str, **kwargs: Any) -> Callable[[int], nn.Module]:
     def make(size: int) -> nn.Module:
         from edgetrain.models import thirdparty
@@ -99,6 +106,8 @@ BASE: dict[str, ZooModel] = {
     for model in (
         ZooModel("hf-bert-base", "transformers", "BertForSequenceClassification, BERT-base",
                  _bert_base, ZOO["hf-bert"].inputs, ("BertLayer",), ZOO["hf-bert"].input_names),
+        ZooModel("hf-gpt2-small", "transformers", "GPT2LMHeadModel, GPT-2 small", _gpt2_small,
+                 ZOO["hf-gpt2"].inputs, ("GPT2Block",), ZOO["hf-gpt2"].input_names),
         ZooModel("tv-resnet50", "torchvision", "resnet50", _torchvision("resnet50"),
                  ZOO["tv-resnet"].inputs, ("Bottleneck",)),
         ZooModel("tv-vit-b-16", "torchvision", "vit_b_16 at 128 px",
