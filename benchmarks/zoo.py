@@ -89,7 +89,7 @@ def _gpt2_small(size: int) -> nn.Module:
     from edgetrain.models import thirdparty
 
     tr = thirdparty.transformers()
-    return tr.GPT2LMHeadModel(tr.GPT2Config(attn_implementation="eager"))
+    return tr.GPT2LMHeadModel(tr.GPT2Config(attn_implementation="eager", use_cache=False))
 
 
 def _torchvision(name: str, **kwargs: Any) -> Callable[[int], nn.Module]:
