@@ -90,12 +90,17 @@ def storage_bytes(tensors: list[torch.Tensor]) -> int:
 def resident_tensor_bytes() -> int:
     """Bytes of every tensor this process's Python objects hold, each storage once (what the
     garbage collector finds: tensors only C++ holds, such as a running backward's, are not)."""
-    storages: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
-            try:
-                storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # sparse and other storage-less kinds
-                continue
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    found = [
+        obj
+        for obj in gc.get_objects()
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta and _has_storage(obj)
+    ]
+    return storage_bytes(found)
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    try:
+        tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less kinds
+        return False
+    return True

@@ -20,8 +20,8 @@ from edgetrain.core.schedule import Schedule, made_for
 from edgetrain.core.simulator import simulate
 from edgetrain.devices import energy
 from edgetrain.devices.energy import EnergyProfile
-from edgetrain.errors import InfeasibleBudget, InvalidInput
-from edgetrain.planners.blocks import block_plan, blocks_of, cut_sets
+from edgetrain.errors import InfeasibleBudget, InvalidInput, InvalidSchedule
+from edgetrain.planners.blocks import block_plan, cut_sets
 from edgetrain.planners.budget import (
     Frontier,
     Measured,
@@ -233,9 +233,14 @@ def _refined(
         if maker.stages**3 / 3 * count > REFINE_WORK:
             continue  # the frontier's tables stand: a finer one would cost seconds
         found = fastest_at(maker, memory, slots)
-        if found is None or (maker.checked and not Measured(chain, grads_exist).valid([found])):
+        if found is None:
             continue
-        cost = simulate(chain, found, grads_exist=grads_exist)
+        try:
+            cost = simulate(chain, found, grads_exist=grads_exist)
+        except InvalidSchedule:
+            if maker.checked:  # a plan the simulator rejects is dropped (TableMaker.checked)
+                continue
+            raise
         if cost.heap_peak_bytes <= memory and cost.seconds < best.seconds * (1 - 1e-12):
             best = Point(cost.heap_peak_bytes, cost.seconds, cost.seconds / plain, found)
     return best
@@ -254,13 +259,14 @@ def _makers(chain: Chain, strategy: str, slots: int, grads_exist: bool) -> tuple
     it more than :data:`MIN_SLOTS` slots: on random 200-stage chains of mixed stages (48 slots
     against the blocks' 160 to 180) it found no plan the blocks' tables miss, for a third of the
     planning time; at 150 stages (106 slots) it finds plans 2 % faster."""
-    grouped = len(blocks_of(chain, small_beside=False)) < chain.length
+    sets = cut_sets(chain)
+    grouped = len(sets[0]) < chain.length - 1  # some cut is crossed by more than one tensor
     makers = []
     flat = chain.length <= FLAT_UP_TO and (not grouped or max_slots(chain.length) > MIN_SLOTS)
     if strategy == "optimal" and flat:
         makers.append(TableMaker(chain, grads_exist))
     if strategy == "blocks" or grouped or not makers:
-        for cuts in cut_sets(chain):
+        for cuts in sets:
             plan = block_plan(chain, cuts, grads_exist=grads_exist, slots=slots)
             makers.append(plan.maker())
     return tuple(makers)

@@ -313,16 +313,16 @@ def _train(
     parameters = sync.parameters
     before = copy.copy(comm.traffic)
     seen = _Seen()
+    sampled = job.measure_memory and job.sample_heap
     for step in range(job.first_step, job.steps):
         _inject(job.fault, clock.rank, step)
         for parameter in parameters:
             parameter.grad = None
         start.buffers = None  # the last step's copy goes before this step's is made
-        if job.measure_memory and job.sample_heap and step == job.steps - 1:
+        if sampled and step == job.steps - 1:
             seen.resident = resident_tensor_bytes()
         clock.barrier()  # start together, so a step's time is not another rank's lag
         meter = StorageCounter() if job.measure_memory else contextlib.nullcontext()
-        sampled = job.measure_memory and job.sample_heap
         sampler = HeapPeak() if sampled else contextlib.nullcontext()
         with sampler, meter:
             # Inside the count: a board holds its step's data and the copy of its buffers too.
